@@ -1,0 +1,98 @@
+"""Plain torch reference kernels over the HND paged cache: slow, obviously correct.
+
+Shapes (T = tokens in the step, B = sequences, Hq/Hkv = query/kv heads, D = head_dim,
+P = pages, S = page_size):
+- ``k_cache``, ``v_cache``: ``[P, Hkv, S, D]`` (page stride may exceed ``Hkv*S*D``);
+- ``slot_mapping``: ``[T]`` int64, ``page_id * S + offset_in_page``; a negative slot is skipped;
+- ``block_tables``: ``[B, max_pages]`` int32, a sequence's pages in order (unused tail = any value);
+- ``seq_lens``: ``[B]`` int32, kv length of each sequence INCLUDING the tokens of this step;
+- ``cu_seqlens_q``: ``[B + 1]`` int32, query rows of sequence b are ``cu[b]:cu[b+1]``; query row
+  i of sequence b sits at position ``seq_lens[b] - q_len_b + i`` and attends causally to kv
+  positions ``<=`` its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def append_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the step's new keys/values ``[T, Hkv, D]`` into their cache slots."""
+    page_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    pages = slots // page_size
+    offsets = slots % page_size
+    k_cache[pages, :, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[pages, :, offsets] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, kv_len: int
+) -> torch.Tensor:
+    """One sequence's cache entries as a dense ``[Hkv, kv_len, D]`` tensor."""
+    page_size = cache.shape[2]
+    num_pages = (kv_len + page_size - 1) // page_size
+    pages = cache[block_table[:num_pages].long()]  # [n, Hkv, S, D]
+    dense = pages.permute(1, 0, 2, 3).reshape(cache.shape[1], num_pages * page_size, -1)
+    return dense[:, :kv_len]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of variable-length query chunks over their paged history.
+
+    Covers prefill chunks and decode steps (a decode step is a chunk of one query). Computes in
+    float32 and returns ``q.dtype``, shape ``[T, Hq, D]``.
+    """
+    out = torch.empty_like(q)
+    num_q_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, kv_len in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], kv_len).float()
+        v = gather_kv(v_cache, block_tables[b], kv_len).float()
+        k = k.repeat_interleave(group, dim=0)  # [Hq, L, D]
+        v = v.repeat_interleave(group, dim=0)
+        qb = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
+        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [Hq, q_len, L]
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        k_pos = torch.arange(kv_len, device=q.device)
+        mask = k_pos[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention: one query per sequence, ``q`` is ``[B, Hq, D]``."""
+    batch = q.shape[0]
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale)
