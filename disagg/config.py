@@ -1,0 +1,89 @@
+"""Node configuration: frozen structs layered by role (node -> scheduler / cache / executor).
+
+CLI defaults come from these defaults. Validation names the value and the flag to change.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+ENV_PREFIX = "DISAGG_"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """Read a ``DISAGG_``-prefixed environment variable (the only place they are read)."""
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the flag."""
+
+
+class CacheConfig(msgspec.Struct, frozen=True):
+    page_size: int = 16  # tokens per page (--page-size)
+    num_pages: int = 0  # 0 = size from --kv-cache-mb (CPU) or free memory (CUDA)
+    kv_cache_mb: int = 256  # KV budget per executor when num_pages == 0 (--kv-cache-mb)
+
+    def validate(self) -> None:
+        if self.page_size < 1 or self.page_size > 1024:
+            raise ConfigError(f"--page-size must be in [1, 1024], got {self.page_size}")
+        if self.num_pages < 0:
+            raise ConfigError(f"--num-pages must be >= 0, got {self.num_pages}")
+        if self.num_pages == 0 and self.kv_cache_mb <= 0:
+            raise ConfigError(f"--kv-cache-mb must be > 0, got {self.kv_cache_mb}")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True):
+    max_batch_tokens: int = 2048  # tokens per step, decode + prefill chunks (--max-batch-tokens)
+    max_running: int = 256  # sequences per step (--max-running)
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings (--max-model-len)
+
+    def validate(self) -> None:
+        if self.max_batch_tokens < 1:
+            raise ConfigError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.max_running < 1:
+            raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.max_model_len < 0:
+            raise ConfigError(f"--max-model-len must be >= 0, got {self.max_model_len}")
+
+
+class ExecutorConfig(msgspec.Struct, frozen=True):
+    model: str | None = None  # local HF directory; None = the embedded default (--model)
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (--dtype)
+    device: str = "cpu"  # one torch device per executor (--devices)
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer (--attention-backend)
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (--threads)
+    seed: int = 0  # seed for --random-weights
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"--devices entries must be 'cpu' or 'cuda:N', got {self.device!r}")
+
+
+class NodeConfig(msgspec.Struct, frozen=True):
+    role: str = "mixed"  # mixed | prefill | decode (--role)
+    listen: str = "tcp://127.0.0.1:5555"  # client protocol socket (--listen)
+    devices: list[str] = ["cpu"]  # one executor per entry (--devices)
+    executor: ExecutorConfig = ExecutorConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    run_dir: str | None = None  # where ipc:// sockets live; None = a fresh temp dir
+    step_timeout_s: float = 600.0  # deadline for one executor step (--step-timeout)
+    startup_timeout_s: float = 600.0  # deadline for executors to load (--startup-timeout)
+
+    def validate(self) -> None:
+        if self.role not in ("mixed", "prefill", "decode"):
+            raise ConfigError(f"--role must be mixed, prefill or decode; got {self.role!r}")
+        if not self.devices:
+            raise ConfigError("--devices needs at least one device")
+        if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"--listen must be a ZeroMQ address like tcp://127.0.0.1:5555, got {self.listen!r}")
+        self.executor.validate()
+        self.cache.validate()
+        self.scheduler.validate()

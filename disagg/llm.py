@@ -1,0 +1,71 @@
+"""In-process offline engine: the scheduler and a model runner in one Python process.
+
+The same logic the node runs across processes, driven synchronously; handy for scripts, and the
+fastest way to test scheduling and model parity.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from disagg.attention import get_backend
+from disagg.cache import PagePool
+from disagg.kv_memory import KVLayout
+from disagg.model.transformer import Transformer
+from disagg.protocol import SamplingParams, StepPlan
+from disagg.runner import ModelRunner
+from disagg.scheduling import BatchScheduler, Sequence
+
+
+@dataclass(frozen=True)
+class Output:
+    token_ids: list[int]
+    finish_reason: str
+
+
+class LLM:
+    def __init__(
+        self,
+        model: Transformer,
+        num_pages: int = 256,
+        page_size: int = 16,
+        max_batch_tokens: int = 2048,
+        max_running: int = 256,
+        max_model_len: int | None = None,
+        attention_backend: str = "auto",
+    ):
+        arch = model.arch
+        layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
+                          model.dtype)
+        kv = torch.zeros(layout.shape, dtype=model.dtype, device=model.device)
+        self.runner = ModelRunner(model, kv, get_backend(attention_backend, model.device))
+        self.pool = PagePool(num_pages)
+        self.scheduler = BatchScheduler(
+            self.pool, page_size, max_batch_tokens, max_running,
+            max_model_len or arch.max_position_embeddings, arch.eos_token_ids,
+        )
+        self._slots = itertools.count()
+        self._steps = itertools.count()
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Output]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            seed = p.seed if p.seed is not None else random.getrandbits(63)
+            slot = next(self._slots)
+            seq = Sequence(slot, str(slot), list(prompt), p, seed, arrival=slot)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        while self.scheduler.has_work():
+            batch = self.scheduler.schedule()
+            if batch is None:
+                raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
+            plan = StepPlan(next(self._steps), [c.to_wire() for c in batch.chunks], batch.num_decodes)
+            self.scheduler.update(batch, self.runner.execute(plan))
+        return [Output(s.output_ids, s.finish_reason or "") for s in seqs]

@@ -1,0 +1,145 @@
+"""Load a local Hugging Face directory (single or sharded safetensors) into ``Transformer``.
+
+Fused parameters: q/k/v projections become one ``qkv`` matrix and gate/up one ``gate_up``.
+``random_weights`` fills the same parameters from a seed, so a model shape needs no files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from disagg.model.config import ModelArch
+from disagg.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF name (inside a layer) -> (our parameter, slice index for fused params or None)
+_LAYER_MAP = {
+    "input_layernorm.weight": ("input_norm", None),
+    "post_attention_layernorm.weight": ("post_norm", None),
+    "self_attn.q_proj.weight": ("qkv_weight", 0),
+    "self_attn.k_proj.weight": ("qkv_weight", 1),
+    "self_attn.v_proj.weight": ("qkv_weight", 2),
+    "self_attn.q_proj.bias": ("qkv_bias", 0),
+    "self_attn.k_proj.bias": ("qkv_bias", 1),
+    "self_attn.v_proj.bias": ("qkv_bias", 2),
+    "self_attn.o_proj.weight": ("o_weight", None),
+    "self_attn.q_norm.weight": ("q_norm", None),
+    "self_attn.k_norm.weight": ("k_norm", None),
+    "mlp.gate_proj.weight": ("gate_up_weight", 0),
+    "mlp.up_proj.weight": ("gate_up_weight", 1),
+    "mlp.down_proj.weight": ("down_weight", None),
+}
+
+
+def resolve_dtype(name: str, arch: ModelArch, device: torch.device) -> torch.dtype:
+    """``auto`` = the checkpoint's dtype on CUDA, float32 on CPU."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        name = arch.torch_dtype if arch.torch_dtype in DTYPES else "bfloat16"
+    return DTYPES[name]
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
+
+def _fused_slices(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
+    d = arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    qkv = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    i = arch.intermediate_size
+    return {"qkv_weight": qkv, "qkv_bias": qkv, "gate_up_weight": [(0, i), (i, 2 * i)]}
+
+
+def load_model(
+    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> Transformer:
+    path = Path(path)
+    arch = ModelArch.from_dir(path)
+    dev = torch.device(device)
+    model = Transformer(arch, resolve_dtype(dtype, arch, dev), dev)
+    slices = _fused_slices(arch)
+    expected = {name for name, _ in model.named_parameters()}
+    seen: set[str] = set()
+    fused_parts: dict[str, int] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                target = _target(name, arch)
+                if target is None:
+                    log.debug("skipping tensor %s", name)
+                    continue
+                param_name, part = target
+                param = model.get_parameter(param_name)
+                tensor = f.get_tensor(name)
+                if part is None:
+                    dst = param.data
+                else:
+                    lo, hi = slices[param_name.rsplit(".", 1)[-1]][part]
+                    dst = param.data[lo:hi]
+                    fused_parts[param_name] = fused_parts.get(param_name, 0) + 1
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"{file.name}:{name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                    )
+                dst.copy_(tensor.to(dst.dtype))
+                seen.add(param_name)
+    if model.lm_head is None:
+        expected.discard("lm_head")
+    missing = sorted(expected - seen)
+    if missing:
+        raise ValueError(f"checkpoint in {path} lacks tensors for: {', '.join(missing[:8])}")
+    for param_name, count in fused_parts.items():
+        want = len(slices[param_name.rsplit(".", 1)[-1]])
+        if count != want:
+            raise ValueError(f"checkpoint in {path}: {param_name} got {count} of {want} parts")
+    return model
+
+
+def _target(name: str, arch: ModelArch) -> tuple[str, int | None] | None:
+    if name == "model.embed_tokens.weight":
+        return ("embed", None)
+    if name == "model.norm.weight":
+        return ("norm", None)
+    if name == "lm_head.weight":
+        return None if arch.tie_word_embeddings else ("lm_head", None)
+    m = _LAYER.match(name)
+    if m is None:
+        return None
+    entry = _LAYER_MAP.get(m.group(2))
+    if entry is None:
+        return None
+    return (f"layers.{m.group(1)}.{entry[0]}", entry[1])
+
+
+def random_model(
+    arch: ModelArch, dtype: str = "auto", device: str | torch.device = "cpu", seed: int = 0
+) -> Transformer:
+    """A model with weights drawn from ``seed`` directly on ``device`` (no files needed)."""
+    dev = torch.device(device)
+    model = Transformer(arch, resolve_dtype(dtype, arch, dev), dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm") or name == "norm":
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+    return model

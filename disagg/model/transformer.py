@@ -1,0 +1,165 @@
+"""One decoder-only transformer over the paged HND KV cache.
+
+Covers Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm). Tokens of all sequences in a step are
+flattened into one ``[T]`` batch; attention goes through an ``AttentionBackend``; after each
+layer's attention output projection the optional ``layer_hook(layer)`` runs (the layer counter
+bump that lets KV transfers start layer by layer).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.attention import AttentionBackend, AttentionMetadata
+from disagg.model.config import ModelArch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as Hugging Face does."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """llama3 RoPE scaling: long wavelengths divided by ``factor``, a smooth band between."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """RoPE with the non-interleaved (rotate-half) convention."""
+
+    def __init__(self, arch: ModelArch, device: torch.device):
+        super().__init__()
+        dim = arch.head_dim
+        base = arch.rope_theta
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        if arch.rope_scaling:
+            inv = llama3_scaled(inv, arch.rope_scaling)
+        self.register_buffer("inv_freq", inv.to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.eps = arch.rms_norm_eps
+        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * d
+
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.input_norm = p(h)
+        self.qkv_weight = p(qkv_out, h)
+        self.qkv_bias = p(qkv_out) if arch.qkv_bias else None
+        self.q_norm = p(d) if arch.qk_norm else None
+        self.k_norm = p(d) if arch.qk_norm else None
+        self.o_weight = p(h, arch.num_heads * d)
+        self.post_norm = p(h)
+        self.gate_up_weight = p(2 * arch.intermediate_size, h)
+        self.down_weight = p(h, arch.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        after_attention: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        h = rms_norm(x, self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = q.view(t, hq, d)
+        k = k.view(t, hkv, d)
+        v = v.view(t, hkv, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        backend.append_kv(k, v, k_cache, v_cache, meta)
+        attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
+        x = x + F.linear(attn.reshape(t, hq * d), self.o_weight)
+        if after_attention is not None:
+            after_attention()
+        h = rms_norm(x, self.post_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class Transformer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        h = arch.hidden_size
+        self.embed = nn.Parameter(
+            torch.empty(arch.vocab_size, h, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
+        self.norm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
+        self.lm_head: nn.Parameter | None = None
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(arch.vocab_size, h, dtype=dtype, device=device), requires_grad=False
+            )
+        self.rotary = Rotary(arch, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run ``input_ids [T]`` at ``positions [T]``; returns final-normed hidden ``[T, H]``.
+
+        ``kv`` is the executor's whole cache ``[L, P, 2, Hkv, S, D]``."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            hook = None if layer_hook is None else (lambda i=i: layer_hook(i))
+            x = layer(x, cos, sin, kv[i, :, 0], kv[i, :, 1], meta, backend, hook)
+        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()

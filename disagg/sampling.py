@@ -1,0 +1,52 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Each sampled row draws from its own generator seeded by ``(request seed, output index)``, so a
+request gets the same tokens whether it runs alone or in a batch, and after a preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from disagg.protocol import SeqChunk
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """SplitMix64 of (seed, index): independent seeds for consecutive output tokens."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p exclude from one row of float32 logits."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, chunks: Sequence[SeqChunk]) -> list[int]:
+    """One token per row of ``logits [N, V]`` (float32); row i belongs to ``chunks[i]``."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for i, c in enumerate(chunks):
+        if c.temperature <= 0.0:
+            out.append(int(greedy[i]))
+            continue
+        row = filter_logits(logits[i] / c.temperature, c.top_k, c.top_p)
+        probs = torch.softmax(row, dim=-1)
+        gen = torch.Generator(device=logits.device).manual_seed(draw_seed(c.seed, c.output_index))
+        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+    return out
