@@ -1,0 +1,197 @@
+"""Paged causal attention for variable-length chunks over the HND cache (Triton).
+
+One program per (query block of ``BLOCK_M`` rows, sequence, query head). A chunk's queries sit at
+positions ``seq_len - q_len .. seq_len - 1`` and attend to the request's earlier pages plus the
+chunk itself (whose K/V must already be appended). Blocks of keys wholly before the program's
+first query run without a mask; only the trailing blocks that cross the diagonal are masked.
+Query blocks are visited longest-first so the causal tail does not run last. Decode rows (chunks
+of one) are valid input too, but ``decode.paged_decode_attention`` is the fast path for them.
+
+Reference: ``reference.paged_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from disagg.kernels import checks
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(
+    acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, lo, hi, kv_len,
+    q_pos, scale_log2, d,
+    MASKED: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):  # fmt: skip
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            valid = n < kv_len
+            page = tl.load(bt_row + n // PAGE, mask=valid, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + n // PAGE).to(tl.int64)
+        tok = head_off + (n % PAGE) * HEAD_DIM
+        k_ptrs = k_ptr + (page * stride_kp + tok)[:, None] + d[None, :]
+        v_ptrs = v_ptr + (page * stride_vp + tok)[:, None] + d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if F32_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if MASKED:
+            keep = (n[None, :] <= q_pos[:, None]) & valid[None, :]
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if F32_DOT:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    cu_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kp,
+    stride_vp,
+    stride_bt,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    num_m = tl.cdiv(q_len, BLOCK_M)
+    mb = num_m - 1 - tl.program_id(0)  # longest rows first
+    if mb >= 0:
+        kv_len = tl.load(seq_lens_ptr + b)
+        ctx = kv_len - q_len
+        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = m < q_len
+        q_pos = ctx + m
+        d = tl.arange(0, HEAD_DIM)
+        rows = (q_start + m).to(tl.int64)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        if F32_DOT:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        head_off = (h // GROUP) * (PAGE * HEAD_DIM)
+        first_q = ctx + mb * BLOCK_M
+        full_end = (first_q // BLOCK_N) * BLOCK_N  # keys every row of the block may see
+        hi = tl.minimum(kv_len, first_q + BLOCK_M)
+        acc, l_i, m_i = _attend_block(
+            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, 0, full_end,
+            kv_len, q_pos, scale_log2, d,
+            False, PAGE, HEAD_DIM, BLOCK_N, F32_DOT,
+        )  # fmt: skip
+        acc, l_i, m_i = _attend_block(
+            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, full_end, hi,
+            kv_len, q_pos, scale_log2, d,
+            True, PAGE, HEAD_DIM, BLOCK_N, F32_DOT,
+        )  # fmt: skip
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of chunks ``q`` ``[T, Hq, D]`` (rows ``cu[b]:cu[b+1]``) -> ``[T, Hq, D]``.
+
+    ``cu_seqlens_q`` may be a slice whose offsets do not start at 0: rows are absolute indices
+    into ``q`` and ``out``; rows outside every chunk are left untouched. ``max_q_len`` (a host
+    upper bound on chunk lengths) sizes the grid; without it the launcher reads ``cu_seqlens_q``
+    (a device sync).
+    """
+    group = checks.check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    checks.check_index("cu_seqlens_q", cu_seqlens_q, 1, torch.int32, k_cache.device)
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for {num_seqs} sequences"
+        )
+    _, num_heads, head_dim = q.shape
+    _, _, page_size, _ = k_cache.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} with unit dim stride, got {tuple(out.shape)}"
+        )
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    interp = checks.interpreting()
+    if block_m is None:
+        block_m = 16 if interp else (128 if max_q_len > 64 else 64)
+    if block_n is None:
+        block_n = 16 if interp else 64
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    if num_stages is None:
+        num_stages = 3 if head_dim <= 128 else 2
+    f32_dot = interp or q.dtype == torch.float32
+    grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+        GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        F32_DOT=f32_dot, **({} if interp else dict(num_warps=num_warps, num_stages=num_stages)),
+    )  # fmt: skip
+    return out
