@@ -1,0 +1,48 @@
+"""disagg.fabric: libfabric bindings (cffi, API mode) and the KV transfer engine.
+
+Self-contained: imports nothing else from ``disagg``. The native module is built by
+``python -m disagg.fabric.build`` (run by ``make install``); importing this package does not
+load it, so the pure parts (descriptors, counters, topology) work without libfabric.
+
+    from disagg.fabric import make_backend
+    engine = make_backend("fabric", provider="tcp").start()
+    region = engine.register(buffer)          # region.descriptor -> peer (msgspec Struct)
+    await engine.submit(region, peer_desc, src_offsets, dst_offsets, lengths, imm)
+    await engine.expect(imm, count)           # receiver side
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg.fabric.counter import ImmCounter
+from disagg.fabric.descriptor import (
+    MemoryDescriptor,
+    OutOfRange,
+    check_writes,
+    decode_descriptor,
+)
+
+__all__ = [
+    "ImmCounter", "MemoryDescriptor", "OutOfRange", "check_writes", "decode_descriptor",
+    "make_backend", "BACKENDS",
+]
+
+BACKENDS = ("fabric", "fabric-staged", "cuda-ipc")
+
+
+def make_backend(name: str = "fabric", provider: str | None = "tcp", **kw: Any) -> Any:
+    """Build a transfer engine by ``--transfer-backend`` name (not started)."""
+    if name == "fabric":
+        from disagg.fabric.engine import FabricEngine, discover
+
+        return FabricEngine(discover(provider), **kw)
+    if name == "fabric-staged":
+        from disagg.fabric.staged import StagedFabricEngine
+
+        return StagedFabricEngine(provider=provider, **kw)
+    if name == "cuda-ipc":
+        from disagg.fabric.cuda_ipc import CudaIpcEngine
+
+        return CudaIpcEngine(**kw)
+    raise ValueError(f"unknown transfer backend {name!r}; choose one of {', '.join(BACKENDS)}")

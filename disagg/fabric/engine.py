@@ -1,0 +1,591 @@
+"""The fabric transfer engine: register memory, submit page writes, count immediates.
+
+Shaped like pplx-garden's fabric-lib::
+
+    info = discover("tcp")                       # fi_getinfo
+    engine = FabricEngine(info); engine.start()  # fabric, domain, AV, CQ, RDM endpoint, thread
+    region = engine.register(buffer)             # local handle; region.descriptor goes to peers
+    fut = engine.submit(region, desc, src_offsets, dst_offsets, lengths, imm)  # await fut
+    exp = engine.expect(imm, count)              # receiver: await exp; exp.cancel()
+
+One progress thread per engine owns every libfabric call after ``start()``: it posts queued
+writes, drains the completion queue, counts immediate data and checks deadlines. Native events
+enter asyncio in exactly one place, :meth:`FabricEngine._emit` (``call_soon_threadsafe``).
+When idle it blocks on the CQ's wait fd (after ``fi_trywait``) or, where the provider has none
+(shm), sleeps with a growing back-off; it never spins while nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from disagg.fabric import lib as fl
+from disagg.fabric.counter import ImmCounter
+from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
+
+log = logging.getLogger("disagg.fabric")
+
+U64_MAX = (1 << 64) - 1
+
+
+class EngineClosed(RuntimeError):
+    """The engine stopped while the operation was pending."""
+
+
+class TransferTimeout(TimeoutError):
+    """A batch or an expectation passed its deadline (a peer may have died)."""
+
+
+def discover(provider: str | None = "tcp", node: str | None = "127.0.0.1") -> fl.FabricInfo:
+    """The first RDM/RMA-capable interface of ``provider`` ("tcp", "shm", "net", "verbs", ...)."""
+    infos = fl.getinfo(provider, node)
+    if not infos:
+        raise fl.FabricError(f"fi_getinfo(provider={provider!r})", -fl.lib.FI_ENODATA)
+    usable = [i for i in infos if i.cq_data_size >= 4]
+    if not usable:
+        raise fl.FabricError(f"{provider}: no interface carries remote CQ data", -fl.lib.FI_ENOSYS)
+    return usable[0]
+
+
+@dataclass(eq=False)
+class LocalRegion:
+    """A registered local buffer. ``descriptor`` is what peers need to write into it."""
+
+    id: int
+    addr: int
+    length: int
+    descriptor: MemoryDescriptor
+    mr: Any  # fl.MemoryRegion, or a backend's own handle
+    owner: Any = None  # the Python object keeping the memory alive
+
+    def view(self) -> memoryview:
+        """The region's bytes (host memory only)."""
+        return memoryview(fl.ffi.buffer(fl.ffi.cast("char *", self.addr), self.length))
+
+
+@dataclass(eq=False)
+class _Batch:
+    src: np.ndarray  # absolute source addresses, uint64
+    dst: np.ndarray  # remote addresses, uint64
+    lens: np.ndarray  # bytes, uint64
+    desc: Any  # local MR descriptor (fi_mr_desc)
+    peer: bytes  # destination endpoint name
+    key: int
+    imm: int
+    future: asyncio.Future[None]
+    deadline: float
+    posted: int = 0
+    remaining: int = 0
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class Expectation:
+    """A pending ``expect``: await it, or ``cancel()`` it to free the immediate value."""
+
+    imm: int
+    count: int
+    future: asyncio.Future[None]
+    _engine: Any = field(repr=False)
+    deadline: float = float("inf")
+
+    def cancel(self) -> bool:
+        return bool(self._engine._cancel_expectation(self))
+
+    def __await__(self) -> Any:
+        return self.future.__await__()
+
+
+class FabricEngine:
+    """One libfabric RDM endpoint with its CQ, AV and progress thread."""
+
+    backend = "fabric"
+
+    def __init__(
+        self,
+        info: fl.FabricInfo,
+        max_inflight: int = 1024,
+        default_timeout: float = 60.0,
+        idle_sleep_max: float = 0.002,
+    ) -> None:
+        self.info = info
+        self.fabric = fl.Fabric(info)
+        self.domain = fl.Domain(self.fabric)
+        self.cq = fl.CompletionQueue(self.domain, size=max(4 * max_inflight, 1024))
+        self.av = fl.AddressVector(self.domain)
+        self.ep = fl.Endpoint(self.domain, self.cq, self.av)
+        self.address = self.ep.name()
+        self.default_timeout = default_timeout
+        self.idle_sleep_max = idle_sleep_max
+        self.capacity = max(1, min(max_inflight, info.tx_size or max_inflight))
+        self.imm_max = U64_MAX if info.cq_data_size >= 8 else (1 << (8 * info.cq_data_size)) - 1
+        # Per-write completion contexts: the provider owns each fi_context2 while a write flies.
+        self._ctx = fl.ffi.new("char[]", self.capacity * int(fl.lib.dg_context_size()))
+        self._ctx_int = int(fl.ffi.cast("uintptr_t", self._ctx))
+        self._ctx_size = int(fl.lib.dg_context_size())
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._slot_batch: list[_Batch | None] = [None] * self.capacity
+        self._nbuf = 256
+        self._cqbuf = fl.ffi.new("struct fi_cq_data_entry[]", self._nbuf)
+        self._slot_out = fl.ffi.new("int64_t[]", self._nbuf)
+        self._flags_out = fl.ffi.new("uint64_t[]", self._nbuf)
+        self._data_out = fl.ffi.new("uint64_t[]", self._nbuf)
+        self._slots_np = np.frombuffer(fl.ffi.buffer(self._slot_out), dtype=np.int64)
+        self._data_np = np.frombuffer(fl.ffi.buffer(self._data_out), dtype=np.uint64)
+        self._flags_np = np.frombuffer(fl.ffi.buffer(self._flags_out), dtype=np.uint64)
+
+        self._regions: dict[int, LocalRegion] = {}
+        self._region_ids = itertools.count(1)
+        self._counter = ImmCounter()
+        self._expectations: dict[int, Expectation] = {}
+        self._lock = threading.Lock()  # guards _counter/_expectations between loop and thread
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._sending: collections.deque[_Batch] = collections.deque()
+        self._active: set[_Batch] = set()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
+        self._closed = False
+        self.stats = collections.Counter[str]()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def provider(self) -> str:
+        return self.info.provider
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> FabricEngine:
+        """Start the progress thread; futures resolve on ``loop`` (default: the running one)."""
+        if self._thread is not None:
+            return self
+        self._loop = loop or asyncio.get_running_loop()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="fabric-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    async def __aenter__(self) -> FabricEngine:
+        return self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the thread, fail every pending future with EngineClosed, release resources."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._running = False
+            self._wake()
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._release()
+
+    def close_sync(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._running = False
+            self._wake()
+            self._thread.join()
+        self._release()
+
+    def _release(self) -> None:
+        self.ep.close()
+        for r in self._regions.values():
+            if isinstance(r.mr, fl.MemoryRegion):
+                r.mr.close()
+        self._regions.clear()
+        self.cq.close()
+        self.av.close()
+        self.domain.close()
+        self.fabric.close()
+        os.close(self._wake_fd)
+
+    # ---- memory ----------------------------------------------------------------------------
+
+    def register(self, buffer: Any) -> LocalRegion:
+        """Register a host buffer (buffer protocol, or an object with ``data_ptr()``/``nbytes``)."""
+        addr, length = buffer_address(buffer)
+        return self.register_address(addr, length, owner=buffer)
+
+    def register_address(
+        self, addr: int, length: int, owner: Any = None, iface: int = 0, device: int = 0,
+    ) -> LocalRegion:
+        """Register raw memory [addr, addr + length); ``owner`` keeps it alive."""
+        if length <= 0:
+            raise ValueError("cannot register an empty region")
+
+        def do() -> LocalRegion:
+            mr = fl.MemoryRegion(self.domain, addr, length, self.ep, iface=iface, device=device)
+            rid = next(self._region_ids)
+            desc = MemoryDescriptor(
+                backend="fabric", provider=self.provider, address=self.address,
+                base=mr.remote_base, length=length, key=mr.key, region=rid,
+            )
+            region = LocalRegion(rid, addr, length, desc, mr, owner)
+            self._regions[rid] = region
+            return region
+
+        return self._call(do)
+
+    def deregister(self, region: LocalRegion) -> None:
+        def do() -> None:
+            if self._regions.pop(region.id, None) is not None:
+                region.mr.close()
+
+        self._call(do)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the progress thread (libfabric objects are used from one thread)."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        done = threading.Event()
+        box: list[Any] = []
+
+        def job() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                box.append((False, e))
+            done.set()
+
+        self._inbox.append(job)
+        self._wake()
+        done.wait()
+        ok, val = box[0]
+        if not ok:
+            raise val
+        return val
+
+    # ---- sending ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        src: LocalRegion,
+        dst: MemoryDescriptor,
+        src_offsets: Any,
+        dst_offsets: Any,
+        lengths: Any,
+        imm: int,
+        timeout: float | None = None,
+    ) -> asyncio.Future[None]:
+        """Write ``lengths[i]`` bytes from ``src + src_offsets[i]`` to ``dst + dst_offsets[i]``.
+
+        Every write carries ``imm`` as remote CQ data. The future resolves when all writes of
+        the batch completed at the source, and fails with OutOfRange (raised here, nothing
+        posted), FabricError (a completion error) or TransferTimeout.
+        """
+        if self._thread is None or self._loop is None:
+            raise RuntimeError("engine not started")
+        if dst.backend != "fabric" or dst.provider != self.provider:
+            raise OutOfRange(
+                f"descriptor is for {dst.backend}/{dst.provider}, engine is fabric/{self.provider}"
+            )
+        if not 0 <= imm <= self.imm_max:
+            raise OutOfRange(f"immediate {imm:#x} does not fit {self.info.cq_data_size} bytes")
+        if src.id not in self._regions:
+            raise OutOfRange("source region is not registered with this engine")
+        so, do, ln = check_writes(src.length, dst.length, src_offsets, dst_offsets, lengths)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        n = so.shape[0]
+        if n == 0:
+            fut.set_result(None)
+            return fut
+        t = self.default_timeout if timeout is None else timeout
+        batch = _Batch(
+            src=(so + src.addr).astype(np.uint64), dst=(do + dst.base).astype(np.uint64),
+            lens=ln.astype(np.uint64), desc=src.mr.desc, peer=dst.address, key=dst.key,
+            imm=imm, future=fut, deadline=time.monotonic() + t, remaining=n,
+        )
+        self._inbox.append(batch)
+        self._wake()
+        return fut
+
+    # ---- receiving -------------------------------------------------------------------------
+
+    def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
+        """Resolve when ``count`` writes carrying ``imm`` have landed here (any order)."""
+        if self._loop is None:
+            raise RuntimeError("engine not started")
+        fut: asyncio.Future[None] = self._loop.create_future()
+        t = self.default_timeout if timeout is None else timeout
+        e = Expectation(imm, count, fut, self, time.monotonic() + t)
+        with self._lock:
+            if self._counter.expect(imm, count):
+                fut.set_result(None)
+                return e
+            self._expectations[imm] = e
+        self._wake()  # the deadline may be earlier than the thread's current wait
+        return e
+
+    def _cancel_expectation(self, e: Expectation) -> bool:
+        with self._lock:
+            if self._expectations.get(e.imm) is not e:
+                return False
+            del self._expectations[e.imm]
+            self._counter.cancel(e.imm)
+        if not e.future.done():
+            e.future.cancel()
+        return True
+
+    def pending_expectations(self) -> int:
+        with self._lock:
+            return len(self._expectations)
+
+    # ---- the progress thread -----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except (BlockingIOError, OSError):
+            pass
+
+    def _emit(self, events: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+        """The one door from the progress thread into asyncio."""
+        if events and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_settle, events)
+
+    def _run(self) -> None:
+        """Loop: run inbox jobs, post writes, drain the CQ, expire deadlines, emit, then wait."""
+        events: list[tuple[asyncio.Future[None], BaseException | None]] = []
+        idle_sleep = 0.0
+        poller = select.poll()
+        poller.register(self._wake_fd, select.POLLIN)
+        if self.cq.fd >= 0:
+            poller.register(self.cq.fd, select.POLLIN)
+        next_deadline_check = 0.0
+        try:
+            while self._running:
+                work = self._take_inbox()
+                work |= self._post(events)
+                work |= self._drain(events)
+                now = time.monotonic()
+                if now >= next_deadline_check:
+                    self._expire(now, events)
+                    next_deadline_check = now + 0.05
+                if events:
+                    self._emit(events)
+                    events = []
+                if work:
+                    idle_sleep = 0.0
+                    continue
+                self._idle(poller, idle_sleep)
+                idle_sleep = min(max(idle_sleep * 2, 2e-5), self.idle_sleep_max)
+        except BaseException as e:  # pragma: no cover - a bug; fail everything loudly
+            log.exception("fabric progress thread died")
+            events.extend(self._fail_all(fl.FabricError("progress thread died", -1, repr(e))))
+        finally:
+            events.extend(self._fail_all(EngineClosed("fabric engine closed")))
+            self._emit(events)
+
+    def _idle(self, poller: select.poll, sleep: float) -> None:
+        # Where writes are queued behind EAGAIN the provider needs progress calls, not sleep.
+        if self._sending and self._free:
+            os.sched_yield()
+            return
+        if self.cq.fd >= 0:
+            if fl.lib.dg_trywait_cq(self.fabric.ptr, self.cq.ptr) != 0:
+                return  # events pending: read the CQ again
+            timeout_ms = 50 if (self._active or self._expectations) else 500
+            ready = poller.poll(timeout_ms)
+        else:
+            ready = poller.poll(0) if sleep == 0 else []
+            if not ready:
+                time.sleep(sleep)
+        for fd, _ in ready:
+            if fd == self._wake_fd:
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:
+                    pass
+
+    def _take_inbox(self) -> bool:
+        work = False
+        while self._inbox:
+            item = self._inbox.popleft()
+            work = True
+            if isinstance(item, _Batch):
+                self._sending.append(item)
+                self._active.add(item)
+            else:
+                item()
+        return work
+
+    def _post(self, events: list[Any]) -> bool:
+        work = False
+        lib = fl.lib
+        ffi = fl.ffi
+        while self._sending and self._free:
+            b = self._sending[0]
+            if b.finished:
+                self._sending.popleft()
+                continue
+            try:
+                peer = self.av.insert(b.peer)
+            except fl.FabricError as e:
+                self._finish(b, e, events)
+                self._sending.popleft()
+                continue
+            k = min(len(self._free), b.src.shape[0] - b.posted)
+            slots = np.array(self._free[-k:][::-1], dtype=np.uint32)
+            p = b.posted
+            rc = lib.dg_post_writes(
+                self.ep.ptr, k,
+                ffi.cast("uint64_t *", b.src.ctypes.data + 8 * p),
+                ffi.cast("uint64_t *", b.lens.ctypes.data + 8 * p),
+                b.desc, peer,
+                ffi.cast("uint64_t *", b.dst.ctypes.data + 8 * p),
+                b.key, b.imm, self._ctx,
+                ffi.cast("uint32_t *", slots.ctypes.data),
+            )
+            if rc < 0:
+                self._finish(b, fl.FabricError("fi_writedata", rc), events)
+                self._sending.popleft()
+                continue
+            if rc:
+                work = True
+                del self._free[len(self._free) - rc:]
+                for s in slots[:rc].tolist():
+                    self._slot_batch[s] = b
+                b.posted += rc
+                self.stats["posted"] += rc
+            if b.posted == b.src.shape[0]:
+                self._sending.popleft()
+            elif rc < k:
+                self.stats["eagain"] += 1
+                break  # provider queue full: progress the CQ first
+        return work
+
+    def _drain(self, events: list[Any]) -> bool:
+        work = False
+        lib = fl.lib
+        for _ in range(64):
+            n = lib.dg_cq_drain(
+                self.cq.ptr, self._cqbuf, self._nbuf, self._ctx, self.capacity,
+                self._slot_out, self._flags_out, self._data_out,
+            )
+            if n == -lib.FI_EAVAIL:
+                self._read_error(events)
+                work = True
+                continue
+            if n < 0:
+                raise fl.FabricError("fi_cq_read", n)
+            if n == 0:
+                break
+            work = True
+            slots = self._slots_np[:n]
+            local = slots[slots >= 0]
+            if local.size:
+                self._complete_slots(local.tolist(), events)
+            if local.size != n:
+                remote = (self._flags_np[:n] & np.uint64(int(lib.FI_REMOTE_CQ_DATA))) != 0
+                self._arrive(self._data_np[:n][remote].tolist(), events)
+            if n < self._nbuf:
+                break
+        return work
+
+    def _complete_slots(self, slots: list[int], events: list[Any]) -> None:
+        sb = self._slot_batch
+        for s in slots:
+            b = sb[s]
+            sb[s] = None
+            self._free.append(s)
+            if b is None:
+                continue
+            b.remaining -= 1
+            if b.remaining == 0 and not b.finished:
+                self._finish(b, None, events)
+        self.stats["completed"] += len(slots)
+
+    def _arrive(self, imms: list[int], events: list[Any]) -> None:
+        self.stats["arrived"] += len(imms)
+        if not imms:
+            return
+        counts = collections.Counter(imms)
+        with self._lock:
+            for imm, c in counts.items():
+                if self._counter.arrive(imm, c):
+                    e = self._expectations.pop(imm, None)
+                    if e is not None:
+                        events.append((e.future, None))
+
+    def _read_error(self, events: list[Any]) -> None:
+        ctx, err, flags, text = self.cq.readerr()
+        self.stats["cq_errors"] += 1
+        off = ctx - self._ctx_int
+        if 0 <= off < self.capacity * self._ctx_size and not flags & int(fl.lib.FI_REMOTE_CQ_DATA):
+            s = off // self._ctx_size
+            b = self._slot_batch[s]
+            self._complete_slots([s], events)
+            if b is not None and not b.finished:
+                self._finish(b, fl.FabricError("write completion", -err, text), events)
+        else:
+            log.warning("fabric: target-side completion error %d: %s", err, text)
+
+    def _finish(self, b: _Batch, exc: BaseException | None, events: list[Any]) -> None:
+        b.finished = True
+        self._active.discard(b)
+        events.append((b.future, exc))
+
+    def _expire(self, now: float, events: list[Any]) -> None:
+        for b in [b for b in self._active if b.deadline <= now]:
+            self.stats["timeouts"] += 1
+            self._finish(b, TransferTimeout(
+                f"write batch (imm {b.imm:#x}): {b.remaining} of {b.src.shape[0]} writes "
+                f"unfinished at the deadline (peer gone?)"), events)
+        if self._expectations:
+            with self._lock:
+                late = [e for e in self._expectations.values() if e.deadline <= now]
+                for e in late:
+                    del self._expectations[e.imm]
+                    got = self._counter.progress(e.imm)
+                    self._counter.cancel(e.imm)
+                    events.append((e.future, TransferTimeout(
+                        f"expectation imm {e.imm:#x}: {got[0] if got else '?'} of {e.count} "
+                        f"writes landed before the deadline")))
+
+    def _fail_all(self, exc: BaseException) -> list[Any]:
+        out: list[Any] = [(b.future, exc) for b in self._active]
+        out += [(b.future, exc) for b in self._inbox if isinstance(b, _Batch)]
+        self._active.clear()
+        with self._lock:
+            out += [(e.future, exc) for e in self._expectations.values()]
+            self._expectations.clear()
+        return out
+
+
+def _settle(events: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for fut, exc in events:
+        if fut.done():
+            continue
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+
+def buffer_address(buffer: Any) -> tuple[int, int]:
+    """(address, byte length) of a contiguous host buffer."""
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "element_size"):
+        if getattr(buffer, "is_cuda", False):
+            raise ValueError("GPU tensors need the cuda-ipc or staged backend")
+        if not buffer.is_contiguous():
+            raise ValueError("tensor must be contiguous")
+        return int(buffer.data_ptr()), int(buffer.numel() * buffer.element_size())
+    cdata = fl.ffi.from_buffer(buffer)
+    return int(fl.ffi.cast("uintptr_t", cdata)), len(cdata)
