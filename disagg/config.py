@@ -69,7 +69,7 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
 class NodeConfig(msgspec.Struct, frozen=True):
     role: str = "mixed"  # mixed | prefill | decode (--role)
     listen: str = "tcp://127.0.0.1:5555"  # client protocol socket (--listen)
-    devices: list[str] = ["cpu"]  # one executor per entry (--devices)
+    devices: list[str] = msgspec.field(default_factory=lambda: ["cpu"])  # one executor each (--devices)
     executor: ExecutorConfig = ExecutorConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

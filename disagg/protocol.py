@@ -191,13 +191,13 @@ class KVMemoryInfo(msgspec.Struct, frozen=True):
     device: str
 
 
-class ExecutorReady(msgspec.Struct, tag="ready", frozen=True):
+class ExecutorReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     rank: int
     num_pages: int
     kv: KVMemoryInfo
 
 
-class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
     pass
 
 
@@ -205,5 +205,18 @@ ExecutorCommand = StepPlan | Shutdown
 ExecutorReply = StepResult | ExecutorReady
 
 
-def encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder()
+# ------------------------------------------------------------------ frontend <-> scheduler (inproc)
+
+
+class FromClient(msgspec.Struct, tag="from_client", array_like=True, frozen=True):
+    """A decoded client message and the ROUTER identity it came from."""
+
+    identity: bytes
+    msg: ClientMessage
+
+
+class ToClient(msgspec.Struct, tag="to_client", array_like=True, frozen=True):
+    """A reply for the frontend to route to ``identity``."""
+
+    identity: bytes
+    msg: NodeReply

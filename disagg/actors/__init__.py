@@ -1,0 +1,1 @@
+"""The node's actors: one module each. Every actor is importable and embeddable."""

@@ -1,0 +1,255 @@
+"""Executor actor: one process per device.
+
+Receives: ``StepPlan`` and ``Shutdown`` on a DEALER socket connected to the main process.
+Sends: ``ExecutorReady`` once (plus the KV memory fd over a unix socket, SCM_RIGHTS), then one
+``StepResult`` per plan.
+Owns: the model (shard), the KV cache allocation, the layer counter.
+
+The main-process side is ``ExecutorGroup``: it spawns the processes, waits for their handshake,
+maps their KV memory, and runs steps with a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+import zmq.asyncio
+
+from disagg.config import NodeConfig
+from disagg.protocol import (
+    ExecutorCommand,
+    ExecutorReady,
+    ExecutorReply,
+    KVMemoryInfo,
+    Shutdown,
+    StepPlan,
+    StepResult,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 1000  # idle wake-up to notice a dead parent; never a busy loop
+
+
+class ExecutorError(RuntimeError):
+    """An executor died, timed out, or failed to start."""
+
+
+# ---------------------------------------------------------------------------- process side
+
+
+def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> None:
+    """The executor process: load, hand over the KV memory, then loop over plans.
+
+    Loop: 1. wait (bounded) for a command; 2. run the step; 3. reply. Exits on ``Shutdown``
+    or when the parent process is gone."""
+    from disagg.attention import get_backend
+    from disagg.kv_memory import KVAllocation, KVLayout
+    from disagg.model.loader import load_model
+    from disagg.runner import ModelRunner
+
+    parent = os.getppid()
+    ecfg = cfg.executor
+    if ecfg.threads > 0:
+        torch.set_num_threads(ecfg.threads)
+    device = torch.device(cfg.devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if ecfg.model is None:
+        raise ExecutorError("executor needs a resolved model directory")
+    model = load_model(ecfg.model, ecfg.dtype, device)
+    arch = model.arch
+    num_pages = cfg.cache.num_pages or KVLayout.pages_for_budget(
+        cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads, cfg.cache.page_size,
+        arch.head_dim, model.dtype)
+    layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
+                      arch.head_dim, model.dtype)
+    alloc = KVAllocation.create(layout, device)
+    if alloc.fd is not None:
+        socket.send_fds(fd_sock, [b"kv"], [alloc.fd])
+    else:
+        fd_sock.sendall(b"no")
+    runner = ModelRunner(model, alloc.tensor, get_backend(ecfg.attention_backend, device))
+    log.info("loaded %s on %s: %d pages of %d tokens (%.1f MiB KV)", arch.architecture, device,
+             num_pages, cfg.cache.page_size, layout.nbytes / 2**20)
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(control)
+    enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(ExecutorCommand)
+    sock.send(enc.encode(ExecutorReady(rank, num_pages, alloc.info)))
+    try:
+        while True:
+            if not sock.poll(POLL_MS):
+                if os.getppid() != parent:
+                    log.warning("parent process is gone; exiting")
+                    return
+                continue
+            match dec.decode(sock.recv()):
+                case StepPlan() as plan:
+                    try:
+                        tokens = runner.execute(plan)
+                        reply = StepResult(plan.step_id, tokens)
+                    except Exception as e:  # the step fails, the executor keeps serving
+                        log.exception("step %d failed", plan.step_id)
+                        reply = StepResult(plan.step_id, [], error=f"{type(e).__name__}: {e}")
+                    sock.send(enc.encode(reply))
+                case Shutdown():
+                    return
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from disagg.log import setup_logging
+
+    ap = argparse.ArgumentParser(prog="disagg-executor")
+    ap.add_argument("--config", required=True, help="NodeConfig as JSON")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--control", required=True, help="ipc:// address of the main process")
+    ap.add_argument("--fd-sock", type=int, required=True, help="inherited unix socket fd")
+    args = ap.parse_args(argv)
+    cfg = msgspec.json.decode(args.config, type=NodeConfig)
+    setup_logging("executor", args.rank)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when we stop
+    fd_sock = socket.socket(fileno=args.fd_sock)
+    serve(cfg, args.rank, args.control, fd_sock)
+
+
+# ---------------------------------------------------------------------------- main-process side
+
+
+class ExecutorGroup:
+    """Spawns and drives one executor process per device; rank 0's result is authoritative."""
+
+    def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
+        self.cfg = cfg
+        self.control = f"ipc://{run_dir}/executors.sock"
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.control)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._fd_socks: list[socket.socket] = []
+        self.ready: list[ExecutorReady] = []
+        self.kv_views: list[Any] = []  # (tensor, keepalive) per rank, main-process mappings
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(ExecutorReply)
+        self._identities: list[bytes] = []
+
+    @property
+    def num_pages(self) -> int:
+        return min(r.num_pages for r in self.ready)
+
+    async def start(self) -> None:
+        cfg_json = msgspec.json.encode(self.cfg).decode()
+        for rank in range(len(self.cfg.devices)):
+            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            cmd = [sys.executable, "-m", "disagg.actors.executor", "--config", cfg_json,
+                   "--rank", str(rank), "--control", self.control,
+                   "--fd-sock", str(child_sock.fileno())]
+            proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),))
+            child_sock.close()
+            self.procs.append(proc)
+            self._fd_socks.append(parent_sock)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        by_rank: dict[int, tuple[bytes, ExecutorReady]] = {}
+        while len(by_rank) < len(self.procs):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise ExecutorError(f"executors not ready within {self.cfg.startup_timeout_s:.0f}s "
+                                    "(--startup-timeout)")
+            if await self.sock.poll(500):
+                ident, payload = await self.sock.recv_multipart()
+                msg = self._dec.decode(payload)
+                if isinstance(msg, ExecutorReady):
+                    by_rank[msg.rank] = (ident, msg)
+        for rank in range(len(self.procs)):
+            ident, ready = by_rank[rank]
+            self._identities.append(ident)
+            self.ready.append(ready)
+            self.kv_views.append(self._map(rank, ready.kv))
+
+    def _map(self, rank: int, info: KVMemoryInfo) -> Any:
+        from disagg.kv_memory import map_kv
+
+        sock = self._fd_socks[rank]
+        sock.settimeout(30)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
+        if not fds:
+            return None
+        try:
+            return map_kv(info, fds[0])
+        finally:
+            os.close(fds[0])
+
+    def _check_alive(self) -> None:
+        for rank, p in enumerate(self.procs):
+            if p.poll() is not None:
+                raise ExecutorError(f"executor {rank} exited with code {p.returncode}")
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        """Send ``plan`` to every rank and wait (bounded) for every reply."""
+        payload = self._enc.encode(plan)
+        for ident in self._identities:
+            await self.sock.send_multipart([ident, payload])
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        results: dict[bytes, StepResult] = {}
+        while len(results) < len(self._identities):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ExecutorError(f"step {plan.step_id} exceeded {self.cfg.step_timeout_s:.0f}s "
+                                    "(--step-timeout)")
+            if await self.sock.poll(int(min(left, 1.0) * 1000) + 1):
+                ident, data = await self.sock.recv_multipart()
+                msg = self._dec.decode(data)
+                if isinstance(msg, StepResult) and msg.step_id == plan.step_id:
+                    results[ident] = msg
+            else:
+                self._check_alive()
+        return results[self._identities[0]]
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask every executor to stop; kill what has not exited by ``timeout``."""
+        payload = self._enc.encode(Shutdown())
+        for ident in self._identities:
+            try:
+                await self.sock.send_multipart([ident, payload], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            while p.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in self._fd_socks:
+            s.close()
+        self.sock.close()
+
+    def kill(self) -> None:
+        """Last-resort synchronous cleanup (atexit / signal paths)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+
+if __name__ == "__main__":
+    main()

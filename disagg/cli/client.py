@@ -1,0 +1,93 @@
+"""``disagg-client``: stream a completion from a node, or print its Stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import msgspec
+
+from disagg.client import Client, RequestError
+from disagg.protocol import Finished, SamplingParams, TokenChunk
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="disagg-client", description="Talk to a disagg node.")
+    ap.add_argument("--connect", default="tcp://127.0.0.1:5555")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-token-ids", help="comma-separated token ids")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    ap.add_argument("--stats", action="store_true", help="print the node's Stats as JSON")
+    ap.add_argument("--wait", type=float, default=0.0,
+                    help="retry for up to this many seconds until the node answers")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-message deadline")
+    return ap
+
+
+def wait_for_node(client: Client, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            client.stats(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            return
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    client = Client(args.connect)
+    try:
+        if args.wait > 0:
+            wait_for_node(client, args.wait)
+        if args.stats:
+            print(msgspec.json.encode(client.stats(args.timeout)).decode())
+            return
+        if args.prompt is None and args.prompt_token_ids is None:
+            print("disagg-client: give --prompt, --prompt-token-ids or --stats", file=sys.stderr)
+            sys.exit(2)
+        ids = ([int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
+               if args.prompt_token_ids is not None else None)
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                  ignore_eos=args.ignore_eos)
+        out_ids: list[int] = []
+        text: list[str] = []
+        start = time.perf_counter()
+        first: float | None = None
+        reason = ""
+        for msg in client.generate(args.prompt, ids, sampling, timeout=args.timeout):
+            if isinstance(msg, TokenChunk):
+                first = first or time.perf_counter()
+                out_ids.extend(msg.token_ids)
+                text.append(msg.text)
+                if not args.json:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+            elif isinstance(msg, Finished):
+                reason = msg.reason
+        end = time.perf_counter()
+        if args.json:
+            ttft = (first - start) if first else None
+            print(json.dumps({"token_ids": out_ids, "text": "".join(text), "finish_reason": reason,
+                              "ttft_s": ttft, "total_s": end - start}))
+        else:
+            sys.stdout.write("\n")
+    except RequestError as e:
+        print(f"disagg-client: {e}", file=sys.stderr)
+        sys.exit(1)
+    except TimeoutError as e:
+        print(f"disagg-client: {e}", file=sys.stderr)
+        sys.exit(3)
+    finally:
+        client.close()

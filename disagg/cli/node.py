@@ -1,0 +1,101 @@
+"""``disagg-node``: parse flags into ``NodeConfig`` and hand off to one launch function."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from disagg.config import CacheConfig, ConfigError, ExecutorConfig, NodeConfig, SchedulerConfig
+
+log = logging.getLogger("disagg.node")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    n, e, c, s = NodeConfig(), ExecutorConfig(), CacheConfig(), SchedulerConfig()  # defaults
+    ap = argparse.ArgumentParser(prog="disagg-node", description="Run one disagg node.")
+    ap.add_argument("--role", choices=["mixed", "prefill", "decode"], default=n.role)
+    ap.add_argument("--listen", default=n.listen, help="client-protocol ZeroMQ address")
+    ap.add_argument("--model", default=e.model,
+                    help="local Hugging Face model directory (default: embedded SmolLM2-135M)")
+    ap.add_argument("--dtype", default=e.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--devices", default=",".join(n.devices),
+                    help="comma-separated devices, one executor each: cpu or cuda:0,cuda:1")
+    ap.add_argument("--attention-backend", default=e.attention_backend,
+                    choices=["auto", "torch", "triton", "flashinfer"])
+    ap.add_argument("--threads", type=int, default=e.threads, help="torch CPU threads per executor")
+    ap.add_argument("--page-size", type=int, default=c.page_size)
+    ap.add_argument("--num-pages", type=int, default=c.num_pages)
+    ap.add_argument("--kv-cache-mb", type=int, default=c.kv_cache_mb)
+    ap.add_argument("--max-batch-tokens", type=int, default=s.max_batch_tokens)
+    ap.add_argument("--max-running", type=int, default=s.max_running)
+    ap.add_argument("--max-model-len", type=int, default=s.max_model_len)
+    ap.add_argument("--step-timeout", type=float, default=n.step_timeout_s)
+    ap.add_argument("--startup-timeout", type=float, default=n.startup_timeout_s)
+    ap.add_argument("--log-level", default=None)
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    cfg = NodeConfig(
+        role=args.role,
+        listen=args.listen,
+        devices=[d.strip() for d in args.devices.split(",") if d.strip()],
+        executor=ExecutorConfig(model=args.model, dtype=args.dtype,
+                                attention_backend=args.attention_backend, threads=args.threads),
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
+                          kv_cache_mb=args.kv_cache_mb),
+        scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens,
+                                  max_running=args.max_running, max_model_len=args.max_model_len),
+        step_timeout_s=args.step_timeout,
+        startup_timeout_s=args.startup_timeout,
+    )
+    cfg.validate()
+    return cfg
+
+
+async def launch(cfg: NodeConfig) -> int:
+    """Start a node, serve until SIGINT/SIGTERM, stop every child. Returns an exit code."""
+    from disagg.node import Node
+
+    node = Node(cfg)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await node.start()
+    except Exception as e:
+        log.error("could not start: %s", e)
+        return 1
+    waiter = asyncio.create_task(node.wait())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if waiter.done() and waiter.exception() is not None:
+        code = 1
+    log.info("stopping")
+    await node.stop()
+    stopper.cancel()
+    waiter.cancel()
+    log.info("stopped")
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    from disagg.log import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.role, level=args.log_level)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"disagg-node: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        import uvloop
+    except ImportError:
+        sys.exit(asyncio.run(launch(cfg)))
+    sys.exit(uvloop.run(launch(cfg)))
