@@ -1,0 +1,1 @@
+"""Model: config, transformer, weight loader, tokenizer, embedded default model."""
