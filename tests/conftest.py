@@ -72,3 +72,79 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens,
     )
     return out[0, len(prompt):].tolist()
+
+
+def add_word_tokenizer(path: Path, vocab_size: int = TINY["vocab_size"]) -> None:
+    """A word-level tokenizer (``w0 .. wN``) so text prompts work on tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+class NodeProcess:
+    """A real ``disagg-node`` process; ``stop()`` checks that no child outlives it."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        import subprocess
+        import sys
+
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "disagg", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "ready" in self.log_path.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited:\n{self.log_path.read_text()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"node not ready:\n{self.log_path.read_text()}")
+
+    def children(self) -> list[int]:
+        out = []
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                text = status.read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("PPid:") and int(line.split()[1]) == self.proc.pid:
+                    out.append(int(status.parent.name))
+        return out
+
+    def stop(self, sig: int | None = None) -> list[int]:
+        """Signal the node, wait for it; returns the pids of children still alive (want [])."""
+        import os
+        import signal
+        import time
+
+        kids = self.children()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig or signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        self.log.close()
+        deadline = time.monotonic() + 10
+        alive = kids
+        while alive and time.monotonic() < deadline:
+            alive = [k for k in kids if Path(f"/proc/{k}").exists()
+                     and "State:\tZ" not in Path(f"/proc/{k}/status").read_text()]
+            time.sleep(0.05)
+        for k in alive:
+            os.kill(k, signal.SIGKILL)
+        return alive
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -8,7 +8,6 @@ Owns: the listening socket and the count of frames that did not decode.
 
 from __future__ import annotations
 
-
 import logging
 
 import msgspec

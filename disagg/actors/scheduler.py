@@ -31,8 +31,8 @@ from disagg.protocol import (
     Stats,
     StatsRequest,
     StepPlan,
-    TokenChunk,
     ToClient,
+    TokenChunk,
     Usage,
 )
 from disagg.scheduling import BatchScheduler, Sequence, SeqUpdate

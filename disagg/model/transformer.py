@@ -57,6 +57,7 @@ class Rotary(nn.Module):
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if arch.rope_scaling:
             inv = llama3_scaled(inv, arch.rope_scaling)
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,165 @@
+"""A real mixed node process, driven through its ZeroMQ socket."""
+
+from __future__ import annotations
+
+import signal
+
+import msgspec
+import pytest
+import zmq
+
+from conftest import NodeProcess, add_word_tokenizer, free_port, hf_greedy, make_tiny_model
+from disagg.client import Client, RequestError
+from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
+
+PAGE = 4
+PAGES = 48
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("node") / "llama")
+    add_word_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def node(model_dir, tmp_path_factory):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    proc = NodeProcess(["--role", "mixed", "--model", str(model_dir), "--listen", addr,
+                        "--page-size", str(PAGE), "--num-pages", str(PAGES),
+                        "--max-model-len", str(MAX_LEN), "--max-batch-tokens", "16",
+                        "--threads", "1"], tmp_path_factory.mktemp("log") / "node.log")
+    proc.wait_ready()
+    yield addr, proc
+    assert proc.stop() == [], "executor processes outlived the node"
+
+
+@pytest.fixture
+def raw(node):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(node[0])
+    yield sock
+    sock.close()
+    ctx.term()
+
+
+def reply(sock, timeout=30.0):
+    assert sock.poll(int(timeout * 1000)), "no reply"
+    return msgspec.msgpack.decode(sock.recv(), type=Error | Finished | TokenChunk | Stats)
+
+
+def generate_frame(**fields):
+    base = {"type": "generate", "request_id": "r", "prompt_token_ids": [5, 6, 7]}
+    base.update(fields)
+    return msgspec.msgpack.encode(base)
+
+
+def test_greedy_over_the_socket_matches_transformers(node, model_dir):
+    client = Client(node[0])
+    prompt = [5, 17, 33, 101, 7, 9, 12]
+    ids: list[int] = []
+    for msg in client.generate(prompt_token_ids=prompt,
+                               sampling=SamplingParams(max_tokens=8, ignore_eos=True)):
+        if isinstance(msg, TokenChunk):
+            ids.extend(msg.token_ids)
+        else:
+            assert msg.reason == "length" and msg.usage.completion_tokens == 8
+    client.close()
+    assert ids == hf_greedy(model_dir, prompt, 8)
+
+
+def test_text_prompt_streams_text(node):
+    client = Client(node[0])
+    chunks = list(client.generate(prompt="w5 w17 w33", sampling=SamplingParams(max_tokens=4,
+                                                                               ignore_eos=True)))
+    client.close()
+    text = "".join(c.text for c in chunks if isinstance(c, TokenChunk))
+    assert text.strip() and all(w.startswith("w") for w in text.split())
+    assert isinstance(chunks[-1], Finished) and chunks[-1].usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        (b"\xc1\xff garbage", "bad_frame"),
+        (msgspec.msgpack.encode([1, 2, 3]), "bad_frame"),
+        (msgspec.msgpack.encode({"type": "teleport", "request_id": "x"}), "bad_frame"),
+        (generate_frame(request_id=7), "bad_frame"),
+        (generate_frame(prompt_token_ids=[]), "bad_request"),
+        (generate_frame(prompt_token_ids=None, prompt=""), "bad_request"),
+        (generate_frame(prompt="w1", prompt_token_ids=[1]), "bad_request"),
+        (generate_frame(prompt_token_ids=list(range(3, 3 + MAX_LEN))), "bad_request"),
+        (generate_frame(sampling={"max_tokens": 0}), "bad_request"),
+        (generate_frame(sampling={"max_tokens": -5}), "bad_request"),
+        (generate_frame(sampling={"temperature": -1.0}), "bad_request"),
+        (generate_frame(prompt_token_ids=[5, 320]), "bad_request"),
+        (generate_frame(prompt_token_ids=[-1]), "bad_request"),
+        (generate_frame(request_id=""), "bad_request"),
+    ],
+)
+def test_bad_input_gets_error_and_node_keeps_serving(node, raw, frame, code):
+    raw.send(frame)
+    msg = reply(raw)
+    assert isinstance(msg, Error) and msg.code == code, msg
+    raw.send(generate_frame(request_id="ok", sampling={"max_tokens": 2, "ignore_eos": True}))
+    msgs = [reply(raw), reply(raw), reply(raw)]
+    assert isinstance(msgs[-1], Finished) and msgs[-1].reason == "length"
+
+
+def test_multi_frame_message_rejected(node, raw):
+    raw.send_multipart([b"a", b"b"])
+    msg = reply(raw)
+    assert isinstance(msg, Error) and msg.code == "bad_frame"
+
+
+def test_duplicate_request_id_and_abort_frees_pages(node, raw):
+    long = {"max_tokens": 50, "ignore_eos": True}
+    raw.send(generate_frame(request_id="dup", sampling=long))
+    first = reply(raw)
+    assert isinstance(first, TokenChunk)
+    raw.send(generate_frame(request_id="dup", sampling=long))
+    raw.send(msgspec.msgpack.encode({"type": "abort", "request_id": "dup"}))
+    seen = []
+    while True:
+        msg = reply(raw)
+        seen.append(msg)
+        if isinstance(msg, Finished):
+            break
+    errors = [m for m in seen if isinstance(m, Error)]
+    assert [e.code for e in errors] == ["duplicate_request"]
+    assert seen[-1].reason == "abort" and seen[-1].usage.completion_tokens < 50
+    raw.send(msgspec.msgpack.encode({"type": "stats"}))
+    stats = reply(raw)
+    assert isinstance(stats, Stats)
+    assert stats.pages_free == stats.pages_total == PAGES
+    assert stats.running == stats.waiting == 0
+    assert stats.started == stats.finished + stats.aborted + stats.errored
+    assert stats.aborted >= 1 and stats.rejected >= 1
+
+
+def test_abort_unknown_request(node, raw):
+    raw.send(msgspec.msgpack.encode({"type": "abort", "request_id": "never"}))
+    msg = reply(raw)
+    assert isinstance(msg, Error) and msg.code == "unknown_request"
+
+
+def test_client_error_raises(node):
+    client = Client(node[0])
+    with pytest.raises(RequestError, match="max_tokens"):
+        list(client.generate(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=0)))
+    client.close()
+
+
+def test_sigint_stops_every_child(model_dir, tmp_path):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    proc = NodeProcess(["--model", str(model_dir), "--listen", addr, "--num-pages", "8",
+                        "--threads", "1"], tmp_path / "n.log")
+    proc.wait_ready()
+    kids = proc.children()
+    assert kids, "the node should have an executor child"
+    assert proc.stop(signal.SIGINT) == []
+    assert proc.proc.returncode == 0
