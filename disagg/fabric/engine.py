@@ -401,9 +401,12 @@ class FabricEngine:
         if self.cq.fd >= 0:
             if fl.lib.dg_trywait_cq(self.fabric.ptr, self.cq.ptr) != 0:
                 return  # events pending: read the CQ again
-            timeout_ms = 50 if (self._active or self._expectations) else 500
-            ready = poller.poll(timeout_ms)
+            # Some providers signal the fd only for new completions, not for send progress
+            # they still owe: with writes in flight, wake up every millisecond regardless.
+            ready = poller.poll(1 if self._active else 200)
         else:
+            if self._active or self._expectations:
+                sleep = min(sleep, 5e-5)  # work is expected soon: keep latency low
             ready = poller.poll(0) if sleep == 0 else []
             if not ready:
                 time.sleep(sleep)

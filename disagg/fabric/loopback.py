@@ -61,8 +61,8 @@ def _pin(cpu: int | None) -> None:
 def receiver_main(conn: Any, cfg: PeerConfig) -> None:
     """Register ``pages`` zeroed pages, advertise them, wait for ``expected`` writes, verify.
 
-    Messages to the parent: ("desc", bytes), then per round ("done", ok, bad_pages, stats) or
-    ("error", text). Parent messages: ("go",) per round, ("stop",).
+    Messages to the parent: ("desc", bytes), then per round ("ready",) and
+    ("done", ok, bad_pages, stats, landed_ns) or ("error", text). Parent messages: ("go",) per round, ("stop",).
     """
     _pin(cfg.cpu)
     asyncio.run(_receiver(conn, cfg))
@@ -91,10 +91,11 @@ async def _receiver(conn: Any, cfg: PeerConfig) -> None:
             except Exception as e:  # reported to the parent, which decides
                 conn.send(("error", f"{type(e).__name__}: {e}"))
                 continue
+            landed_ns = time.monotonic_ns()  # CLOCK_MONOTONIC: comparable across processes
             bad: list[int] = []
             if expected is not None:
                 bad = bad_pages(buf, expected, list(range(cfg.pages)))
-            conn.send(("done", not bad, bad, dict(engine.stats)))
+            conn.send(("done", not bad, bad, dict(engine.stats), landed_ns))
     finally:
         await engine.close()
 

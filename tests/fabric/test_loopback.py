@@ -84,7 +84,7 @@ async def test_seeded_pages_thousands_in_flight(engine: FabricEngine) -> None:
         futs = [engine.submit(src, desc, part, part, page_size, 0xABC)
                 for part in np.array_split(offs, 4)]
         await asyncio.wait_for(asyncio.gather(*futs), DEADLINE)
-        kind, ok, bad, stats = await recv(child.conn)
+        kind, ok, bad, stats, _ = await recv(child.conn)
         assert kind == "done" and ok and bad == [], f"pages differ: {bad[:10]}"
         assert stats["arrived"] == pages
         assert engine.stats["posted"] == pages
@@ -116,7 +116,7 @@ async def test_out_of_range_rejected_before_posting(engine: FabricEngine) -> Non
         child.conn.send(("go", 2))
         assert (await recv(child.conn))[0] == "ready"
         await asyncio.wait_for(engine.submit(src, desc, offs, offs, page_size, 2), DEADLINE)
-        kind, ok, bad, stats = await recv(child.conn)
+        kind, ok, bad, stats, _ = await recv(child.conn)
         assert kind == "done" and ok, bad
         assert stats["arrived"] == pages
     finally:

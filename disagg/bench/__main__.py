@@ -1,0 +1,3 @@
+from disagg.bench.cli import main
+
+raise SystemExit(main())
