@@ -5,10 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
-from disagg.config import CacheConfig, ConfigError, ExecutorConfig, NodeConfig, SchedulerConfig
+from disagg.config import (
+    ENV_PREFIX,
+    CacheConfig,
+    ConfigError,
+    ExecutorConfig,
+    NodeConfig,
+    SchedulerConfig,
+)
 
 log = logging.getLogger("disagg.node")
 
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     from disagg.log import setup_logging
 
     args = build_parser().parse_args(argv)
+    if args.log_level:  # executors read it from the environment they inherit
+        os.environ[ENV_PREFIX + "LOG_LEVEL"] = args.log_level
     setup_logging(args.role, level=args.log_level)
     try:
         cfg = config_from_args(args)
