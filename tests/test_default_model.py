@@ -254,3 +254,20 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]
     monkeypatch.setattr(dm, "convert_gguf", _fake_convert)
     assert (dm.default_model_dir(progress=False) / "config.json").is_file()
+
+
+def test_disagg_engine_matches_transformers_gguf(model_dir: Path, gguf_path: Path, ref_tokenizer) -> None:
+    """The node's own loader and engine on the converted directory, against transformers' GGUF."""
+    from disagg.llm import LLM
+    from disagg.model.loader import load_model
+    from disagg.model.tokenizer import Tokenizer
+    from disagg.protocol import SamplingParams
+
+    ids = ref_tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = _greedy(_transformers_gguf_model(gguf_path), ids)
+    tok = Tokenizer.from_dir(model_dir)
+    assert tok is not None and tok.encode(PROMPT) == ids[0].tolist()
+    llm = LLM(load_model(model_dir, "float32"), num_pages=8, page_size=16)
+    out = llm.generate([ids[0].tolist()], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert out[0].token_ids == expected
+
