@@ -28,7 +28,7 @@ __all__ = [
     "make_backend", "BACKENDS",
 ]
 
-BACKENDS = ("fabric", "fabric-staged", "cuda-ipc")
+BACKENDS = ("fabric", "cuda-ipc")
 
 
 def make_backend(name: str = "fabric", provider: str | None = "tcp", **kw: Any) -> Any:
@@ -37,10 +37,6 @@ def make_backend(name: str = "fabric", provider: str | None = "tcp", **kw: Any) 
         from disagg.fabric.engine import FabricEngine, discover
 
         return FabricEngine(discover(provider), **kw)
-    if name == "fabric-staged":
-        from disagg.fabric.staged import StagedFabricEngine
-
-        return StagedFabricEngine(provider=provider, **kw)
     if name == "cuda-ipc":
         from disagg.fabric.cuda_ipc import CudaIpcEngine
 
