@@ -48,6 +48,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     F32_DOT: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipelining depth of the K/V loop
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,7 +76,7 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * (PAGE * HEAD_DIM)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
         page = tl.load(bt_row + n // PAGE, mask=valid, other=0).to(tl.int64)
@@ -200,6 +201,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         F32_DOT=f32_dot,
+        STAGES=num_stages,
     )
     launch = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
     grid = (batch, num_kv_heads, num_splits)

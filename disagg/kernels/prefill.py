@@ -26,9 +26,9 @@ def _attend_block(
     acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, lo, hi, kv_len,
     q_pos, scale_log2, d,
     MASKED: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
             valid = n < kv_len
@@ -86,6 +86,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     F32_DOT: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipelining depth of the K/V loops
 ):
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -119,12 +120,12 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, 0, full_end,
             kv_len, q_pos, scale_log2, d,
-            False, PAGE, HEAD_DIM, BLOCK_N, F32_DOT,
+            False, PAGE, HEAD_DIM, BLOCK_N, F32_DOT, STAGES,
         )  # fmt: skip
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, full_end, hi,
             kv_len, q_pos, scale_log2, d,
-            True, PAGE, HEAD_DIM, BLOCK_N, F32_DOT,
+            True, PAGE, HEAD_DIM, BLOCK_N, F32_DOT, STAGES,
         )  # fmt: skip
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
         tl.store(
@@ -192,6 +193,6 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        F32_DOT=f32_dot, **({} if interp else dict(num_warps=num_warps, num_stages=num_stages)),
+        F32_DOT=f32_dot, STAGES=num_stages, **({} if interp else dict(num_warps=num_warps, num_stages=num_stages)),
     )  # fmt: skip
     return out
