@@ -8,52 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tinymodels import make_tiny_model
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
-TINY = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-
-
-def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random HF model of ``kind`` (llama | qwen2 | qwen3) as float32 safetensors."""
-    import transformers
-
-    cfg_kw = dict(TINY, **overrides)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            **cfg_kw,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        )
-        cls = transformers.LlamaForCausalLM
-    elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**cfg_kw)
-        cls = transformers.Qwen2ForCausalLM
-    elif kind == "qwen3":
-        cfg = transformers.Qwen3Config(head_dim=32, **cfg_kw)
-        cls = transformers.Qwen3ForCausalLM
-    else:
-        raise ValueError(kind)
-    cfg.eos_token_id = 2
-    cfg.bos_token_id = 1
-    torch.manual_seed(seed)
-    model = cls(cfg).to(torch.float32).eval()
-    with torch.no_grad():  # break symmetry so greedy paths are not trivially constant
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -62,89 +20,3 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {k: make_tiny_model(k, root / k) for k in ("llama", "qwen2", "qwen3")}
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens,
-    )
-    return out[0, len(prompt):].tolist()
-
-
-def add_word_tokenizer(path: Path, vocab_size: int = TINY["vocab_size"]) -> None:
-    """A word-level tokenizer (``w0 .. wN``) so text prompts work on tiny models."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-
-
-class NodeProcess:
-    """A real ``disagg-node`` process; ``stop()`` checks that no child outlives it."""
-
-    def __init__(self, args: list[str], log_path: Path):
-        import subprocess
-        import sys
-
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "disagg", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "ready" in self.log_path.read_text():
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node exited:\n{self.log_path.read_text()}")
-            time.sleep(0.1)
-        raise TimeoutError(f"node not ready:\n{self.log_path.read_text()}")
-
-    def children(self) -> list[int]:
-        out = []
-        for status in Path("/proc").glob("[0-9]*/status"):
-            try:
-                text = status.read_text()
-            except OSError:
-                continue
-            for line in text.splitlines():
-                if line.startswith("PPid:") and int(line.split()[1]) == self.proc.pid:
-                    out.append(int(status.parent.name))
-        return out
-
-    def stop(self, sig: int | None = None) -> list[int]:
-        """Signal the node, wait for it; returns the pids of children still alive (want [])."""
-        import os
-        import signal
-        import time
-
-        kids = self.children()
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig or signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        self.log.close()
-        deadline = time.monotonic() + 10
-        alive = kids
-        while alive and time.monotonic() < deadline:
-            alive = [k for k in kids if Path(f"/proc/{k}").exists()
-                     and "State:\tZ" not in Path(f"/proc/{k}/status").read_text()]
-            time.sleep(0.05)
-        for k in alive:
-            os.kill(k, signal.SIGKILL)
-        return alive
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 import torch
-from conftest import hf_greedy, make_tiny_model
 
 from disagg.config import CacheConfig, ExecutorConfig, NodeConfig
 from disagg.llm import LLM
 from disagg.model.loader import load_model
 from disagg.protocol import SamplingParams
+from tinymodels import hf_greedy, make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,

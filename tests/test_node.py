@@ -8,9 +8,9 @@ import msgspec
 import pytest
 import zmq
 
-from conftest import NodeProcess, add_word_tokenizer, free_port, hf_greedy, make_tiny_model
 from disagg.client import Client, RequestError
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
+from tinymodels import NodeProcess, add_word_tokenizer, free_port, hf_greedy, make_tiny_model
 
 PAGE = 4
 PAGES = 48

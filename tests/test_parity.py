@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
 from disagg.llm import LLM
 from disagg.model.config import ModelArch
 from disagg.model.loader import load_model
 from disagg.protocol import SamplingParams
+from tinymodels import hf_greedy
 
 PAGE = 4
 NEW = 6
