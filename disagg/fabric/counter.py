@@ -4,6 +4,11 @@ Plain logic, no threads or asyncio. Writes may land before their expectation is 
 they are held as "early" counts (bounded, so a peer cannot grow the table without limit).
 Cancelling an expectation frees its immediate value at once: a new ``expect`` on the same
 value starts from zero plus whatever arrives after the cancel.
+
+Weighted immediates (``weight_bits > 0``): the low ``weight_bits`` bits of an immediate are a
+weight (for KV pages: how many pages one coalesced write carried) and the rest is the key that
+expectations name. A write then counts ``weight`` units towards ``key``, so the receiver's
+target does not depend on how the sender coalesced or chunked its writes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,13 @@ class ImmCounter:
     expected: dict[int, list[int]] = field(default_factory=dict)  # imm -> [count, target]
     early: dict[int, int] = field(default_factory=dict)  # imm -> arrivals before expect()
     dropped: int = 0  # arrivals discarded because the early table was full
+    weight_bits: int = 0  # low bits of an immediate that carry its weight (0 = each counts 1)
+
+    def split(self, imm: int, n: int = 1) -> tuple[int, int]:
+        """(key, units) of ``n`` arrivals of the immediate ``imm``."""
+        if self.weight_bits == 0:
+            return imm, n
+        return imm >> self.weight_bits, n * (imm & ((1 << self.weight_bits) - 1))
 
     def expect(self, imm: int, count: int) -> bool:
         """Register an expectation; True if it is already met by early arrivals."""

@@ -86,7 +86,7 @@ class _Job:
 class CudaIpcEngine:
     backend = "cuda-ipc"
 
-    def __init__(self, device: int = 0, default_timeout: float = 60.0) -> None:
+    def __init__(self, device: int = 0, default_timeout: float = 60.0, weight_bits: int = 0) -> None:
         import torch
 
         self.torch = torch
@@ -99,7 +99,7 @@ class CudaIpcEngine:
         self._sock.setblocking(False)
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._wake_r, self._wake_w = os.pipe()
-        self._counter = ImmCounter()
+        self._counter = ImmCounter(weight_bits=weight_bits)
         self._expectations: dict[int, Expectation] = {}
         self._lock = threading.Lock()
         self._inbox: collections.deque[_Job] = collections.deque()
@@ -280,8 +280,9 @@ class CudaIpcEngine:
             imm, n = _IMM.unpack(data)
             self.stats["arrived"] += n
             with self._lock:
-                if self._counter.arrive(imm, n):
-                    e = self._expectations.pop(imm, None)
+                key, units = self._counter.split(imm, n)
+                if self._counter.arrive(key, units):
+                    e = self._expectations.pop(key, None)
                     if e is not None:
                         events.append((e.future, None))
 

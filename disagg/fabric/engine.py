@@ -119,6 +119,7 @@ class FabricEngine:
         max_inflight: int = 1024,
         default_timeout: float = 60.0,
         idle_sleep_max: float = 0.002,
+        weight_bits: int = 0,
     ) -> None:
         self.info = info
         self.fabric = fl.Fabric(info)
@@ -148,7 +149,7 @@ class FabricEngine:
 
         self._regions: dict[int, LocalRegion] = {}
         self._region_ids = itertools.count(1)
-        self._counter = ImmCounter()
+        self._counter = ImmCounter(weight_bits=weight_bits)
         self._expectations: dict[int, Expectation] = {}
         self._lock = threading.Lock()  # guards _counter/_expectations between loop and thread
         self._inbox: collections.deque[Any] = collections.deque()
@@ -522,8 +523,9 @@ class FabricEngine:
         counts = collections.Counter(imms)
         with self._lock:
             for imm, c in counts.items():
-                if self._counter.arrive(imm, c):
-                    e = self._expectations.pop(imm, None)
+                key, units = self._counter.split(imm, c)
+                if self._counter.arrive(key, units):
+                    e = self._expectations.pop(key, None)
                     if e is not None:
                         events.append((e.future, None))
 
