@@ -180,8 +180,8 @@ def paged_prefill_attention(
     interp = checks.interpreting()
     if block_m is None:
         block_m = 16 if interp else (128 if max_q_len > 64 else 64)
-    if block_n is None:
-        block_n = 16 if interp else 64
+    if block_n is None:  # 128 measured best at 8k tokens on an H200 (docs/BENCHMARKS.md)
+        block_n = 16 if interp else (128 if head_dim <= 128 and block_m >= 128 else 64)
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
     if num_stages is None:
