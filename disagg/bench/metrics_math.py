@@ -1,0 +1,190 @@
+"""The metric math of ``disagg-bench serve``: pure functions over per-request records.
+
+Definitions (times in seconds here; the report converts to milliseconds):
+
+- TTFT: first token chunk received - request sent.
+- E2E: terminal ``finished`` received - request sent.
+- TPOT: ``(e2e - ttft) / (n - 1)`` for a request with ``n >= 2`` output tokens (undefined for
+  ``n < 2``); the mean time per output token after the first, as one user sees it.
+- Tokens/s per user: ``1 / TPOT`` of each request.
+- ITL: gaps between consecutive token *chunks* of one request, as received. A chunk carrying
+  k tokens counts once (the gap is what the user waited); with one token per chunk this is the
+  classic inter-token latency.
+- Goodput: completed requests meeting every SLO given (TTFT <= slo_ttft, TPOT <= slo_tpot; a
+  request with no TPOT meets the TPOT SLO) per second of benchmark duration.
+
+Percentiles interpolate linearly between closest ranks (numpy's default ``linear`` method), so
+P50 of [1, 2, 3, 4] is 2.5.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+PERCENTILES = (50.0, 90.0, 99.0)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0 <= q <= 100) of ``values`` with linear interpolation."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float], percentiles: Sequence[float] = PERCENTILES,
+              scale: float = 1.0) -> dict[str, float | int | None]:
+    """``count``, ``mean``, ``std`` (population), ``min``, ``max`` and ``pXX`` of ``values``
+    multiplied by ``scale``; every statistic is None when ``values`` is empty."""
+    xs = [v * scale for v in values]
+    out: dict[str, float | int | None] = {"count": len(xs)}
+    if not xs:
+        out.update({"mean": None, "std": None, "min": None, "max": None})
+        out.update({_pkey(q): None for q in percentiles})
+        return out
+    mean = sum(xs) / len(xs)
+    out["mean"] = mean
+    out["std"] = math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+    out["min"] = min(xs)
+    out["max"] = max(xs)
+    for q in percentiles:
+        out[_pkey(q)] = percentile(xs, q)
+    return out
+
+
+def _pkey(q: float) -> str:
+    return f"p{q:g}".replace(".", "_")
+
+
+def tpot(e2e: float, ttft: float, num_output_tokens: int) -> float | None:
+    """Time per output token after the first; None for fewer than two output tokens."""
+    if num_output_tokens < 2:
+        return None
+    return (e2e - ttft) / (num_output_tokens - 1)
+
+
+def itls(chunk_times: Sequence[float]) -> list[float]:
+    """Gaps between consecutive chunk arrival times (non-decreasing timestamps)."""
+    return [b - a for a, b in pairwise(chunk_times)]
+
+
+def meets_slo(ttft: float, tpot_s: float | None, slo_ttft: float | None,
+              slo_tpot: float | None) -> bool:
+    """Whether one completed request meets every SLO given (None = no SLO on that metric)."""
+    if slo_ttft is not None and ttft > slo_ttft:
+        return False
+    return not (slo_tpot is not None and tpot_s is not None and tpot_s > slo_tpot)
+
+
+@dataclass
+class RequestRecord:
+    """One request as the load generator saw it. Times are seconds since the benchmark start
+    (``time.perf_counter`` based); ``chunk_times[i]`` carried ``chunk_tokens[i]`` tokens."""
+
+    index: int
+    node: str  # address (or name) of the node that served it
+    input_len: int  # prompt tokens sent
+    output_len: int  # output tokens requested (max_tokens)
+    scheduled_time: float  # when the arrival process released it
+    send_time: float | None = None  # when it was sent (later than scheduled under a concurrency cap)
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    finish_time: float | None = None  # terminal ``finished`` received
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None  # the node's usage report
+    completion_tokens: int | None = None
+    error: str | None = None  # None when the request completed
+    # TTFT breakdown from node timestamps (ms per phase, e.g. decoder_queue, prefill_queue,
+    # prefill_compute, transfer_tail, first_decode). Empty while the nodes report none.
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_time is not None and self.send_time is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft(self) -> float | None:
+        if not self.ok or not self.chunk_times or self.send_time is None:
+            return None
+        return self.chunk_times[0] - self.send_time
+
+    @property
+    def e2e(self) -> float | None:
+        if not self.ok or self.finish_time is None or self.send_time is None:
+            return None
+        return self.finish_time - self.send_time
+
+    @property
+    def tpot(self) -> float | None:
+        ttft, e2e = self.ttft, self.e2e
+        if ttft is None or e2e is None:
+            return None
+        return tpot(e2e, ttft, self.num_output_tokens)
+
+
+def aggregate(records: Sequence[RequestRecord], duration: float,
+              slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict[str, object]:
+    """The benchmark summary: counts, throughputs, latency distributions (ms), goodput.
+
+    ``duration`` is the benchmark's wall time in seconds (first arrival to last completion)."""
+    if duration <= 0:
+        raise ValueError(f"duration must be > 0, got {duration}")
+    done = [r for r in records if r.ok]
+    ttfts = [t for r in done if (t := r.ttft) is not None]
+    tpots = [t for r in done if (t := r.tpot) is not None]
+    e2es = [t for r in done if (t := r.e2e) is not None]
+    itl_all = [g for r in done for g in itls(r.chunk_times)]
+    out_tokens = sum(r.num_output_tokens for r in done)
+    in_tokens = sum(r.input_len for r in done)
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            key = r.error.split(":", 1)[0]
+            errors[key] = errors.get(key, 0) + 1
+    summary: dict[str, object] = {
+        "num_requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "errors": errors,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": summarize(ttfts, scale=1e3),
+        "tpot_ms": summarize(tpots, scale=1e3),
+        "itl_ms": summarize(itl_all, scale=1e3),
+        "e2e_ms": summarize(e2es, scale=1e3),
+        # the slow users are the low percentiles of speed
+        "tokens_per_s_per_user": summarize([1.0 / t for t in tpots if t > 0],
+                                           percentiles=(1.0, 10.0, 50.0, 90.0, 99.0)),
+    }
+    if slo_ttft is not None or slo_tpot is not None:
+        good = sum(1 for r in done if r.ttft is not None
+                   and meets_slo(r.ttft, r.tpot, slo_ttft, slo_tpot))
+        summary["goodput"] = {
+            "slo_ttft_ms": None if slo_ttft is None else slo_ttft * 1e3,
+            "slo_tpot_ms": None if slo_tpot is None else slo_tpot * 1e3,
+            "good_requests": good,
+            "request_goodput": good / duration,
+            "fraction": good / len(records) if records else 0.0,
+        }
+    else:
+        summary["goodput"] = None
+    phases = sorted({k for r in done for k in r.breakdown})
+    summary["ttft_breakdown_ms"] = {
+        k: summarize([r.breakdown[k] for r in done if k in r.breakdown]) for k in phases}
+    return summary

@@ -1,0 +1,254 @@
+"""``disagg-bench serve``: an open-loop load generator over the client protocol.
+
+Requests are released by an arrival process (Poisson at ``--request-rate``, or all at once)
+whatever the state of earlier ones, optionally capped at ``--max-concurrency`` in flight; each
+goes to the next ``--connect`` node in turn. Every request has a deadline (``--timeout``);
+failures are counted and recorded, never fatal. The report (stdout, ``--json``, ``--plot``)
+has TTFT, TPOT, ITL and E2E latency, tokens/s per user, throughputs and goodput; the metric
+definitions are in ``disagg.bench.metrics_math``, the workloads in ``disagg.bench.workload``.
+
+TTFT breakdown (decoder queue, prefill queue, prefill compute, exposed transfer tail, first
+decode step): each record has a ``breakdown`` field filled from node timestamps by the
+transport; the client protocol carries none yet, so it is empty and the summary's
+``ttft_breakdown_ms`` is ``{}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import msgspec
+
+from disagg.bench.metrics_math import RequestRecord, aggregate
+from disagg.bench.transport import Done, Transport, TransportError, make_transport
+from disagg.bench.workload import (
+    RequestSpec,
+    arrival_times,
+    fixed_workload,
+    sharegpt_workload,
+)
+from disagg.protocol import SamplingParams
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--connect", action="append", default=None, metavar="ADDR",
+                    help="node address (tcp://host:port); repeat for round-robin over nodes "
+                         "(default tcp://127.0.0.1:5555)")
+    ap.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    ap.add_argument("--request-rate", type=float, default=math.inf,
+                    help="mean arrival rate in req/s (Poisson); inf sends all at once")
+    ap.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape of the inter-arrival gaps; 1 = Poisson")
+    ap.add_argument("--max-concurrency", type=int, default=None,
+                    help="at most this many requests in flight (default: no cap)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
+    ap.add_argument("--workload", choices=["fixed", "sharegpt"], default="fixed",
+                    help="fixed: --input-len/--output-len; sharegpt: synthetic ShareGPT-like "
+                         "lognormal lengths clipped to --max-input-len/--max-output-len")
+    ap.add_argument("--input-len", type=int, default=1024, help="prompt tokens (fixed)")
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens (fixed)")
+    ap.add_argument("--max-input-len", type=int, default=4096, help="clip (sharegpt)")
+    ap.add_argument("--max-output-len", type=int, default=1024, help="clip (sharegpt)")
+    ap.add_argument("--vocab-size", type=int, default=1000,
+                    help="prompt token ids are uniform in [10, vocab-size)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="deadline in seconds per request (also per message)")
+    ap.add_argument("--wait", type=float, default=30.0,
+                    help="seconds to wait for every node to answer Stats before starting")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
+    ap.add_argument("--label", default=None, help="name of this run in reports and plots")
+    ap.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                    help="write the result (config, summary, per-request records) as JSON")
+    ap.add_argument("--plot", default=None, metavar="PATH.png",
+                    help="write CDFs of TTFT/TPOT and ITL over time (needs matplotlib)")
+    ap.add_argument("--quiet", action="store_true", help="no report on stdout")
+
+
+def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
+    if args.workload == "fixed":
+        return fixed_workload(args.num_prompts, args.input_len, args.output_len,
+                              args.vocab_size, args.seed)
+    return sharegpt_workload(args.num_prompts, args.vocab_size, args.seed,
+                             args.max_input_len, args.max_output_len)
+
+
+async def _wait_ready(transport: Transport, seconds: float) -> dict[str, Any] | None:
+    """Poll the node's Stats until it answers or ``seconds`` pass (then raise TimeoutError)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return await transport.stats(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"node {transport.address} did not answer in {seconds}s") from None
+
+
+async def _run_one(transport: Transport, spec: RequestSpec, rec: RequestRecord, t0: float,
+                   sampling: SamplingParams, timeout: float, run_id: str,
+                   sem: asyncio.Semaphore | None) -> None:
+    """Send one request and fill ``rec``; never raises (except on cancellation)."""
+
+    async def consume() -> None:
+        rec.send_time = time.perf_counter() - t0
+        async for ev in transport.generate(spec, f"{run_id}-{rec.index}", sampling, timeout):
+            if isinstance(ev, Done):
+                rec.finish_time = ev.t - t0
+                rec.finish_reason = ev.reason
+                rec.prompt_tokens = ev.prompt_tokens
+                rec.completion_tokens = ev.completion_tokens
+                rec.breakdown = dict(ev.breakdown)
+            else:
+                rec.chunk_times.append(ev.t - t0)
+                rec.chunk_tokens.append(ev.num_tokens)
+
+    async def guarded() -> None:
+        try:
+            await asyncio.wait_for(consume(), timeout)
+            if rec.finish_time is None:
+                rec.error = "no_finish: stream ended without finished"
+            elif rec.finish_reason == "abort":
+                rec.error = "aborted: the node ended the request with reason abort"
+            elif not rec.chunk_times:
+                rec.error = "no_tokens: finished without any token"
+        except asyncio.TimeoutError:
+            rec.error = f"timeout: no completion within {timeout}s"
+        except TimeoutError as e:
+            rec.error = f"timeout: {e}"
+        except TransportError as e:
+            rec.error = str(e)
+        except Exception as e:  # a broken request must not stop the benchmark
+            rec.error = f"exception: {type(e).__name__}: {e}"
+
+    if sem is None:
+        await guarded()
+    else:
+        async with sem:
+            await guarded()
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the whole benchmark; returns the result (what ``--json`` writes)."""
+    addresses = args.connect or ["tcp://127.0.0.1:5555"]
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    specs = build_workload(args)
+    arrivals = arrival_times(len(specs), args.request_rate, args.seed, args.burstiness)
+    sampling = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
+    transports = [make_transport(a) for a in addresses]
+    try:
+        stats_before = {t.address: await _wait_ready(t, args.wait) for t in transports}
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        run_id = f"bench{int(time.time() * 1e3) % 10**9}"
+        records: list[RequestRecord] = []
+        tasks: list[asyncio.Task[None]] = []
+        t0 = time.perf_counter()
+        for i, (spec, at) in enumerate(zip(specs, arrivals, strict=True)):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tr = transports[i % len(transports)]
+            rec = RequestRecord(index=i, node=tr.address, input_len=spec.input_len,
+                                output_len=spec.output_len, scheduled_time=at)
+            records.append(rec)
+            params = msgspec.structs.replace(sampling, max_tokens=spec.output_len)
+            tasks.append(asyncio.create_task(
+                _run_one(tr, spec, rec, t0, params, args.timeout, run_id, sem)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0  # first arrival to last completion
+        stats_after: dict[str, Any] = {}
+        for t in transports:
+            try:
+                stats_after[t.address] = await t.stats(timeout=5.0)
+            except TimeoutError:
+                stats_after[t.address] = None
+    finally:
+        for t in transports:
+            await t.close()
+    slo_ttft = None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3
+    slo_tpot = None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3
+    summary = aggregate(records, max(duration, 1e-9), slo_ttft, slo_tpot)
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "func"}
+    config["connect"] = addresses
+    config["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate
+    return {
+        "label": args.label or _default_label(args),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "command": ("disagg-bench " + shlex.join(sys.argv[1:])
+                    if sys.argv[1:2] == ["serve"] else None),
+        "config": config,
+        "summary": summary,
+        "node_stats": {"before": stats_before, "after": stats_after},
+        "requests": [asdict(r) for r in records],
+    }
+
+
+def _default_label(args: argparse.Namespace) -> str:
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    lens = (f"{args.input_len}/{args.output_len}" if args.workload == "fixed" else "sharegpt")
+    conc = f" c{args.max_concurrency}" if args.max_concurrency else ""
+    return f"{lens} @{rate} req/s{conc}"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    lines = [f"=== disagg-bench serve: {result['label']} ===",
+             f"requests: {s['completed']}/{s['num_requests']} completed, {s['failed']} failed"
+             + (f" {s['errors']}" if s["errors"] else ""),
+             f"duration: {s['duration_s']:.2f} s",
+             f"input tokens: {s['total_input_tokens']}  output tokens: {s['total_output_tokens']}",
+             f"request throughput: {s['request_throughput']:.2f} req/s",
+             f"output throughput: {s['output_throughput']:.1f} tok/s   "
+             f"total: {s['total_token_throughput']:.1f} tok/s"]
+    if s["goodput"] is not None:
+        g = s["goodput"]
+        lines.append(f"goodput: {g['request_goodput']:.2f} req/s ({g['good_requests']} good, "
+                     f"SLO ttft<={g['slo_ttft_ms']} ms tpot<={g['slo_tpot_ms']} ms)")
+    lines.append(f"{'metric':<22}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for key, name in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
+                      ("e2e_ms", "E2E (ms)"), ("tokens_per_s_per_user", "tok/s per user")):
+        d = s[key]
+        lines.append(f"{name:<22}" + "".join(_fmt(d[k]) for k in ("mean", "p50", "p90", "p99")))
+    u = s["tokens_per_s_per_user"]
+    if u["count"]:
+        lines.append(f"tok/s per user, slowest: p10 {u['p10']:.2f}  p1 {u['p1']:.2f}")
+    if s["ttft_breakdown_ms"]:
+        lines.append("TTFT breakdown (ms)")
+    for phase, d in s["ttft_breakdown_ms"].items():
+        lines.append(f"  {phase:<20}" + "".join(_fmt(d[k]) for k in ("mean", "p50", "p90", "p99")))
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return f"{'-':>10}" if x is None else f"{x:>10.2f}"
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        result = asyncio.run(run_benchmark(args))
+    except (ValueError, TimeoutError) as e:
+        sys.stderr.write(f"disagg-bench serve: {e}\n")
+        return 2
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        from disagg.bench.plot import plot_runs
+
+        plot_runs([result], args.plot)
+    if not args.quiet:
+        sys.stdout.write(format_report(result) + "\n")
+    return 0
