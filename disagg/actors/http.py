@@ -1,0 +1,380 @@
+"""HTTP gateway actor: the OpenAI-compatible API in front of a node (or the router).
+
+Receives: HTTP requests (aiohttp) on ``--http-listen``: ``POST /v1/completions``,
+``POST /v1/chat/completions`` (JSON or SSE streams), ``GET /v1/models``, ``/health``,
+``/metrics``.
+Sends: client-protocol ``GenerateRequest`` / ``Abort`` / ``StatsRequest`` through a ``Backend``
+(``disagg.client.AsyncClient`` on a node's client address, or the router in-process); an
+``Abort`` whenever an HTTP client goes away or a stop string matches.
+Owns: the HTTP listener, the tokenizer (chat templates, prompt token counts), the process's
+``Metrics`` (latency histograms from the streams it relays; gauges from Stats it polls).
+
+Validation and response shapes are pure functions in ``disagg.openai_api``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+from aiohttp import web
+
+from disagg.client import AsyncClient, RequestError
+from disagg.metrics import CONTENT_TYPE, Metrics, RequestTimer
+from disagg.openai_api import (
+    SSE_DONE,
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    Prepared,
+    StopMatcher,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    decode_body,
+    new_id,
+    node_error,
+    prepare_chat,
+    prepare_completion,
+    sse,
+    usage_chunk,
+)
+from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, Usage
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+
+
+class Backend(Protocol):
+    """What the gateway needs from the serving side (``AsyncClient`` and ``Router`` fit)."""
+
+    def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                 sampling: SamplingParams | None = None, request_id: str | None = None,
+                 timeout: float = 600.0) -> AsyncIterator[TokenChunk | Finished]: ...
+
+    async def stats(self, timeout: float = 10.0) -> Stats: ...
+
+
+def parse_listen(http_listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too; port 0 picks a free one) -> (host, port)."""
+    text = http_listen.removeprefix("http://")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--http-listen must be HOST:PORT, got {http_listen!r}")
+    return (host.strip("[]") or "127.0.0.1"), int(port)
+
+
+class Event(msgspec.Struct):
+    """One step of a relayed stream: new text, and at the end the reason and usage."""
+
+    text: str
+    tokens: int = 0
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class Gateway:
+    def __init__(self, backend: Backend, http_listen: str, model_name: str, tokenizer: Any,
+                 max_model_len: int, metrics: Metrics | None = None, stats_interval: float = 1.0,
+                 request_timeout: float = 600.0, stats_label: str | None = "node",
+                 on_stop: Callable[[], Awaitable[None]] | None = None):
+        self.backend = backend
+        self.host, self.port = parse_listen(http_listen)
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.metrics = metrics or Metrics()
+        self.stats_interval = stats_interval
+        self.request_timeout = request_timeout
+        self.stats_label = stats_label
+        self._on_stop = on_stop
+        self._created = int(time.time())
+        self._last_stats: float | None = None
+        self._runner: web.AppRunner | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.prometheus),
+        ])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Poll Stats once (so /health and the gauges are live), then listen."""
+        await self._poll_once()
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts
+        # the request on the node.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        if self.port == 0:
+            self.port = int(self._runner.addresses[0][1])
+        self._poller = asyncio.create_task(self._poll_stats())
+        log.info("HTTP gateway ready on %s (model %s)", self.url, self.model_name)
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(BaseException):
+                await self._poller
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._on_stop is not None:
+            await self._on_stop()
+
+    # ------------------------------------------------------------------ stats
+
+    async def _poll_stats(self) -> None:
+        """Loop: 1. ask the backend for Stats; 2. feed the gauges; 3. sleep."""
+        while True:
+            await asyncio.sleep(self.stats_interval)
+            await self._poll_once()
+
+    async def _poll_once(self) -> None:
+        try:
+            stats = await self.backend.stats(timeout=max(1.0, 2 * self.stats_interval))
+        except (TimeoutError, asyncio.TimeoutError):
+            return
+        except Exception as e:  # keep polling whatever the backend does
+            log.debug("stats poll failed: %s", e)
+            return
+        self._last_stats = time.monotonic()
+        if self.stats_label is not None:  # None: the backend feeds the gauges itself
+            self.metrics.update_stats(stats, self.stats_label)
+
+    def healthy(self) -> bool:
+        limit = max(5.0, 3 * self.stats_interval)
+        return self._last_stats is not None and time.monotonic() - self._last_stats < limit
+
+    # ------------------------------------------------------------------ simple routes
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self._created,
+            "owned_by": "disagg", "max_model_len": self.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        if self.healthy():
+            return _json({"status": "ok"})
+        return _error(ApiError(503, "the node has not answered a Stats request recently",
+                               "server_error", code="unavailable"))
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            if chat:
+                prep = prepare_chat(decode_body(await request.read(), ChatBody), self.tokenizer,
+                                    self.model_name, self.max_model_len)
+            else:
+                prep = prepare_completion(decode_body(await request.read(), CompletionBody),
+                                          self.tokenizer, self.model_name, self.max_model_len)
+        except ApiError as e:
+            self.metrics.observe_error(e.code or e.type)
+            return _error(e)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        timer = self.metrics.start_request()
+        outcome, code = "abort", None  # what a cancellation (client gone) leaves
+        try:
+            async with contextlib.aclosing(self._relay(prep, rid, timer)) as events:
+                if prep.stream:
+                    resp, outcome = await self._stream(request, events, rid, chat, prep)
+                else:
+                    resp, outcome = await self._collect(events, rid, chat)
+            return resp
+        except ApiError as e:
+            outcome, code = "error", e.code or e.type
+            return _error(e)
+        finally:
+            timer.finish(outcome, len(prep.prompt_token_ids), code)
+
+    async def _relay(self, prep: Prepared, rid: str, timer: RequestTimer
+                     ) -> AsyncGenerator[Event, None]:
+        """The node's stream as ``Event``s, stop strings applied. Closing it early (client gone,
+        stop string) closes the backend stream, which sends ``Abort``."""
+        matcher = StopMatcher(prep.stop)
+        produced = 0
+        stream = self.backend.generate(prompt_token_ids=prep.prompt_token_ids,
+                                       sampling=prep.sampling, request_id=rid,
+                                       timeout=self.request_timeout)
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for msg in stream:
+                    if isinstance(msg, TokenChunk):
+                        n = len(msg.token_ids)
+                        timer.on_tokens(n)
+                        produced += n
+                        text, hit = matcher.push(msg.text)
+                        if hit:
+                            usage = Usage(len(prep.prompt_token_ids), produced)
+                            yield Event(text, n, "stop", usage)
+                            return
+                        yield Event(text, n)
+                    else:
+                        yield Event(matcher.flush(), 0, msg.reason, msg.usage)
+                        return
+        except RequestError as e:
+            raise node_error(e.error.code, e.error.message) from None
+        except TimeoutError as e:
+            raise ApiError(504, str(e), "server_error", code="timeout") from None
+        raise ApiError(502, "the node's stream ended without a finish", "server_error",
+                       code="internal")
+
+    async def _collect(self, events: AsyncIterator[Event], rid: str, chat: bool
+                       ) -> tuple[web.Response, str]:
+        parts: list[str] = []
+        async for ev in events:
+            parts.append(ev.text)
+            if ev.finish_reason is not None:
+                assert ev.usage is not None
+                build = chat_response if chat else completion_response
+                body = build(rid, self.model_name, "".join(parts), ev.finish_reason, ev.usage)
+                return _json(body), ev.finish_reason
+        raise ApiError(502, "the node's stream ended without a finish", "server_error")
+
+    async def _stream(self, request: web.Request, events: AsyncIterator[Event], rid: str,
+                      chat: bool, prep: Prepared) -> tuple[web.StreamResponse, str]:
+        # The first event comes before the 200 so a refusal by the node is a proper 4xx.
+        first = await events.__anext__()
+        created = int(time.time())
+        model, usage_on = self.model_name, prep.include_usage
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        def chunk(text: str | None, reason: str | None = None) -> bytes:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return sse(chat_chunk(rid, model, created, delta, reason, usage_on))
+            return sse(completion_chunk(rid, model, created, text or "", reason, usage_on))
+
+        try:
+            if chat:
+                await resp.write(sse(chat_chunk(rid, model, created,
+                                                {"role": "assistant", "content": ""},
+                                                None, usage_on)))
+            ev: Event | None = first
+            while ev is not None:
+                if ev.finish_reason is not None:
+                    assert ev.usage is not None
+                    if ev.text:
+                        await resp.write(chunk(ev.text))
+                    await resp.write(chunk(None, ev.finish_reason))
+                    if usage_on:
+                        obj = "chat.completion.chunk" if chat else "text_completion"
+                        await resp.write(sse(usage_chunk(rid, model, created, obj, ev.usage)))
+                    await resp.write(SSE_DONE)
+                    await resp.write_eof()
+                    return resp, ev.finish_reason
+                if ev.text:
+                    await resp.write(chunk(ev.text))
+                ev = await anext(events, None)
+        except ApiError as e:  # after the 200: report in-band, then end the stream
+            with contextlib.suppress(ConnectionError):
+                await resp.write(sse(e.body()))
+                await resp.write(SSE_DONE)
+            raise _Reported(resp, e) from None
+        except ConnectionError:  # client gone: closing the events aborts the request
+            return resp, "abort"
+        return resp, "error"
+
+
+class _Reported(ApiError):
+    """An error already written into an SSE stream; the handler returns ``resp`` as is."""
+
+    def __init__(self, resp: web.StreamResponse, e: ApiError):
+        super().__init__(e.status, e.message, e.type, e.param, e.code)
+        self.resp = resp
+
+
+_enc = msgspec.json.Encoder()
+
+
+def _json(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=_enc.encode(body), status=status, content_type="application/json")
+
+
+def _error(e: ApiError) -> web.StreamResponse:
+    if isinstance(e, _Reported):
+        return e.resp
+    return _json(e.body(), e.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    """Every failure in OpenAI's error shape: 404/405/413 from aiohttp, 500 for a bug."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        message = e.reason if e.status != 413 else \
+            f"the request body is larger than {MAX_BODY_BYTES} bytes"
+        if e.status == 404:
+            message = f"no route {request.method} {request.path}"
+        elif e.status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        return _json(ApiError(e.status, message, kind).body(), e.status)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json(ApiError(500, "internal error (see the server log)", "server_error",
+                              code="internal").body(), 500)
+
+
+# ------------------------------------------------------------------ entry point
+
+
+async def start_http_gateway(node_client_address: str, http_listen: str, model_dir: str,
+                             model_name: str | None = None, max_model_len: int | None = None,
+                             metrics: Metrics | None = None, stats_interval: float = 1.0,
+                             request_timeout: float = 600.0) -> Gateway:
+    """Serve the OpenAI API on ``http_listen`` for the node at ``node_client_address``.
+
+    ``model_dir`` gives the tokenizer (chat template, prompt lengths) and, unless
+    ``max_model_len`` is set, the context limit. ``model_name`` defaults to the directory's
+    name. ``await gateway.stop()`` closes the listener and the node connection."""
+    from disagg.model.config import ModelArch
+    from disagg.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if max_model_len is None:
+        max_model_len = ModelArch.from_dir(model_dir).max_position_embeddings
+    client = AsyncClient(node_client_address)
+    gateway = Gateway(client, http_listen, model_name or Path(model_dir).name, tokenizer,
+                      max_model_len, metrics, stats_interval, request_timeout,
+                      stats_label=node_client_address, on_stop=client.close)
+    try:
+        await gateway.start()
+    except BaseException:
+        await client.close()
+        raise
+    return gateway

@@ -1,0 +1,433 @@
+"""Router actor: one front door spreading requests over decode nodes (``--role router``).
+
+Receives: client-protocol frames on a ROUTER socket (``listen``, same protocol as a node);
+in-process ``generate()`` / ``stats()`` calls (the HTTP gateway uses the router as its backend);
+replies and Stats from each decode peer on one DEALER socket per peer.
+Sends: each ``GenerateRequest`` to the least loaded live peer (``disagg.routing``) under a
+router-unique request id; ``Abort`` to the peer holding the request; ``StatsRequest`` to every
+peer every ``poll_interval`` seconds; replies back to clients under their own request ids.
+Owns: the in-flight table (router id -> client, peer). A peer silent for ``dead_after`` seconds
+is dead: its requests that have not streamed a token yet are resent to another peer, the others
+end with ``Error`` code ``unavailable``. A dead peer that answers again is used again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from disagg.client import RequestError
+from disagg.metrics import Metrics, RequestTimer
+from disagg.protocol import (
+    Abort,
+    ClientMessage,
+    Error,
+    Finished,
+    GenerateRequest,
+    NodeReply,
+    SamplingParams,
+    Stats,
+    StatsRequest,
+    TokenChunk,
+)
+from disagg.routing import LoadBalancer
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 16 << 20
+MAX_REQUEST_ID = 256
+
+
+@dataclass
+class Flight:
+    """One request live through the router."""
+
+    key: str  # router-unique request id, used towards the peer
+    client_id: str  # the request id the client chose
+    req: GenerateRequest  # as sent to the peer (kept to resend before the first token)
+    deliver: Callable[[NodeReply], Awaitable[None]]  # replies, under client_id
+    front_key: tuple[bytes, str] | None = None  # (identity, client_id) on the ROUTER socket
+    timer: RequestTimer | None = None
+    peer: str | None = None
+    streamed: bool = False
+    tried: set[str] = field(default_factory=set)
+
+
+class Router:
+    def __init__(self, decode_peers: list[str], listen: str | None = None,
+                 ctx: zmq.asyncio.Context | None = None, metrics: Metrics | None = None,
+                 poll_interval: float = 0.5, dead_after: float = 3.0):
+        self.balancer = LoadBalancer(decode_peers, dead_after)
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.metrics = metrics or Metrics()
+        self.poll_interval = poll_interval
+        self.listen = listen
+        self.address: str | None = None
+        self.front: zmq.asyncio.Socket | None = None
+        self.peers: dict[str, zmq.asyncio.Socket] = {}
+        self.peer_stats: dict[str, Stats] = {}
+        self.flights: dict[str, Flight] = {}
+        self.by_client: dict[tuple[bytes, str], Flight] = {}
+        self.bad_frames = 0
+        self.rejected = 0
+        self._ids = itertools.count()
+        self._enc = msgspec.msgpack.Encoder()
+        self._reply_dec = msgspec.msgpack.Decoder(NodeReply)
+        self._client_dec = msgspec.msgpack.Decoder(ClientMessage)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._any_alive = asyncio.Event()
+        self.peer_up = _peer_gauge(self.metrics)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, wait_for_peer: float = 60.0) -> None:
+        """Connect to every peer, bind ``listen``; returns once a peer answered Stats (or after
+        ``wait_for_peer`` seconds, with a warning)."""
+        for addr in self.balancer.order:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            self.peers[addr] = sock
+            self._tasks.append(asyncio.create_task(self._guard(self._from_peer(addr, sock))))
+        if self.listen is not None:
+            self.front = self.ctx.socket(zmq.ROUTER)
+            self.front.setsockopt(zmq.LINGER, 0)
+            self.front.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self.front.bind(self.listen)
+            self.address = self.front.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._tasks.append(asyncio.create_task(self._guard(self._from_clients())))
+        self._tasks.append(asyncio.create_task(self._guard(self._poll())))
+        try:
+            await asyncio.wait_for(self._any_alive.wait(), wait_for_peer)
+        except asyncio.TimeoutError:
+            log.warning("no decode peer answered in %.0fs; serving anyway", wait_for_peer)
+
+    async def stop(self) -> None:
+        """Fail every live request, stop the loops, close the sockets."""
+        for f in list(self.flights.values()):
+            await self._end(f, Error("shutting_down", "the router is shutting down", f.client_id))
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        for s in self.peers.values():
+            s.close()
+        if self.front is not None:
+            self.front.close()
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)
+
+    async def _guard(self, coro: Awaitable[None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("router loop failed")
+            raise
+
+    # ------------------------------------------------------------------ peers
+
+    async def _poll(self) -> None:
+        """Loop: 1. send StatsRequest to every peer; 2. declare silent peers dead and move or
+        fail their requests; 3. sleep ``poll_interval``."""
+        stats = self._enc.encode(StatsRequest())
+        while True:
+            for sock in self.peers.values():
+                with contextlib.suppress(zmq.ZMQError):
+                    await sock.send(stats, zmq.NOBLOCK)
+            for addr in self.balancer.check(time.monotonic()):
+                await self._peer_died(addr)
+            await asyncio.sleep(self.poll_interval)
+
+    async def _from_peer(self, addr: str, sock: zmq.asyncio.Socket) -> None:
+        """Loop: 1. receive a reply from ``addr``; 2. route it to its flight or the balancer."""
+        while True:
+            data = await sock.recv()
+            try:
+                msg = self._reply_dec.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("undecodable reply from %s: %s", addr, e)
+                continue
+            if isinstance(msg, Stats):
+                self.peer_stats[addr] = msg
+                self.metrics.update_stats(msg, addr)
+                if self.balancer.on_stats(addr, msg.running, msg.waiting, time.monotonic()):
+                    log.info("decode peer %s is live", addr)
+                    self.peer_up.labels(addr).set(1)
+                self._any_alive.set()
+                continue
+            if msg.request_id is None:
+                log.warning("frame-level error from %s: %s", addr, msg)
+                continue
+            f = self.flights.get(msg.request_id)
+            if f is None or f.peer != addr:
+                continue  # late reply of an aborted or moved request
+            if isinstance(msg, TokenChunk):
+                f.streamed = True
+                if f.timer is not None:
+                    f.timer.on_tokens(len(msg.token_ids))
+                await f.deliver(msgspec.structs.replace(msg, request_id=f.client_id))
+            else:
+                await self._end(f, msgspec.structs.replace(msg, request_id=f.client_id))
+
+    async def _peer_died(self, addr: str) -> None:
+        log.warning("decode peer %s did not answer Stats for %.1fs: marked dead", addr,
+                    self.balancer.dead_after)
+        self.peer_up.labels(addr).set(0)
+        self.metrics.forget_node(addr)
+        self.peer_stats.pop(addr, None)
+        for f in [f for f in self.flights.values() if f.peer == addr]:
+            self.balancer.on_end(addr)
+            f.peer = None
+            with contextlib.suppress(zmq.ZMQError):  # in case it is only slow
+                await self.peers[addr].send(self._enc.encode(Abort(f.key)), zmq.NOBLOCK)
+            if f.streamed:
+                await self._end(f, Error("unavailable", f"decode node {addr} stopped answering "
+                                         "mid-stream", f.client_id))
+            else:
+                await self._place(f)
+
+    async def _place(self, f: Flight) -> None:
+        """Send ``f`` to the least loaded live peer it has not tried, or end it."""
+        peer = self.balancer.pick(exclude=f.tried) or self.balancer.pick()
+        if peer is None:
+            await self._end(f, Error("unavailable", "no decode node is available", f.client_id))
+            return
+        f.peer = peer
+        f.tried.add(peer)
+        self.balancer.on_start(peer)
+        try:
+            await self.peers[peer].send(self._enc.encode(f.req), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self.balancer.on_end(peer)
+            await self._end(f, Error("unavailable", f"could not send to {peer}: {e}",
+                                     f.client_id))
+
+    async def _end(self, f: Flight, terminal: Finished | Error) -> None:
+        if self.flights.pop(f.key, None) is None:
+            return
+        if f.front_key is not None:
+            self.by_client.pop(f.front_key, None)
+        if f.peer is not None:
+            self.balancer.on_end(f.peer)
+        if f.timer is not None:
+            if isinstance(terminal, Error):
+                f.timer.finish("error", len(f.req.prompt_token_ids or []), terminal.code)
+            else:
+                f.timer.finish(terminal.reason, terminal.usage.prompt_tokens)
+        await f.deliver(terminal)
+
+    async def _submit(self, f: Flight) -> None:
+        self.flights[f.key] = f
+        if f.front_key is not None:
+            self.by_client[f.front_key] = f
+        await self._place(f)
+
+    async def _abort(self, f: Flight) -> None:
+        if f.key in self.flights and f.peer is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self.peers[f.peer].send(self._enc.encode(Abort(f.key)), zmq.NOBLOCK)
+
+    def _new_key(self) -> str:
+        return f"router-{next(self._ids)}"
+
+    # ------------------------------------------------------------------ in-process clients
+
+    async def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                       sampling: SamplingParams | None = None, request_id: str | None = None,
+                       timeout: float = 600.0) -> AsyncIterator[TokenChunk | Finished]:
+        """As ``AsyncClient.generate``: stream ``TokenChunk``s, then the ``Finished``; raise
+        ``RequestError`` on ``Error``. Closing the stream early aborts the request."""
+        key = self._new_key()
+        q: asyncio.Queue[NodeReply] = asyncio.Queue()
+
+        async def deliver(msg: NodeReply) -> None:
+            q.put_nowait(msg)
+
+        req = GenerateRequest(request_id=key, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                              sampling=sampling or SamplingParams())
+        f = Flight(key, request_id or key, req, deliver)
+        await self._submit(f)
+        try:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(q.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"no reply for request {f.client_id} in {timeout}s") from None
+                if isinstance(msg, Error):
+                    raise RequestError(msg)
+                assert isinstance(msg, (TokenChunk, Finished))
+                yield msg
+                if isinstance(msg, Finished):
+                    return
+        finally:
+            if f.key in self.flights:
+                await self._abort(f)
+
+    async def stats(self, timeout: float = 10.0) -> Stats:
+        """The sum over live peers' last Stats (role ``router``); TimeoutError when none is."""
+        live = [self.peer_stats[a] for a in self.balancer.alive() if a in self.peer_stats]
+        if not live:
+            raise TimeoutError("no decode node is live")
+        return self._aggregate(live)
+
+    def _aggregate(self, live: list[Stats]) -> Stats:
+        def total(name: str) -> int:
+            return sum(int(getattr(s, name)) for s in live)
+
+        return Stats(role="router", pages_total=total("pages_total"),
+                     pages_free=total("pages_free"),
+                     page_size=live[0].page_size if live else 0, running=total("running"),
+                     waiting=total("waiting"), started=total("started"),
+                     finished=total("finished"), aborted=total("aborted"),
+                     errored=total("errored"), rejected=total("rejected") + self.rejected,
+                     bad_frames=total("bad_frames") + self.bad_frames,
+                     preemptions=total("preemptions"))
+
+    # ------------------------------------------------------------------ client-protocol front
+
+    async def _from_clients(self) -> None:
+        """Loop: 1. receive a client frame; 2. place, abort or answer it. Bad input gets an
+        ``Error`` and never stops the loop."""
+        assert self.front is not None
+        while True:
+            frames = await self.front.recv_multipart()
+            identity, body = frames[0], frames[1:]
+            if len(body) != 1:
+                await self._reject(identity, f"expected one message frame, got {len(body)}")
+                continue
+            try:
+                msg = self._client_dec.decode(body[0])
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                await self._reject(identity, f"could not decode the frame: {e}")
+                continue
+            match msg:
+                case GenerateRequest() as req:
+                    await self._front_generate(identity, req)
+                case Abort(request_id=rid):
+                    f = self.by_client.get((identity, rid))
+                    if f is None:
+                        await self._to_client(identity, Error("unknown_request",
+                                                              f"no live request {rid!r}", rid))
+                    else:
+                        await self._abort(f)
+                case StatsRequest():
+                    live = [self.peer_stats[a] for a in self.balancer.alive()
+                            if a in self.peer_stats]
+                    await self._to_client(identity, self._aggregate(live))
+
+    async def _front_generate(self, identity: bytes, req: GenerateRequest) -> None:
+        rid = req.request_id
+        problem = None
+        if not 1 <= len(rid) <= MAX_REQUEST_ID:
+            problem = Error("bad_request", f"request_id must have 1-{MAX_REQUEST_ID} characters",
+                            rid)
+        elif (identity, rid) in self.by_client:
+            problem = Error("duplicate_request", f"request_id {rid!r} is already live", rid)
+        if problem is not None:
+            self.rejected += 1
+            self.metrics.observe_error(problem.code)
+            await self._to_client(identity, problem)
+            return
+
+        async def deliver(msg: NodeReply) -> None:
+            await self._to_client(identity, msg)
+
+        key = self._new_key()
+        f = Flight(key, rid, msgspec.structs.replace(req, request_id=key), deliver,
+                   front_key=(identity, rid), timer=self.metrics.start_request())
+        await self._submit(f)
+
+    async def _reject(self, identity: bytes, message: str) -> None:
+        self.bad_frames += 1
+        await self._to_client(identity, Error("bad_frame", message))
+
+    async def _to_client(self, identity: bytes, msg: Any) -> None:
+        assert self.front is not None
+        try:
+            await self.front.send_multipart([identity, self._enc.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("could not reply to %r: %s", identity, e)
+
+
+def _peer_gauge(metrics: Metrics) -> Any:
+    from prometheus_client import Gauge
+
+    return Gauge("disagg_router_peer_up", "1 while the decode peer answers Stats, else 0.",
+                 ["peer"], registry=metrics.registry)
+
+
+# ------------------------------------------------------------------ entry points
+
+
+async def start_router(listen: str | None, decode_peers: list[str], http_listen: str | None = None,
+                       model_dir: str | None = None, model_name: str | None = None,
+                       max_model_len: int | None = None, poll_interval: float = 0.5,
+                       dead_after: float = 3.0, wait_for_peer: float = 60.0) -> tuple[Router, Any]:
+    """Start a router (and its HTTP gateway when ``http_listen`` is set). Returns
+    ``(router, gateway or None)``; stop the gateway first, then the router."""
+    from disagg.actors.http import Gateway
+
+    router = Router(decode_peers, listen, poll_interval=poll_interval, dead_after=dead_after)
+    await router.start(wait_for_peer)
+    gateway = None
+    if http_listen is not None:
+        try:
+            if model_dir is None:
+                from disagg.model.default import default_model_dir
+
+                model_dir = str(await asyncio.to_thread(default_model_dir))
+            from pathlib import Path
+
+            from disagg.model.config import ModelArch
+            from disagg.model.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_dir(model_dir)
+            mml = max_model_len or ModelArch.from_dir(model_dir).max_position_embeddings
+            gateway = Gateway(router, http_listen, model_name or Path(model_dir).name, tok, mml,
+                              router.metrics, stats_interval=poll_interval * 2, stats_label=None)
+            await gateway.start()
+        except BaseException:
+            await router.stop()
+            raise
+    return router, gateway
+
+
+async def run_router(listen: str, decode_peers: list[str], http_listen: str | None = None,
+                     model_dir: str | None = None, model_name: str | None = None,
+                     max_model_len: int | None = None, poll_interval: float = 0.5,
+                     dead_after: float = 3.0) -> int:
+    """``disagg-node --role router``: serve until SIGINT/SIGTERM. Returns an exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        router, gateway = await start_router(listen, decode_peers, http_listen, model_dir,
+                                             model_name, max_model_len, poll_interval, dead_after)
+    except Exception as e:
+        log.error("could not start: %s", e)
+        return 1
+    log.info("ready: router on %s over %d decode peers%s", router.address, len(decode_peers),
+             f", HTTP on {gateway.url}" if gateway is not None else "")
+    await stop.wait()
+    log.info("stopping")
+    if gateway is not None:
+        await gateway.stop()
+    await router.stop()
+    log.info("stopped")
+    return 0

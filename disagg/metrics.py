@@ -1,0 +1,206 @@
+"""Prometheus metrics of one process (prometheus-client), rendered by the HTTP gateway's /metrics.
+
+``Metrics`` owns its own ``CollectorRegistry`` (so several can live in one test process). Who
+feeds what:
+
+- the gateway (or any client-side observer): one ``RequestTimer`` per request -> request counters
+  by outcome, TTFT / TPOT / ITL / end-to-end histograms, token counters; ``observe_error(code)``;
+- a Stats poller: ``update_stats(stats, node)`` -> queue depths, page pool usage, the node's own
+  counters (preemptions, started/finished/aborted/errored/rejected), exposed from the last
+  snapshot so they stay monotonic per node process;
+- the KV transfer path (messenger / transfer engine / completion tracker; not wired yet):
+  ``observe_transfer(direction, nbytes, writes, latency_s)`` and ``observe_layer_lag(seconds)``.
+
+Every name starts with ``disagg_``; units are seconds, bytes and counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from disagg.protocol import Stats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Latency buckets (seconds): token-level latencies are ms-scale on GPU, 100s of ms on CPU.
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                  0.75, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                    160.0, 320.0, 640.0)
+_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                     0.5, 1.0, 2.5, 5.0)
+
+OUTCOMES = ("stop", "length", "abort", "error")
+
+
+class _StatsCollector(Collector):
+    """Exposes the last ``Stats`` snapshot of each node as gauges and counters."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, Stats] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = {
+            "disagg_num_requests_running": ("Requests in the running batch.", "running"),
+            "disagg_num_requests_waiting": ("Requests queued for admission.", "waiting"),
+            "disagg_kv_pages_total": ("KV cache pages in the pool.", "pages_total"),
+            "disagg_kv_pages_free": ("Free KV cache pages.", "pages_free"),
+        }
+        for name, (doc, field) in gauges.items():
+            g = GaugeMetricFamily(name, doc, labels=["node"])
+            for node, s in self.last.items():
+                g.add_metric([node], float(getattr(s, field)))
+            yield g
+        usage = GaugeMetricFamily("disagg_kv_page_usage_ratio",
+                                  "Fraction of KV cache pages in use (0..1).", labels=["node"])
+        for node, s in self.last.items():
+            usage.add_metric([node], 1.0 - s.pages_free / s.pages_total if s.pages_total else 0.0)
+        yield usage
+        pre = CounterMetricFamily("disagg_node_preemptions",
+                                  "Preemptions reported by the node.", labels=["node"])
+        for node, s in self.last.items():
+            pre.add_metric([node], float(s.preemptions))
+        yield pre
+        reqs = CounterMetricFamily("disagg_node_requests",
+                                   "Request counters reported by the node (its Stats).",
+                                   labels=["node", "state"])
+        for node, s in self.last.items():
+            for state in ("started", "finished", "aborted", "errored", "rejected", "bad_frames"):
+                reqs.add_metric([node, state], float(getattr(s, state)))
+        yield reqs
+
+
+class Metrics:
+    """All metrics of one process. Thread-safe (prometheus-client's own locking)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("disagg_requests", "Requests ended, by outcome "
+                                "(stop, length, abort, error).", ["outcome"], registry=r)
+        self.errors = Counter("disagg_request_errors", "Requests refused or failed, by error "
+                              "code (node codes and HTTP error codes).", ["code"], registry=r)
+        self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens of ended requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("disagg_generation_tokens",
+                                         "Output tokens streamed to clients.", registry=r)
+        self.ttft = Histogram("disagg_time_to_first_token_seconds",
+                              "Request arrival to its first output token.",
+                              buckets=_TOKEN_BUCKETS + (20.0, 40.0, 80.0), registry=r)
+        self.tpot = Histogram("disagg_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (outputs - 1).",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("disagg_inter_token_latency_seconds",
+                             "Gap between consecutive token chunks of a stream, per token.",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("disagg_e2e_request_latency_seconds",
+                             "Request arrival to its last message.",
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.in_flight = Gauge("disagg_requests_in_flight",
+                               "Requests this process is streaming now.", registry=r)
+        # KV transfer (fed by the disaggregation path; zero until it is wired)
+        self.kv_bytes = Counter("disagg_kv_transfer_bytes", "KV cache bytes moved over the fabric.",
+                                ["direction"], registry=r)
+        self.kv_writes = Counter("disagg_kv_transfer_writes", "Fabric writes of KV pages.",
+                                 ["direction"], registry=r)
+        self.transfer_latency = Histogram("disagg_kv_transfer_latency_seconds",
+                                          "Per request: first KV write posted to last completion.",
+                                          ["direction"], buckets=_TRANSFER_BUCKETS, registry=r)
+        self.layer_lag = Histogram("disagg_kv_layer_transfer_lag_seconds",
+                                   "Layer finished on the prefiller to its pages written.",
+                                   buckets=_TRANSFER_BUCKETS, registry=r)
+        for d in ("sent", "received"):  # make both series visible before the first transfer
+            self.kv_bytes.labels(d)
+            self.kv_writes.labels(d)
+        for o in OUTCOMES:
+            self.requests.labels(o)
+        self._stats = _StatsCollector()
+        r.register(self._stats)
+
+    # ------------------------------------------------------------------ feeding
+
+    def start_request(self, now: float | None = None) -> RequestTimer:
+        return RequestTimer(self, time.monotonic() if now is None else now)
+
+    def observe_error(self, code: str) -> None:
+        self.errors.labels(code).inc()
+
+    def update_stats(self, stats: Stats, node: str = "local") -> None:
+        self._stats.last[node] = stats
+
+    def forget_node(self, node: str) -> None:
+        self._stats.last.pop(node, None)
+
+    def observe_transfer(self, direction: str, nbytes: int, writes: int = 1,
+                         latency_s: float | None = None) -> None:
+        """``direction`` is ``sent`` (prefill side) or ``received`` (decode side)."""
+        self.kv_bytes.labels(direction).inc(nbytes)
+        self.kv_writes.labels(direction).inc(writes)
+        if latency_s is not None:
+            self.transfer_latency.labels(direction).observe(latency_s)
+
+    def observe_layer_lag(self, seconds: float) -> None:
+        self.layer_lag.observe(seconds)
+
+    # ------------------------------------------------------------------ reading
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return bytes(generate_latest(self.registry))
+
+
+class RequestTimer:
+    """Latency bookkeeping of one request as seen by a client of the node."""
+
+    def __init__(self, metrics: Metrics, start: float):
+        self.m = metrics
+        self.start = start
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.done = False
+        metrics.in_flight.inc()
+
+    def on_tokens(self, n: int, now: float | None = None) -> None:
+        """``n`` new output tokens arrived (one chunk)."""
+        if n <= 0:
+            return
+        t = time.monotonic() if now is None else now
+        if self.first is None:
+            self.first = t
+            self.m.ttft.observe(t - self.start)
+        elif self.last is not None:
+            gap = (t - self.last) / n
+            for _ in range(n):
+                self.m.itl.observe(gap)
+        self.last = t
+        self.tokens += n
+        self.m.generation_tokens.inc(n)
+
+    def finish(self, outcome: str, prompt_tokens: int = 0, error_code: str | None = None,
+               now: float | None = None) -> None:
+        """End the request once: ``outcome`` in stop | length | abort | error."""
+        if self.done:
+            return
+        self.done = True
+        t = time.monotonic() if now is None else now
+        self.m.in_flight.dec()
+        self.m.requests.labels(outcome).inc()
+        if error_code is not None:
+            self.m.observe_error(error_code)
+        self.m.prompt_tokens.inc(prompt_tokens)
+        self.m.e2e.observe(t - self.start)
+        if self.first is not None and self.last is not None and self.tokens > 1:
+            self.m.tpot.observe((self.last - self.first) / (self.tokens - 1))

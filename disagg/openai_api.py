@@ -1,0 +1,419 @@
+"""The OpenAI-compatible HTTP API as pure functions: request validation and translation into the
+client protocol, stop-string matching over a text stream, response and SSE chunk shapes.
+
+No sockets and no asyncio here; ``disagg/actors/http.py`` drives these. Every problem with a
+request raises ``ApiError`` carrying the HTTP status and the OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from disagg.protocol import SamplingParams, Usage
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class ApiError(Exception):
+    """A request the API refuses (or could not serve), in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# Node error codes (client protocol) -> HTTP status.
+NODE_ERROR_STATUS = {
+    "bad_request": 400,
+    "bad_frame": 400,
+    "duplicate_request": 409,
+    "unknown_request": 404,
+    "shutting_down": 503,
+    "unavailable": 503,
+    "timeout": 504,
+    "internal": 500,
+}
+
+
+def node_error(code: str, message: str) -> ApiError:
+    status = NODE_ERROR_STATUS.get(code, 500)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, message, kind, code=code)
+
+
+# ------------------------------------------------------------------ request bodies
+# Fields not listed are ignored (clients send many optional ones); listed ones are type-checked.
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension (vLLM)
+    min_tokens: int = 0  # extension (vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[Any] | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage] = []
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def decode_body(data: bytes, kind: type[msgspec.Struct]) -> Any:
+    """JSON bytes -> a body struct; bad JSON or a wrong type -> 400 naming the field."""
+    if not data.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, f"invalid request: {e}", param=_param_of(str(e))) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _param_of(msg: str) -> str | None:
+    marker = "at `$."
+    i = msg.find(marker)
+    if i < 0:
+        return None
+    return msg[i + len(marker):].rstrip("`").split("[")[0].split(".")[0] or None
+
+
+# ------------------------------------------------------------------ translation
+
+
+class TokenizerLike(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to send as a ``GenerateRequest``."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def prepare_completion(body: CompletionBody, tok: TokenizerLike | None, model_name: str,
+                       max_model_len: int) -> Prepared:
+    check_model(body.model, model_name)
+    _refuse_unsupported(body)
+    if body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    if body.logprobs is not None:
+        raise ApiError(400, "logprobs is not supported", param="logprobs")
+    if body.best_of not in (None, 1):
+        raise ApiError(400, "best_of must be 1", param="best_of")
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    ids = _completion_prompt(body.prompt, tok)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    return _finish(body, ids, max_tokens, max_model_len, "prompt")
+
+
+def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
+                 max_model_len: int) -> Prepared:
+    check_model(body.model, model_name)
+    _refuse_unsupported(body)
+    if body.logprobs:
+        raise ApiError(400, "logprobs is not supported", param="logprobs")
+    if body.tools:
+        raise ApiError(400, "tools are not supported", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
+                       param="response_format")
+    if not body.messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    if tok is None:
+        raise ApiError(400, "this model has no tokenizer, so chat is unavailable; "
+                       "use /v1/completions with token ids", param="messages")
+    messages = [{"role": m.role, "content": _message_text(m, i)}
+                for i, m in enumerate(body.messages)]
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as e:  # no template
+        raise ApiError(400, f"cannot build the chat prompt: {e}", param="messages") from None
+    except Exception as e:  # a template error raised for this conversation (jinja2)
+        raise ApiError(400, f"the chat template failed on these messages: {e}",
+                       param="messages") from None
+    ids = tok.encode(text)
+    if not ids:
+        raise ApiError(400, "the chat prompt is empty", param="messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    if max_tokens is None:  # as OpenAI: up to the context limit
+        max_tokens = max(1, max_model_len - len(ids))
+    return _finish(body, ids, max_tokens, max_model_len, "messages")
+
+
+def check_model(requested: str | None, model_name: str) -> None:
+    if requested is not None and requested != model_name:
+        raise ApiError(404, f"The model `{requested}` does not exist; this server serves "
+                       f"`{model_name}` (see /v1/models).", param="model", code="model_not_found")
+
+
+def _refuse_unsupported(body: _Common) -> None:
+    if body.n != 1:
+        raise ApiError(400, f"n must be 1, got {body.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0, 0.0):
+            raise ApiError(400, f"{name} is not supported (must be 0)", param=name)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _message_text(m: ChatMessage, i: int) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for p in m.content:
+        if p.type != "text" or p.text is None:
+            raise ApiError(400, f"messages[{i}]: only text content parts are supported, "
+                           f"got {p.type!r}", param="messages")
+        parts.append(p.text)
+    return "".join(parts)
+
+
+def _completion_prompt(prompt: str | list[Any] | None, tok: TokenizerLike | None) -> list[int]:
+    if prompt is None:
+        raise ApiError(400, "prompt is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer; send the prompt as token ids",
+                           param="prompt")
+        ids = tok.encode(prompt)
+    elif isinstance(prompt, list) and all(type(x) is int for x in prompt):
+        ids = list(prompt)
+        vocab = tok.vocab_size if tok is not None else None
+        bad = [x for x in ids if x < 0 or (vocab is not None and x >= vocab)]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        raise ApiError(400, f"batched prompts are not supported (got {len(prompt)}); send one "
+                       "prompt per request", param="prompt")
+    else:
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one "
+                       "of those", param="prompt")
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return ids
+
+
+def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
+            prompt_param: str) -> Prepared:
+    if max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    if len(ids) >= max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens, "
+                       f"but the prompt has {len(ids)} tokens.", param=prompt_param,
+                       code="context_length_exceeded")
+    if len(ids) + max_tokens > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in "
+                       f"the prompt, {max_tokens} for the completion). Reduce the prompt or "
+                       "max_tokens.", param="max_tokens", code="context_length_exceeded")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}",
+                       param="stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"stop strings must have 1-{MAX_STOP_CHARS} characters",
+                       param="stop")
+    top_k = body.top_k if body.top_k is not None else 0
+    if top_k == -1:  # vLLM's "off"
+        top_k = 0
+    try:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else float(body.temperature),
+            top_k=top_k,
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            seed=body.seed,
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+        )
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, f"invalid sampling parameters: {e}") from None
+    problem = sampling.validate()
+    if problem is not None:
+        raise ApiError(400, problem, param=problem.split()[0])
+    return Prepared(ids, sampling, stop, body.stream,
+                    body.stream_options is not None and body.stream_options.include_usage)
+
+
+# ------------------------------------------------------------------ stop strings
+
+
+class StopMatcher:
+    """Watches a text stream for stop strings; never releases text that may start one.
+
+    ``push(delta)`` returns (text safe to emit, whether a stop string matched). On a match the
+    returned text ends right before the stop string, which is not emitted (as OpenAI).
+    ``flush()`` returns the held-back tail once the stream ends without a match."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buf = ""
+        self.matched: str | None = None
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        if self.matched is not None:
+            return "", True
+        self.buf += delta
+        if not self.stops:
+            out, self.buf = self.buf, ""
+            return out, False
+        best = -1
+        for s in self.stops:
+            i = self.buf.find(s)
+            if i >= 0 and (best < 0 or i < best):
+                best, self.matched = i, s
+        if best >= 0:
+            out, self.buf = self.buf[:best], ""
+            return out, True
+        safe = max(0, len(self.buf) - self.hold)
+        out, self.buf = self.buf[:safe], self.buf[safe:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+# ------------------------------------------------------------------ responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_dict(u: Usage) -> dict[str, int]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str | None,
+                        usage: Usage, created: int | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created or int(time.time()),
+            "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                         "finish_reason": finish_reason}],
+            "usage": usage_dict(usage)}
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, usage: Usage,
+                  created: int | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created or int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                 "content": text},
+                                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_dict(usage)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str,
+                     finish_reason: str | None = None, include_usage: bool = False
+                     ) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                           "model": model, "choices": [{"index": 0, "text": text,
+                                                        "logprobs": None,
+                                                        "finish_reason": finish_reason}]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str],
+               finish_reason: str | None = None, include_usage: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": model, "choices": [{"index": 0, "delta": delta,
+                                                        "logprobs": None,
+                                                        "finish_reason": finish_reason}]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(rid: str, model: str, created: int, object: str, usage: Usage) -> dict[str, Any]:
+    """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+    return {"id": rid, "object": object, "created": created, "model": model, "choices": [],
+            "usage": usage_dict(usage)}
+
+
+_json = msgspec.json.Encoder()
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    payload = data.encode() if isinstance(data, str) else _json.encode(data)
+    return b"data: " + payload + b"\n\n"
+
+
+SSE_DONE = sse("[DONE]")
