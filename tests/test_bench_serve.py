@@ -86,7 +86,7 @@ def test_fixed_lengths_all_complete(node, tmp_path):
 def test_sharegpt_with_concurrency_cap(node, tmp_path):
     out = tmp_path / "sharegpt.json"
     r = bench("--connect", node, "--num-prompts", str(NUM), "--workload", "sharegpt",
-              "--max-input-len", "48", "--max-output-len", "24", "--max-concurrency", "4",
+              "--max-input-len", "48", "--max-output-len", "24", "--max-concurrency", "4", "--warmup", "2",
               "--vocab-size", str(TINY["vocab_size"]), "--timeout", "60", "--quiet",
               "--json", str(out))
     assert r.returncode == 0, r.stderr
@@ -97,6 +97,7 @@ def test_sharegpt_with_concurrency_cap(node, tmp_path):
     assert all(sum(q["chunk_tokens"]) == q["output_len"] for q in res["requests"])
     assert len({q["input_len"] for q in res["requests"]}) > 1  # lengths vary
     assert s["goodput"] is None
+    assert res["warmup"] == {"requests": 2, "errors": []}
 
 
 def test_bad_requests_are_counted_not_fatal(node, tmp_path):
