@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import math
-import platform
 import shlex
 import sys
 import time
@@ -202,13 +201,14 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     slo_ttft = None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3
     slo_tpot = None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3
     summary = aggregate(records, max(duration, 1e-9), slo_ttft, slo_tpot)
-    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "func"}
+    # outputs (paths) and the subcommand name are not part of the run's configuration
+    config = {k: v for k, v in vars(args).items()
+              if not k.startswith("_") and k not in ("command", "json_path", "plot", "quiet")}
     config["connect"] = addresses
     config["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate
     return {
         "label": args.label or _default_label(args),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(),
         "command": ("disagg-bench " + shlex.join(sys.argv[1:])
                     if sys.argv[1:2] == ["serve"] else None),
         "config": config,
