@@ -1,0 +1,180 @@
+"""The router in front of two real mixed nodes: client protocol and HTTP, aborts, a node killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgspec
+import openai
+import pytest
+import zmq
+
+from disagg.actors.router import start_router
+from disagg.client import Client
+from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
+from test_http import LoopThread, chat_model
+from tinymodels import NodeProcess, free_port, make_tiny_model
+
+MODEL = "tiny-llama"
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("router") / "llama")
+    chat_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def nodes(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("log")
+    procs = {}
+    for name in ("a", "b"):
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        procs[addr] = NodeProcess(["--role", "mixed", "--model", str(model_dir), "--listen", addr,
+                                   "--page-size", "4", "--num-pages", "48", "--max-model-len",
+                                   str(MAX_LEN), "--threads", "1"], logs / f"{name}.log")
+    for p in procs.values():
+        p.wait_ready()
+    yield procs
+    for p in procs.values():
+        if p.proc.poll() is None:
+            assert p.stop() == []
+
+
+@pytest.fixture(scope="module")
+def router(nodes, model_dir):
+    lt = LoopThread()
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    r, gw = lt.run(start_router(listen, list(nodes), "127.0.0.1:0", str(model_dir), MODEL,
+                                poll_interval=0.2, dead_after=1.5, wait_for_peer=30))
+    lt.run(wait_all_live(r))
+    yield r, gw
+    lt.run(gw.stop())
+    lt.run(r.stop())
+    lt.close()
+
+
+async def wait_all_live(r, timeout=30.0):
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while len(r.balancer.alive()) < len(r.balancer.order):
+        assert time.monotonic() < deadline, "decode peers never answered"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def oai(router):
+    with openai.OpenAI(base_url=router[1].url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        yield client
+
+
+def started(addr):
+    c = Client(addr)
+    try:
+        return c.stats()
+    finally:
+        c.close()
+
+
+def run(addr, **kw):
+    c = Client(addr)
+    try:
+        return list(c.generate(**kw, timeout=30))
+    finally:
+        c.close()
+
+
+def test_requests_spread_over_both_nodes(router, nodes):
+    before = {a: started(a).started for a in nodes}
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    for i in range(4):
+        msgs = run(router[0].address, prompt=f"w{i + 5} w9", sampling=sp, request_id="same")
+        assert isinstance(msgs[-1], Finished) and msgs[-1].request_id == "same"
+        assert msgs[-1].usage.completion_tokens == 3
+    after = {a: started(a).started for a in nodes}
+    assert all(after[a] > before[a] for a in nodes), (before, after)
+    stats = started(router[0].address)
+    assert stats.role == "router" and stats.pages_total == 2 * 48
+
+
+def test_front_door_validates_and_forwards_aborts(router, nodes):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(router[0].address)
+    dec = msgspec.msgpack.Decoder(TokenChunk | Finished | Error | Stats)
+
+    def recv():
+        assert sock.poll(30_000), "no reply from the router"
+        return dec.decode(sock.recv())
+
+    try:
+        sock.send(b"\xc1 junk")
+        assert recv().code == "bad_frame"
+        sock.send(msgspec.msgpack.encode({"type": "abort", "request_id": "ghost"}))
+        assert recv().code == "unknown_request"
+        aborted = sum(started(a).aborted for a in nodes)
+        sock.send(msgspec.msgpack.encode({"type": "generate", "request_id": "long",
+                                          "prompt": "w5 w6",
+                                          "sampling": {"max_tokens": MAX_LEN - 4,
+                                                       "ignore_eos": True}}))
+        first = recv()
+        assert isinstance(first, TokenChunk) and first.request_id == "long"
+        sock.send(msgspec.msgpack.encode({"type": "abort", "request_id": "long"}))
+        while not isinstance(msg := recv(), Finished):
+            assert isinstance(msg, TokenChunk)
+        assert msg.reason == "abort" and msg.request_id == "long"
+        assert sum(started(a).aborted for a in nodes) == aborted + 1
+        sock.send(msgspec.msgpack.encode({"type": "generate", "request_id": "bad",
+                                          "prompt_token_ids": [1],
+                                          "sampling": {"max_tokens": 0}}))
+        err = recv()  # the node's refusal comes back under the client's id
+        assert isinstance(err, Error) and err.code == "bad_request" and err.request_id == "bad"
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_http_through_the_router(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w7"}],
+                                    max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens <= 4 and r.choices[0].message.role == "assistant"
+    chunks = list(oai.completions.create(model=MODEL, prompt="w5 w6", max_tokens=4,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_router_survives_a_killed_node(router, nodes, oai):
+    victim, survivor = list(nodes)
+    proc = nodes[victim]
+    kids = proc.children()
+    proc.proc.send_signal(signal.SIGKILL)
+    proc.proc.wait(10)
+    for k in kids:
+        os.kill(k, signal.SIGKILL)
+    proc.stop()
+    before = started(survivor).started
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    for i in range(4):  # the first ones may go to the dead node: resent once it is declared dead
+        msgs = run(router[0].address, prompt=f"w{i + 5}", sampling=sp)
+        assert isinstance(msgs[-1], Finished) and msgs[-1].usage.completion_tokens == 3
+        r = oai.completions.create(model=MODEL, prompt="w5", max_tokens=2, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 2
+    assert started(survivor).started >= before + 8
+    assert router[0].balancer.alive() == [survivor]
+    import urllib.request
+
+    with urllib.request.urlopen(router[1].url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert f'disagg_router_peer_up{{peer="{victim}"}} 0.0' in text
+    with urllib.request.urlopen(router[1].url + "/health", timeout=10) as resp:
+        assert resp.status == 200
