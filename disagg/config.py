@@ -66,6 +66,30 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--devices entries must be 'cpu' or 'cuda:N', got {self.device!r}")
 
 
+class DisaggConfig(msgspec.Struct, frozen=True):
+    """Prefill/decode roles: peers, transfers, deadlines."""
+
+    prefill_peers: list[str] = []  # decode: prefill nodes' --listen addresses (--prefill-peer)
+    transfer_backend: str = "fabric"  # fabric | cuda-ipc (--transfer-backend)
+    fabric_provider: str = "tcp"  # tcp | shm | net | verbs | efa (--fabric-provider)
+    local_prefill_max_tokens: int = 0  # decode: prefill prompts this short here (--local-prefill-max-tokens)
+    on_prefill_failure: str = "error"  # error | retry | local (--on-prefill-failure)
+    prefill_timeout_s: float = 60.0  # deadline for a remote prefill's KV (--prefill-timeout)
+    heartbeat_s: float = 1.0  # ping period to prefill peers (--heartbeat)
+    peer_timeout_s: float = 5.0  # a peer silent this long is dead (--peer-timeout)
+
+    def validate(self) -> None:
+        if self.transfer_backend not in ("fabric", "cuda-ipc"):
+            raise ConfigError(f"--transfer-backend must be fabric or cuda-ipc, got {self.transfer_backend!r}")
+        if self.on_prefill_failure not in ("error", "retry", "local"):
+            raise ConfigError(f"--on-prefill-failure must be error, retry or local, got {self.on_prefill_failure!r}")
+        if self.local_prefill_max_tokens < 0:
+            raise ConfigError("--local-prefill-max-tokens must be >= 0")
+        for name in ("prefill_timeout_s", "heartbeat_s", "peer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
+
+
 class NodeConfig(msgspec.Struct, frozen=True):
     role: str = "mixed"  # mixed | prefill | decode (--role)
     listen: str = "tcp://127.0.0.1:5555"  # client protocol socket (--listen)
@@ -73,6 +97,7 @@ class NodeConfig(msgspec.Struct, frozen=True):
     executor: ExecutorConfig = ExecutorConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    disagg: DisaggConfig = DisaggConfig()
     run_dir: str | None = None  # where ipc:// sockets live; None = a fresh temp dir
     step_timeout_s: float = 600.0  # deadline for one executor step (--step-timeout)
     startup_timeout_s: float = 600.0  # deadline for executors to load (--startup-timeout)
@@ -84,6 +109,9 @@ class NodeConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--devices needs at least one device")
         if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"--listen must be a ZeroMQ address like tcp://127.0.0.1:5555, got {self.listen!r}")
+        if self.role == "decode" and not self.disagg.prefill_peers:
+            raise ConfigError("--role decode needs at least one --prefill-peer")
+        self.disagg.validate()
         self.executor.validate()
         self.cache.validate()
         self.scheduler.validate()

@@ -67,5 +67,5 @@ class LLM:
             if batch is None:
                 raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
             plan = StepPlan(next(self._steps), [c.to_wire() for c in batch.chunks], batch.num_decodes)
-            self.scheduler.update(batch, self.runner.execute(plan))
+            self.scheduler.update(batch, self.runner.execute(plan)[0])
         return [Output(s.output_ids, s.finish_reason or "") for s in seqs]

@@ -15,17 +15,21 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import torch
 import zmq
 import zmq.asyncio
 
 from disagg.actors.executor import ExecutorGroup
 from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor
+from disagg.actors.transfer import TransferEngine
 from disagg.config import NodeConfig
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import Tokenizer
+from disagg.protocol import KVLayoutDesc
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,9 @@ class Node:
         self.executors: ExecutorGroup | None = None
         self.scheduler: SchedulerActor | None = None
         self.frontend: FrontendActor | None = None
+        self.messenger: Any = None  # PrefillMessenger | DecodeMessenger
+        self.transfer: TransferEngine | None = None
+        self.counter: Any = None
         self.address: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._run_dir: str | None = None
@@ -70,24 +77,97 @@ class Node:
         except BaseException:
             await self._cleanup()
             raise
-        inproc = f"inproc://scheduler-{id(self)}"
-        sched_sock = self.ctx.socket(zmq.PAIR)
-        sched_sock.bind(inproc)
-        front_sock = self.ctx.socket(zmq.PAIR)
-        front_sock.connect(inproc)
         s = cfg.scheduler
-        self.scheduler = SchedulerActor(
-            cfg.role, sched_sock, self.executors, arch, tokenizer, cfg.cache.page_size,
-            s.max_batch_tokens, s.max_running, s.max_model_len or arch.max_position_embeddings,
-        )
-        self.frontend = FrontendActor(cfg.listen, front_sock, self.ctx)
-        self.address = self.frontend.address
-        self._tasks = [
-            asyncio.create_task(self._guard(self.scheduler.run(), "scheduler")),
-            asyncio.create_task(self._guard(self.frontend.run(), "frontend")),
-        ]
+        sched_args = (self.executors, arch, tokenizer, cfg.cache.page_size, s.max_batch_tokens,
+                      s.max_running, s.max_model_len or arch.max_position_embeddings)
+        actors: list[tuple[str, Any]] = []  # (name, the actor's run method)
+        if cfg.role == "prefill":
+            await self._start_prefill(cfg, arch, sched_args, actors)
+        else:
+            front_sock, sched_sock = self._pair("frontend")
+            if cfg.role == "decode":
+                await self._start_decode(cfg, arch, sched_sock, sched_args, actors)
+            else:
+                self.scheduler = SchedulerActor(cfg.role, sched_sock, *sched_args)
+            self.frontend = FrontendActor(cfg.listen, front_sock, self.ctx)
+            self.address = self.frontend.address
+            actors.append(("frontend", self.frontend.run))
+        assert self.scheduler is not None
+        actors.append(("scheduler", self.scheduler.run))
+        self._tasks = [asyncio.create_task(self._guard(run(), name)) for name, run in actors]
         log.info("ready: %s node serving %s on %s (%d pages of %d tokens)", cfg.role,
                  arch.architecture, self.address, self.executors.num_pages, cfg.cache.page_size)
+
+    def _pair(self, name: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """Two ends of an inproc PAIR link between actors."""
+        addr = f"inproc://{name}-{id(self)}"
+        a = self.ctx.socket(zmq.PAIR)
+        a.bind(addr)
+        b = self.ctx.socket(zmq.PAIR)
+        b.connect(addr)
+        return a, b
+
+    def _layout(self, arch: ModelArch) -> KVLayoutDesc:
+        assert self.executors is not None
+        info = self.executors.ready[0].kv
+        dtype = getattr(torch, info.dtype)
+        return KVLayoutDesc(
+            num_layers=arch.num_layers, num_pages=self.executors.num_pages,
+            num_kv_heads=arch.num_kv_heads, page_size=self.cfg.cache.page_size,
+            head_dim=arch.head_dim, dtype=info.dtype,
+            element_size=torch.empty((), dtype=dtype).element_size(), hidden_size=arch.hidden_size)
+
+    def _transfer(self) -> TransferEngine:
+        d = self.cfg.disagg
+        device = torch.device(self.cfg.devices[0])
+        self.transfer = TransferEngine(d.transfer_backend, d.fabric_provider,
+                                       timeout_s=d.prefill_timeout_s, device=device).start()
+        return self.transfer
+
+    def _kv_tensor(self) -> torch.Tensor:
+        assert self.executors is not None
+        view = self.executors.kv_views[0]
+        if view is None:
+            raise RuntimeError("the executor's KV memory is not mapped into the main process")
+        return view[0]
+
+    async def _start_prefill(self, cfg: NodeConfig, arch: ModelArch, sched_args: tuple,
+                             actors: list) -> None:
+        from disagg.actors.prefill_messenger import PrefillMessenger
+        from disagg.actors.prefill_scheduler import PrefillScheduler
+        from disagg.kernels.counter import LayerCounter
+
+        assert self.executors is not None
+        handle = self.executors.ready[0].counter
+        if handle is None:
+            raise RuntimeError("the lead executor did not share a layer counter")
+        self.counter = LayerCounter.attach(handle)
+        m_sock, s_sock = self._pair("messenger")
+        self.scheduler = PrefillScheduler(cfg.role, None, *sched_args)
+        self.scheduler.mbox = s_sock
+        self.messenger = PrefillMessenger(
+            cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensor(),
+            self.counter, vocab_size=arch.vocab_size)
+        self.address = self.messenger.address
+        actors.append(("messenger", self.messenger.run))
+
+    async def _start_decode(self, cfg: NodeConfig, arch: ModelArch, sched_sock: zmq.asyncio.Socket,
+                            sched_args: tuple, actors: list) -> None:
+        from disagg.actors.decode_messenger import DecodeMessenger
+        from disagg.actors.decode_scheduler import DecodeScheduler
+
+        d = cfg.disagg
+        m_sock, s_sock = self._pair("messenger")
+        self.scheduler = DecodeScheduler(
+            cfg.role, sched_sock, *sched_args,
+            local_prefill_max_tokens=d.local_prefill_max_tokens, on_failure=d.on_prefill_failure)
+        self.scheduler.mbox = s_sock
+        self.messenger = DecodeMessenger(
+            d.prefill_peers, self.ctx, m_sock, self._transfer(), self._layout(arch),
+            self._kv_tensor(), max_slots=2 * cfg.scheduler.max_running,
+            timeout_s=d.prefill_timeout_s, heartbeat_s=d.heartbeat_s,
+            peer_timeout_s=d.peer_timeout_s, on_failure=d.on_prefill_failure)
+        actors.append(("messenger", self.messenger.run))
 
     async def _guard(self, coro: object, name: str) -> None:
         try:
@@ -124,6 +204,13 @@ class Node:
     async def _cleanup(self) -> None:
         if self.frontend is not None:
             self.frontend.close()
+        if self.messenger is not None:
+            self.messenger.close()
+        if self.transfer is not None:
+            with contextlib.suppress(Exception):
+                await self.transfer.close()
+        if self.counter is not None:
+            self.counter.close()
         if self.executors is not None:
             await self.executors.stop()
         self.ctx.destroy(linger=0)

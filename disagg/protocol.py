@@ -136,6 +136,14 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     rejected: int  # refused before acceptance (bad input, duplicates)
     bad_frames: int  # frames that did not decode
     preemptions: int
+    waiting_for_kv: int = 0  # decode: requests whose pages wait for a prefiller's KV
+    transfers_in_flight: int = 0
+    kv_writes_sent: int = 0
+    kv_bytes_sent: int = 0
+    kv_units_received: int = 0  # pages (per layer) + contexts landed on this node
+    layer_lag: int = 0  # prefill: layers computed but not yet handed to the engine
+    prefill_peers_alive: int = 0
+    layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
     v: int = PROTOCOL_VERSION
 
 
@@ -154,6 +162,7 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
     block_table: list[int]  # the sequence's page ids covering positions [0, start_pos + len)
     sample: bool  # sample a token after the last position of this chunk
+    want_hidden: bool = False  # return the last position's hidden state (prefill context)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -171,11 +180,15 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=Tru
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen=True):
-    """Sampled tokens, one per chunk with ``sample=True``, in chunk order."""
+    """Sampled tokens, one per chunk with ``sample=True``, in chunk order.
+
+    When ``hidden_rows > 0`` a second zmq frame follows: the final hidden states of the chunks
+    with ``want_hidden``, in chunk order, ``[hidden_rows, hidden_size]`` in the model dtype."""
 
     step_id: int
     token_ids: list[int]
     error: str | None = None  # set when the step failed; the executor keeps serving
+    hidden_rows: int = 0
 
 
 class KVMemoryInfo(msgspec.Struct, frozen=True):
@@ -195,6 +208,7 @@ class ExecutorReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     rank: int
     num_pages: int
     kv: KVMemoryInfo
+    counter: str | None = None  # LayerCounter handle (lead rank only), for the main process
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
@@ -220,3 +234,223 @@ class ToClient(msgspec.Struct, tag="to_client", array_like=True, frozen=True):
 
     identity: bytes
     msg: NodeReply
+
+
+# ------------------------------------------------------------------ decode node <-> prefill node
+#
+# Decode DEALER -> prefill ROUTER (the prefill node's --listen). KV bytes never ride here: only
+# page ids and memory descriptors; the pages move through the transfer engine.
+
+
+class KVLayoutDesc(msgspec.Struct, frozen=True):
+    """A node's KV cache as a peer must know it (TP 1 in this version); see transfer_plan."""
+
+    num_layers: int
+    num_pages: int
+    num_kv_heads: int  # kv heads held by this rank
+    page_size: int  # tokens per page
+    head_dim: int
+    dtype: str  # torch dtype name
+    element_size: int  # bytes per element
+    hidden_size: int  # context (hidden state) elements per request
+    tp_size: int = 1
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer: K and V of every local kv head."""
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * self.num_pages * self.page_bytes
+
+    @property
+    def context_bytes(self) -> int:
+        return self.hidden_size * self.element_size
+
+    def page_offset(self, layer: int, page: int) -> int:
+        return (layer * self.num_pages + page) * self.page_bytes
+
+
+class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_fields=True):
+    """Prefill ``prompt_ids`` and write their KV into the decoder's ``dst_pages``.
+
+    The decoder owns ``dst_pages`` and the context slot until it gets ``PrefillDone``,
+    ``PrefillFailed`` or ``AbortAck`` (or declares the prefiller dead): only then may it reuse
+    them, since a write may land until then."""
+
+    request_id: str  # the decoder's id for this attempt (unique per decoder)
+    key: int  # immediate key (slot, generation) every write carries
+    prompt_ids: list[int]  # the prompt WITHOUT its last token (SEED.md 26)
+    dst_pages: list[int]  # decoder page ids, in block-table order; len = pages for prompt_ids
+    dst_layout: KVLayoutDesc
+    dst_kv: bytes  # encoded fabric MemoryDescriptor of the decoder's KV region
+    dst_ctx: bytes  # encoded MemoryDescriptor of the decoder's context buffer
+    ctx_offset: int  # byte offset of this request's context slot in dst_ctx
+    timeout_s: float  # the prefiller gives up (and frees its pages) after this long
+    v: int = PROTOCOL_VERSION
+
+
+class AbortPrefill(msgspec.Struct, tag="abort_prefill", frozen=True, forbid_unknown_fields=True):
+    """Stop a prefill; answered by ``AbortAck`` once no write of it can land any more."""
+
+    request_id: str
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
+    seq: int
+
+
+PeerRequest = PrefillRequest | AbortPrefill | Ping | StatsRequest  # stats -> Stats
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    """Liveness and load of a prefiller."""
+
+    seq: int
+    queued_tokens: int  # prompt tokens accepted and not yet prefilled
+    layout: KVLayoutDesc
+    v: int = PROTOCOL_VERSION
+
+
+class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
+    """Every write of the request completed at the source; the prefiller freed its pages."""
+
+    request_id: str
+    prefill_s: float  # seconds from acceptance to the last write's completion
+
+
+class PrefillFailed(msgspec.Struct, tag="prefill_failed", frozen=True):
+    """The prefill was refused or failed; no write of it will land any more."""
+
+    request_id: str
+    code: str  # bad_request | incompatible | overloaded | transfer_failed | timeout | internal
+    message: str
+
+
+class AbortAck(msgspec.Struct, tag="abort_ack", frozen=True):
+    """No write of the request will land any more."""
+
+    request_id: str
+
+
+PeerReply = Pong | PrefillDone | PrefillFailed | AbortAck | Stats
+
+
+# ------------------------------------------------------------------ scheduler <-> messenger (inproc)
+#
+# Prefill node: the messenger hands accepted PrefillRequests to the scheduler as jobs; before
+# every step the scheduler announces which chunks it holds (SEED.md 12) and after it reports
+# the step done (with the context rows as a second frame). Pages stay with the scheduler's
+# pool; the messenger says when a job's pages may be freed (all its writes completed).
+# Decode node: the scheduler asks for remote prefills of requests whose pages it reserved; the
+# messenger reports KV arrival, or failure once no write can land any more.
+
+
+class ChunkInfo(msgspec.Struct, array_like=True, frozen=True):
+    job: int  # the messenger's job id
+    start: int  # first position computed by this chunk
+    count: int  # positions computed by this chunk
+    total: int  # the job's prefill length (positions)
+    pages: list[int]  # the job's source pages so far (block table)
+
+
+class StepAnnounce(msgspec.Struct, tag="announce", array_like=True, frozen=True):
+    """Sent BEFORE the step runs: the prefill chunks it holds and its layer-counter base."""
+
+    step_id: int
+    counter_base: int
+    chunks: list[ChunkInfo]
+
+
+class StepDone(msgspec.Struct, tag="step_done", array_like=True, frozen=True):
+    """The step finished. ``context_jobs[i]`` owns row i of the hidden-state frame that follows
+    (when ``ok``); a failed step writes nothing more for its jobs."""
+
+    step_id: int
+    ok: bool
+    context_jobs: list[int]
+    error: str | None = None
+
+
+class PrefillJob(msgspec.Struct, tag="job", array_like=True, frozen=True):
+    """Schedule a prefill-only sequence (never sampled) for messenger job ``job``."""
+
+    job: int
+    prompt_ids: list[int]
+
+
+class CancelJob(msgspec.Struct, tag="cancel_job", array_like=True, frozen=True):
+    """Stop scheduling ``job``; keep its pages until ``ReleaseJob``."""
+
+    job: int
+
+
+class ReleaseJob(msgspec.Struct, tag="release_job", array_like=True, frozen=True):
+    """No write reads ``job``'s pages any more: free them."""
+
+    job: int
+
+
+class NeedPrefill(msgspec.Struct, tag="need_prefill", array_like=True, frozen=True):
+    """Decode side: pages are reserved for ``slot``; get the prompt's KV from a prefiller."""
+
+    slot: int
+    prompt_ids: list[int]  # without the last prompt token
+    dst_pages: list[int]  # pages covering prompt_ids, block-table order
+
+
+class CancelRemote(msgspec.Struct, tag="cancel_remote", array_like=True, frozen=True):
+    """Decode side: the request ended; stop its prefill. Answered by ``RemoteReleased``."""
+
+    slot: int
+
+
+class KVReady(msgspec.Struct, tag="kv_ready", array_like=True, frozen=True):
+    """Every expected unit of ``slot`` landed: hand it to decoding."""
+
+    slot: int
+
+
+class RemoteFailed(msgspec.Struct, tag="remote_failed", array_like=True, frozen=True):
+    """The remote prefill of ``slot`` failed for good (retries spent); no write can land."""
+
+    slot: int
+    code: str
+    message: str
+
+
+class RemoteReleased(msgspec.Struct, tag="remote_released", array_like=True, frozen=True):
+    """After ``CancelRemote``: no write for ``slot`` can land any more; free its pages."""
+
+    slot: int
+
+
+class PeersAlive(msgspec.Struct, tag="peers_alive", array_like=True, frozen=True):
+    count: int
+
+
+class MessengerStats(msgspec.Struct, tag="messenger_stats", array_like=True, frozen=True):
+    transfers_in_flight: int = 0  # requests with writes outstanding (prefill) or awaited (decode)
+    kv_writes_sent: int = 0
+    kv_bytes_sent: int = 0
+    kv_units_received: int = 0  # pages + contexts landed here
+    layer_lag: int = 0  # prefill: layers computed but not yet handed to the engine, last step
+    prefill_peers_alive: int = 0
+    layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
+
+
+class StatsQuery(msgspec.Struct, tag="stats_query", array_like=True, frozen=True):
+    """Prefill node: a peer asked for Stats; the scheduler answers with ``StatsReply``."""
+
+    peer: bytes
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True):
+    peer: bytes
+    stats: Stats
+
+
+ToScheduler = (PrefillJob | CancelJob | ReleaseJob | KVReady | RemoteFailed | RemoteReleased
+               | PeersAlive | MessengerStats | StatsQuery)
+ToMessenger = StepAnnounce | StepDone | NeedPrefill | CancelRemote | StatsReply

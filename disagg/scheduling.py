@@ -19,6 +19,8 @@ from disagg.protocol import SamplingParams, SeqChunk
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    REMOTE = "remote"  # decode side: pages reserved, waiting for a prefiller's KV
+    HELD = "held"  # prefill side: computed, pages held until their transfers complete
     FINISHED = "finished"
 
 
@@ -37,6 +39,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    prefill_only: bool = False  # prefill role: never sample; hold pages when computed
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +57,7 @@ class Sequence:
 
     @property
     def is_decode(self) -> bool:
-        return bool(self.output_ids) and self.num_tokens - self.num_computed == 1
+        return self.num_tokens - self.num_computed == 1 and self.num_computed > 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ class ScheduledChunk:
             token_ids=s.tokens(self.start, self.start + self.count),
             start_pos=self.start,
             block_table=list(s.block_table),
-            sample=self.sample,
+            sample=self.sample and not s.prefill_only,
+            want_hidden=self.sample and s.prefill_only,
             temperature=p.temperature,
             top_k=p.top_k,
             top_p=p.top_p,
@@ -115,6 +119,7 @@ class BatchScheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # by arrival, preempted ones re-inserted in order
         self.running: list[Sequence] = []  # by arrival
+        self.remote: set[Sequence] = set()  # REMOTE: pages reserved, KV on its way
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- admission
@@ -130,15 +135,55 @@ class BatchScheduler:
         self.waiting.insert(i, seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out (abort or error) and free its pages."""
+        """Take a sequence out (abort, error, transfers done) and free its pages."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.remote.discard(seq)
         self._release(seq)
         seq.status = Status.FINISHED
 
+    def detach(self, seq: Sequence) -> list[int]:
+        """Take a sequence out WITHOUT freeing its pages; the caller owns them now (writes may
+        still land in them) and frees them with ``free_pages`` when it is safe."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.remote.discard(seq)
+        pages, seq.block_table = seq.block_table, []
+        seq.num_computed = 0
+        seq.status = Status.FINISHED
+        return pages
+
+    def free_pages(self, pages: list[int]) -> None:
+        if pages:
+            self.pool.free(pages)
+
+    # ---------------------------------------------------------------- remote prefill (decode)
+
+    def reserve_remote(self, seq: Sequence) -> bool:
+        """Reserve un-evictable pages for the whole prompt of a sequence a prefiller will fill
+        (all but its last token); False (nothing taken) when the pool is short."""
+        pages = self.pool.allocate(pages_needed(seq.num_tokens, self.page_size))
+        if pages is None:
+            return False
+        seq.block_table = pages
+        seq.status = Status.REMOTE
+        self.remote.add(seq)
+        return True
+
+    def kv_arrived(self, seq: Sequence) -> None:
+        """The prefiller's KV for all but the last prompt token has landed: decode from here;
+        the next step runs the last prompt token as an ordinary decode (SEED.md 26)."""
+        self.remote.discard(seq)
+        seq.num_computed = seq.num_tokens - 1
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
+        """Something to compute now (REMOTE sequences wait for their KV, not for a step)."""
         return bool(self.running or self.waiting)
 
     # ---------------------------------------------------------------- one step
@@ -215,10 +260,16 @@ class BatchScheduler:
         tokens = iter(sampled)
         for chunk in batch.chunks:
             seq = chunk.seq
-            token = next(tokens) if chunk.sample else None
+            token = next(tokens) if chunk.sample and not seq.prefill_only else None
             if seq.status is not Status.RUNNING:
                 continue  # removed (aborted) while the step ran
             seq.num_computed = chunk.start + chunk.count
+            if seq.prefill_only and seq.num_computed == seq.num_tokens:
+                self.running.remove(seq)
+                seq.status = Status.HELD  # pages stay until the transfers complete
+                seq.finish_reason = "prefilled"
+                updates.append(SeqUpdate(seq, [], "prefilled"))
+                continue
             if token is None:
                 continue
             seq.output_ids.append(token)

@@ -15,44 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
-
 from disagg.cache import pages_needed
+from disagg.protocol import KVLayoutDesc
 
 UNIT_BITS = 16  # low bits of an immediate: pages carried by the write (context write: 1)
 MAX_RUN = (1 << UNIT_BITS) - 1
 SLOT_BITS = 24
 GEN_BITS = 24
-
-
-class KVLayoutDesc(msgspec.Struct, frozen=True):
-    """One node's KV cache as the other side must know it (TP 1 in this version)."""
-
-    num_layers: int
-    num_pages: int
-    num_kv_heads: int  # kv heads held by this rank
-    page_size: int  # tokens per page
-    head_dim: int
-    dtype: str  # torch dtype name
-    element_size: int  # bytes per element
-    hidden_size: int  # context (hidden state) elements per request
-    tp_size: int = 1
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page of one layer: K and V of every local kv head."""
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_layers * self.num_pages * self.page_bytes
-
-    @property
-    def context_bytes(self) -> int:
-        return self.hidden_size * self.element_size
-
-    def page_offset(self, layer: int, page: int) -> int:
-        return (layer * self.num_pages + page) * self.page_bytes
 
 
 def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:

@@ -127,3 +127,42 @@ def test_abort_during_step_keeps_token_alignment():
     s.remove(a)
     ups = s.update(batch, [11, 12])
     assert [(u.seq.slot, u.new_token_ids) for u in ups] == [(1, [12])]
+
+
+def test_prefill_only_sequences_hold_pages_and_never_sample():
+    s = make(budget=5)
+    a = seq(0, 12)
+    a.prefill_only = True
+    s.add(a)
+    wires = []
+    ups = []
+    while s.has_work():
+        batch = s.schedule()
+        assert batch is not None
+        wires += [c.to_wire() for c in batch.chunks]
+        ups += s.update(batch, [])
+    assert [w.sample for w in wires] == [False, False, False]
+    assert [w.want_hidden for w in wires] == [False, False, True]
+    assert [(u.new_token_ids, u.finish_reason) for u in ups] == [([], "prefilled")]
+    assert a.status is Status.HELD and len(a.block_table) == 3
+    assert s.pool.num_free == s.pool.num_pages - 3
+    pages = s.detach(a)
+    s.free_pages(pages)
+    assert s.pool.num_free == s.pool.num_pages
+
+
+def test_remote_sequences_wait_for_kv_then_decode_last_prompt_token():
+    s = make(pages=4, page_size=4)
+    a = seq(0, 9, max_tokens=2, ignore_eos=True)
+    assert s.reserve_remote(a)
+    assert len(a.block_table) == 3 and not s.has_work() and s.schedule() is None
+    b = seq(1, 9)
+    assert not s.reserve_remote(b) and b.block_table == [] and s.pool.num_free == 1
+    s.kv_arrived(a)
+    batch = s.schedule()
+    assert batch is not None and batch.num_decodes == 1
+    w = batch.chunks[0].to_wire()
+    assert (w.start_pos, w.token_ids, w.sample, w.output_index) == (8, [18], True, 0)
+    s.update(batch, [7])
+    s.remove(a)
+    assert s.pool.num_free == 4

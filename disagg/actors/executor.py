@@ -81,7 +81,12 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         socket.send_fds(fd_sock, [b"kv"], [alloc.fd])
     else:
         fd_sock.sendall(b"no")
-    runner = ModelRunner(model, alloc.tensor, get_backend(ecfg.attention_backend, device))
+    counter = None
+    if rank == 0 and cfg.role == "prefill":  # only the lead rank keeps the layer counter
+        from disagg.kernels.counter import LayerCounter
+
+        counter = LayerCounter.create(device)
+    runner = ModelRunner(model, alloc.tensor, get_backend(ecfg.attention_backend, device), counter)
     log.info("loaded %s on %s: %d pages of %d tokens (%.1f MiB KV)", arch.architecture, device,
              num_pages, cfg.cache.page_size, layout.nbytes / 2**20)
 
@@ -91,7 +96,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     sock.connect(control)
     enc = msgspec.msgpack.Encoder()
     dec = msgspec.msgpack.Decoder(ExecutorCommand)
-    sock.send(enc.encode(ExecutorReady(rank, num_pages, alloc.info)))
+    sock.send(enc.encode(ExecutorReady(rank, num_pages, alloc.info,
+                                       None if counter is None else counter.handle())))
     try:
         while True:
             if not sock.poll(POLL_MS):
@@ -101,18 +107,30 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                 continue
             match dec.decode(sock.recv()):
                 case StepPlan() as plan:
+                    frames = [b""]
                     try:
-                        tokens = runner.execute(plan)
-                        reply = StepResult(plan.step_id, tokens)
+                        tokens, hidden = runner.execute(plan)
+                        rows = 0 if hidden is None else int(hidden.shape[0])
+                        if hidden is not None:
+                            frames.append(tensor_bytes(hidden))
+                        frames[0] = enc.encode(StepResult(plan.step_id, tokens, hidden_rows=rows))
                     except Exception as e:  # the step fails, the executor keeps serving
                         log.exception("step %d failed", plan.step_id)
-                        reply = StepResult(plan.step_id, [], error=f"{type(e).__name__}: {e}")
-                    sock.send(enc.encode(reply))
+                        frames = [enc.encode(StepResult(plan.step_id, [],
+                                                        error=f"{type(e).__name__}: {e}"))]
+                    sock.send_multipart(frames)
                 case Shutdown():
                     return
     finally:
+        if counter is not None:
+            counter.close()
         sock.close()
         ctx.term()
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a tensor (moved to the host), for an out-of-band zmq frame."""
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,6 +156,7 @@ class ExecutorGroup:
     """Spawns and drives one executor process per device; rank 0's result is authoritative."""
 
     def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
+        self.hidden: bytes | None = None  # the latest step's hidden-state frame, if any
         self.cfg = cfg
         self.control = f"ipc://{run_dir}/executors.sock"
         self.sock = ctx.socket(zmq.ROUTER)
@@ -202,8 +221,9 @@ class ExecutorGroup:
             if p.poll() is not None:
                 raise ExecutorError(f"executor {rank} exited with code {p.returncode}")
 
-    async def step(self, plan: StepPlan) -> StepResult:
-        """Send ``plan`` to every rank and wait (bounded) for every reply."""
+    async def step(self, plan: StepPlan) -> tuple[StepResult, bytes | None]:
+        """Send ``plan`` to every rank and wait (bounded) for every reply. Returns the lead
+        rank's result and its hidden-state frame (when the plan asked for context rows)."""
         payload = self._enc.encode(plan)
         for ident in self._identities:
             await self.sock.send_multipart([ident, payload])
@@ -215,13 +235,15 @@ class ExecutorGroup:
                 raise ExecutorError(f"step {plan.step_id} exceeded {self.cfg.step_timeout_s:.0f}s "
                                     "(--step-timeout)")
             if await self.sock.poll(int(min(left, 1.0) * 1000) + 1):
-                ident, data = await self.sock.recv_multipart()
+                ident, data, *extra = await self.sock.recv_multipart()
                 msg = self._dec.decode(data)
                 if isinstance(msg, StepResult) and msg.step_id == plan.step_id:
                     results[ident] = msg
+                    if ident == self._identities[0]:
+                        self.hidden = extra[0] if extra else None
             else:
                 self._check_alive()
-        return results[self._identities[0]]
+        return results[self._identities[0]], self.hidden
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every executor to stop; kill what has not exited by ``timeout``."""

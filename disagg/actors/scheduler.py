@@ -27,15 +27,18 @@ from disagg.protocol import (
     Finished,
     FromClient,
     GenerateRequest,
+    MessengerStats,
     NodeReply,
     Stats,
     StatsRequest,
     StepPlan,
+    StepResult,
     ToClient,
     TokenChunk,
+    ToScheduler,
     Usage,
 )
-from disagg.scheduling import BatchScheduler, Sequence, SeqUpdate
+from disagg.scheduling import Batch, BatchScheduler, Sequence, SeqUpdate
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class SchedulerActor:
     def __init__(
         self,
         role: str,
-        inbox: zmq.asyncio.Socket,
+        inbox: zmq.asyncio.Socket | None,
         executors: ExecutorGroup,
         arch: ModelArch,
         tokenizer: Tokenizer | None,
@@ -130,6 +133,9 @@ class SchedulerActor:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(FromClient)
         self._stopping = False
+        self.mbox: zmq.asyncio.Socket | None = None  # messenger link (prefill/decode roles)
+        self._mdec = msgspec.msgpack.Decoder(ToScheduler)
+        self.messenger_stats = MessengerStats()
 
     # ------------------------------------------------------------------ loop
 
@@ -144,13 +150,15 @@ class SchedulerActor:
                     if self.sched.has_work():  # nothing fits now: wait for a change, bounded
                         await self._drain(block=True, timeout_ms=50)
                     continue
-                plan = StepPlan(next(self._steps), [c.to_wire() for c in batch.chunks],
-                                batch.num_decodes)
-                result = await self.executors.step(plan)
+                step_id = next(self._steps)
+                plan = StepPlan(step_id, [c.to_wire() for c in batch.chunks], batch.num_decodes,
+                                counter_base=step_id * (self.arch.num_layers + 1))
+                await self.before_step(plan, batch)
+                result, hidden = await self.executors.step(plan)
+                await self.after_step(plan, batch, result, hidden)
                 if result.error is not None:
                     for c in batch.chunks:
-                        await self._end(c.seq, Error("internal", f"step failed: {result.error}",
-                                                     c.seq.request_id))
+                        await self.step_failed(c.seq, result.error)
                     continue
                 for update in self.sched.update(batch, result.token_ids):
                     await self._emit(update)
@@ -160,14 +168,41 @@ class SchedulerActor:
             raise
 
     async def _drain(self, block: bool, timeout_ms: int | None = None) -> None:
-        if block and not await self.inbox.poll(timeout_ms):
-            return
-        while True:
-            try:
-                data = await self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
+        """Handle every queued client and messenger message; when ``block``, first wait
+        (up to ``timeout_ms``, None = forever) for one to arrive."""
+        socks = [s for s in (self.inbox, self.mbox) if s is not None]
+        if block:
+            poller = zmq.asyncio.Poller()
+            for sock in socks:
+                poller.register(sock, zmq.POLLIN)
+            if not await poller.poll(timeout_ms):
                 return
-            await self.handle(self._dec.decode(data))
+        for sock in socks:
+            while True:
+                try:
+                    data = await sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if sock is self.inbox:
+                    await self.handle(self._dec.decode(data))
+                else:
+                    await self.handle_messenger(self._mdec.decode(data))
+
+    # ------------------------------------------------------------------ role hooks
+
+    async def before_step(self, plan: StepPlan, batch: Batch) -> None:
+        """Called before the step is sent to the executors (prefill: announce chunks)."""
+
+    async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
+                         hidden: bytes | None) -> None:
+        """Called when the executors answered, before tokens are applied."""
+
+    async def step_failed(self, seq: Sequence, error: str) -> None:
+        await self._end(seq, Error("internal", f"step failed: {error}", seq.request_id))
+
+    async def handle_messenger(self, msg: ToScheduler) -> None:
+        if isinstance(msg, MessengerStats):
+            self.messenger_stats = msg
 
     async def handle(self, env: FromClient) -> None:
         match env.msg:
@@ -204,6 +239,10 @@ class SchedulerActor:
         self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer, ids))
         self.by_slot[slot] = key
         self.counters.started += 1
+        await self.enqueue(seq)
+
+    async def enqueue(self, seq: Sequence) -> None:
+        """Hand an admitted sequence to batching (a decode node may prefill it remotely)."""
         self.sched.add(seq)
 
     async def _emit(self, update: SeqUpdate) -> None:
@@ -223,7 +262,7 @@ class SchedulerActor:
         if key is None:
             return
         live = self.live.pop(key)
-        self.sched.remove(seq)
+        await self.release(seq)
         if isinstance(terminal, Error):
             self.counters.errored += 1
         elif terminal.reason == "abort":
@@ -231,6 +270,10 @@ class SchedulerActor:
         else:
             self.counters.finished += 1
         await self._send(live.identity, terminal)
+
+    async def release(self, seq: Sequence) -> None:
+        """Take an ended sequence out of batching and free its pages."""
+        self.sched.remove(seq)
 
     async def fail_all(self, code: str, message: str) -> None:
         """End every live request with an Error (shutdown, executor failure)."""
@@ -250,12 +293,18 @@ class SchedulerActor:
             waiting=len(self.sched.waiting), started=c.started, finished=c.finished,
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             preemptions=self.sched.num_preemptions,
+            waiting_for_kv=self.waiting_for_kv(), **msgspec.structs.asdict(self.messenger_stats),
         )
+
+    def waiting_for_kv(self) -> int:
+        return len(self.sched.remote)
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:
         return Usage(len(seq.prompt_ids), len(seq.output_ids))
 
     async def _send(self, identity: bytes, msg: NodeReply) -> None:
+        if self.inbox is None:  # a prefill node has no clients
+            return
         await self.inbox.send(self._enc.encode(ToClient(identity, msg)))
 

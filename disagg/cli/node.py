@@ -13,6 +13,7 @@ from disagg.config import (
     ENV_PREFIX,
     CacheConfig,
     ConfigError,
+    DisaggConfig,
     ExecutorConfig,
     NodeConfig,
     SchedulerConfig,
@@ -42,6 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=s.max_model_len)
     ap.add_argument("--step-timeout", type=float, default=n.step_timeout_s)
     ap.add_argument("--startup-timeout", type=float, default=n.startup_timeout_s)
+    d = DisaggConfig()
+    ap.add_argument("--prefill-peer", action="append", default=[], dest="prefill_peers",
+                    help="decode role: a prefill node's --listen address (repeatable)")
+    ap.add_argument("--transfer-backend", default=d.transfer_backend, choices=["fabric", "cuda-ipc"])
+    ap.add_argument("--fabric-provider", default=d.fabric_provider,
+                    help="libfabric provider: tcp, shm, net, verbs, efa")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
+                    help="decode role: prompts of at most this many tokens are prefilled locally")
+    ap.add_argument("--on-prefill-failure", default=d.on_prefill_failure,
+                    choices=["error", "retry", "local"])
+    ap.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s)
+    ap.add_argument("--heartbeat", type=float, default=d.heartbeat_s)
+    ap.add_argument("--peer-timeout", type=float, default=d.peer_timeout_s)
     ap.add_argument("--log-level", default=None)
     return ap
 
@@ -57,6 +71,12 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                           kv_cache_mb=args.kv_cache_mb),
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens,
                                   max_running=args.max_running, max_model_len=args.max_model_len),
+        disagg=DisaggConfig(
+            prefill_peers=args.prefill_peers, transfer_backend=args.transfer_backend,
+            fabric_provider=args.fabric_provider,
+            local_prefill_max_tokens=args.local_prefill_max_tokens,
+            on_prefill_failure=args.on_prefill_failure, prefill_timeout_s=args.prefill_timeout,
+            heartbeat_s=args.heartbeat, peer_timeout_s=args.peer_timeout),
         step_timeout_s=args.step_timeout,
         startup_timeout_s=args.startup_timeout,
     )
@@ -77,7 +97,11 @@ async def launch(cfg: NodeConfig) -> int:
         await node.start()
     except Exception as e:
         log.error("could not start: %s", e)
+        await node.stop()
         return 1
+    for sig in (signal.SIGINT, signal.SIGTERM):  # again: native libraries loaded by start()
+        loop.remove_signal_handler(sig)  # may have replaced the process's handlers
+        loop.add_signal_handler(sig, stop.set)
     waiter = asyncio.create_task(node.wait())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -10,6 +10,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+# libfabric links libinfinipath (psm), whose constructor installs signal handlers that crash
+# a process receiving SIGINT/SIGTERM while in epoll; this variable turns them off. Processes
+# should still install their own signal handlers after loading libfabric.
+os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
+
 try:
     from disagg.fabric._libfabric_cffi import ffi, lib
 except ImportError as e:  # pragma: no cover - depends on the install

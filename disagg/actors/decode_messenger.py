@@ -1,0 +1,329 @@
+"""Decode-side KV messenger, with the completion tracker.
+
+Receives: ``NeedPrefill`` / ``CancelRemote`` from the scheduler (``inproc://``); ``Pong`` /
+``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` from prefill nodes (one DEALER per
+``--prefill-peer``); expectation completions from the transfer engine.
+Sends: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` to prefillers; ``KVReady`` /
+``RemoteFailed`` / ``RemoteReleased`` / ``PeersAlive`` / ``MessengerStats`` to the scheduler.
+Owns: the attempts (one per PrefillRequest sent), peer liveness and load, the context buffer.
+
+A request's pages are never reported free while a write into them may still land: after a
+timeout or a client abort the attempt drains (AbortPrefill -> AbortAck, or the prefiller's own
+PrefillDone/PrefillFailed, or the prefiller declared dead) before the scheduler hears of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+import zmq.asyncio
+
+from disagg.actors.transfer import TransferEngine
+from disagg.protocol import (
+    AbortAck,
+    AbortPrefill,
+    CancelRemote,
+    KVLayoutDesc,
+    KVReady,
+    MessengerStats,
+    NeedPrefill,
+    PeerReply,
+    PeersAlive,
+    Ping,
+    Pong,
+    PrefillDone,
+    PrefillFailed,
+    PrefillRequest,
+    RemoteFailed,
+    RemoteReleased,
+    ToMessenger,
+)
+from disagg.transfer_plan import expected_units, incompatibility, make_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    address: str
+    sock: zmq.asyncio.Socket
+    alive: bool = False
+    last_pong: float = 0.0
+    queued_tokens: int = 0  # from its last Pong
+    sent_tokens: int = 0  # tokens we sent since that Pong
+    incompatible: str | None = None
+
+
+@dataclass
+class Attempt:
+    slot: int
+    generation: int
+    need: NeedPrefill
+    peer: Peer
+    ctx_slot: int
+    expectation: Any
+    deadline: float
+    tries: int
+    state: str = "waiting"  # waiting (for KV) -> draining (no KV wanted; writes may land)
+    cancelled: bool = False  # the request ended on the decode side
+    failure: tuple[str, str] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.slot}.{self.generation}"
+
+
+class DecodeMessenger:
+    def __init__(
+        self,
+        peers: list[str],
+        ctx: zmq.asyncio.Context,
+        sched_sock: zmq.asyncio.Socket,
+        transfer: TransferEngine,
+        layout: KVLayoutDesc,
+        kv: torch.Tensor,
+        max_slots: int = 256,
+        timeout_s: float = 60.0,
+        heartbeat_s: float = 1.0,
+        peer_timeout_s: float = 5.0,
+        on_failure: str = "error",
+        max_tries: int = 2,
+    ):
+        self.peers = []
+        for address in peers:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.peers.append(Peer(address, sock))
+        self.sched = sched_sock
+        self.transfer = transfer
+        self.layout = layout
+        self.kv_region = transfer.register(kv.view(torch.uint8).view(-1))
+        self.ctx_buf = torch.zeros(max_slots, layout.context_bytes, dtype=torch.uint8)
+        self.ctx_region = transfer.register(self.ctx_buf.view(-1))
+        self.ctx_free = list(range(max_slots - 1, -1, -1))
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.max_tries = max_tries if on_failure == "retry" else 1
+        self.attempts: dict[str, Attempt] = {}  # by request id
+        self.by_slot: dict[int, Attempt] = {}
+        self._gens = itertools.count(1)
+        self._ping = itertools.count()
+        self._enc = msgspec.msgpack.Encoder()
+        self._peer_dec = msgspec.msgpack.Decoder(PeerReply)
+        self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._alive_reported = -1
+        self.units_received = 0
+        self.bad_frames = 0
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self) -> None:
+        """Loop: 1. wait for a scheduler or prefiller message (at most one heartbeat);
+        2. handle it; 3. every heartbeat: ping peers, update liveness, expire drains."""
+        poller = zmq.asyncio.Poller()
+        poller.register(self.sched, zmq.POLLIN)
+        for p in self.peers:
+            poller.register(p.sock, zmq.POLLIN)
+        next_beat = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                await self._heartbeat(now)
+                next_beat = now + self.heartbeat_s
+            events = dict(await poller.poll(max(1, int((next_beat - now) * 1000))))
+            if self.sched in events:
+                await self._from_scheduler()
+            for p in self.peers:
+                if p.sock in events:
+                    await self._from_peer(p)
+
+    async def _from_scheduler(self) -> None:
+        while True:
+            try:
+                data = await self.sched.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            match self._sched_dec.decode(data):
+                case NeedPrefill() as need:
+                    await self._start(need, tries=1)
+                case CancelRemote(slot=slot):
+                    a = self.by_slot.get(slot)
+                    if a is None:
+                        await self._to_scheduler(RemoteReleased(slot))
+                    else:
+                        a.cancelled = True
+                        await self._drain(a, ("cancelled", "the request ended"))
+
+    async def _from_peer(self, peer: Peer) -> None:
+        while True:
+            try:
+                data = await peer.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = self._peer_dec.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.bad_frames += 1
+                log.warning("bad frame from prefiller %s: %s", peer.address, e)
+                continue
+            match msg:
+                case Pong() as pong:
+                    peer.last_pong = time.monotonic()
+                    peer.queued_tokens, peer.sent_tokens = pong.queued_tokens, 0
+                    peer.incompatible = incompatibility(pong.layout, self.layout)
+                    if peer.incompatible and peer.alive is False:
+                        log.error("prefiller %s refused: %s", peer.address, peer.incompatible)
+                    peer.alive = peer.incompatible is None
+                    await self._report_alive()
+                case PrefillFailed(request_id=rid, code=code, message=message):
+                    a = self.attempts.get(rid)
+                    if a is not None:  # no write of it can land any more
+                        await self._settled(a, a.failure or (code, message))
+                case PrefillDone(request_id=rid) | AbortAck(request_id=rid):
+                    a = self.attempts.get(rid)
+                    if a is not None and a.state == "draining":
+                        await self._settled(a, a.failure or ("cancelled", "the request ended"))
+
+    # ------------------------------------------------------------------ attempts
+
+    def pick(self) -> Peer | None:
+        """The live, compatible prefiller with the fewest queued tokens (ties at random)."""
+        live = [p for p in self.peers if p.alive]
+        if not live:
+            return None
+        return min(live, key=lambda p: (p.queued_tokens + p.sent_tokens, random.random()))
+
+    async def _start(self, need: NeedPrefill, tries: int) -> None:
+        peer = self.pick()
+        if peer is None or not self.ctx_free:
+            why = "no prefiller is alive" if peer is None else "no free context slot"
+            await self._to_scheduler(RemoteFailed(need.slot, "no_prefiller", why))
+            return
+        gen = next(self._gens)
+        key = make_key(need.slot, gen)
+        units = expected_units(self.layout.num_layers, len(need.prompt_ids), self.layout.page_size)
+        ctx_slot = self.ctx_free.pop()
+        exp = self.transfer.expect(key, units, timeout=self.timeout_s)
+        a = Attempt(need.slot, gen, need, peer, ctx_slot, exp,
+                    time.monotonic() + self.timeout_s, tries)
+        self.attempts[a.request_id] = a
+        self.by_slot[need.slot] = a
+        peer.sent_tokens += len(need.prompt_ids)
+        req = PrefillRequest(
+            request_id=a.request_id, key=key, prompt_ids=need.prompt_ids,
+            dst_pages=need.dst_pages, dst_layout=self.layout,
+            dst_kv=self.kv_region.descriptor.encode(), dst_ctx=self.ctx_region.descriptor.encode(),
+            ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s)
+        await peer.sock.send(self._enc.encode(req))
+        self._spawn(self._await_kv(a, units))
+
+    async def _await_kv(self, a: Attempt, units: int) -> None:
+        try:
+            await a.expectation
+        except asyncio.CancelledError:
+            return  # cancelled by a drain; that path reports
+        except Exception as e:  # the expectation's deadline passed
+            if a.state == "waiting":
+                await self._drain(a, ("timeout", f"KV did not arrive within {self.timeout_s:.0f}s: {e}"))
+            return
+        if a.state != "waiting":
+            return
+        self.units_received += units
+        self._forget(a)
+        await self._to_scheduler(KVReady(a.slot))
+        await self._to_scheduler(self.stats())
+
+    async def _drain(self, a: Attempt, failure: tuple[str, str]) -> None:
+        """Stop wanting the KV; report only once no write of the attempt can land."""
+        if a.state == "draining":
+            return
+        a.state = "draining"
+        a.failure = failure
+        a.expectation.cancel()
+        a.deadline = time.monotonic() + self.peer_timeout_s
+        if a.peer.alive:
+            await a.peer.sock.send(self._enc.encode(AbortPrefill(a.request_id)))
+        else:
+            await self._settled(a, failure)
+
+    async def _settled(self, a: Attempt, failure: tuple[str, str]) -> None:
+        """No write of ``a`` can land any more: retry, or report to the scheduler."""
+        if a.state == "waiting":
+            a.expectation.cancel()
+        self._forget(a)
+        if a.cancelled:
+            await self._to_scheduler(RemoteReleased(a.slot))
+        elif a.tries < self.max_tries and self.pick() is not None:
+            log.warning("prefill of slot %d failed (%s: %s); retrying", a.slot, *failure)
+            await self._start(a.need, a.tries + 1)
+        else:
+            await self._to_scheduler(RemoteFailed(a.slot, failure[0], failure[1]))
+        await self._to_scheduler(self.stats())
+
+    def _forget(self, a: Attempt) -> None:
+        if self.attempts.pop(a.request_id, None) is not None:
+            self.ctx_free.append(a.ctx_slot)
+        if self.by_slot.get(a.slot) is a:
+            del self.by_slot[a.slot]
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _heartbeat(self, now: float) -> None:
+        seq = next(self._ping)
+        for p in self.peers:
+            if p.alive and now - p.last_pong > self.peer_timeout_s:
+                log.warning("prefiller %s is not answering; declaring it dead", p.address)
+                p.alive = False
+            try:
+                await p.sock.send(self._enc.encode(Ping(seq)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for a in list(self.attempts.values()):
+            dead = not a.peer.alive
+            if a.state == "draining" and (dead or now > a.deadline):
+                # a dead prefiller writes nothing more; a live one that ignores AbortPrefill
+                # past the peer timeout is treated as dead
+                await self._settled(a, a.failure or ("prefiller_dead", "prefiller stopped"))
+            elif a.state == "waiting" and dead:
+                await self._drain(a, ("prefiller_dead", f"prefiller {a.peer.address} died"))
+        await self._report_alive()
+
+    async def _report_alive(self) -> None:
+        n = sum(p.alive for p in self.peers)
+        if n != self._alive_reported:
+            self._alive_reported = n
+            await self._to_scheduler(PeersAlive(n))
+            await self._to_scheduler(self.stats())
+
+    # ------------------------------------------------------------------ plumbing
+
+    def stats(self) -> MessengerStats:
+        return MessengerStats(transfers_in_flight=len(self.attempts),
+                              kv_units_received=self.units_received,
+                              prefill_peers_alive=sum(p.alive for p in self.peers))
+
+    async def _to_scheduler(self, msg: Any) -> None:
+        await self.sched.send(self._enc.encode(msg))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for p in self.peers:
+            p.sock.close()

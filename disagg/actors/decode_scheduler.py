@@ -1,0 +1,125 @@
+"""Scheduler actor of a decode node.
+
+Receives: client requests from the frontend; ``KVReady`` / ``RemoteFailed`` /
+``RemoteReleased`` / ``PeersAlive`` / ``MessengerStats`` from the messenger.
+Sends: tokens to clients; ``NeedPrefill`` / ``CancelRemote`` to the messenger.
+Owns: the page pool. A prompt longer than ``--local-prefill-max-tokens`` gets un-evictable
+pages and waits out of decode scheduling until its KV has landed (SEED.md 8); then its last
+prompt token runs as an ordinary decode step (SEED.md 26). Short prompts, and every prompt
+while no prefiller is alive, are prefilled here in mixed steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import msgspec
+
+from disagg.actors.scheduler import SchedulerActor
+from disagg.cache import pages_needed
+from disagg.protocol import (
+    CancelRemote,
+    Error,
+    KVReady,
+    NeedPrefill,
+    PeersAlive,
+    RemoteFailed,
+    RemoteReleased,
+    StepPlan,
+    StepResult,
+    ToScheduler,
+)
+from disagg.scheduling import Batch, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class DecodeScheduler(SchedulerActor):
+    def __init__(self, *args, local_prefill_max_tokens: int = 0, on_failure: str = "error",
+                 **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.on_failure = on_failure  # error | retry | local (retries happen in the messenger)
+        self.peers_alive = 0
+        self.remote_queue: collections.deque[Sequence] = collections.deque()  # no pages yet
+        self.quarantine: dict[int, list[int]] = {}  # slot -> pages a write may still reach
+        self.seqs: dict[int, Sequence] = {}  # slot -> sequence, while remote
+        self._menc = msgspec.msgpack.Encoder()
+
+    def wants_remote(self, seq: Sequence) -> bool:
+        return self.peers_alive > 0 and len(seq.prompt_ids) - 1 > self.local_prefill_max_tokens
+
+    async def enqueue(self, seq: Sequence) -> None:
+        if not self.wants_remote(seq):
+            self.sched.add(seq)
+            return
+        self.seqs[seq.slot] = seq
+        self.remote_queue.append(seq)
+        await self._pump()
+
+    async def _pump(self) -> None:
+        """Reserve pages for queued remote prefills, oldest first, while the pool allows."""
+        while self.remote_queue and self.sched.reserve_remote(self.remote_queue[0]):
+            seq = self.remote_queue.popleft()
+            n = len(seq.prompt_ids) - 1
+            await self._to_messenger(NeedPrefill(seq.slot, seq.prompt_ids[:-1],
+                                                 seq.block_table[: pages_needed(n, self.page_size)]))
+
+    async def handle_messenger(self, msg: ToScheduler) -> None:
+        match msg:
+            case KVReady(slot=slot):
+                seq = self.seqs.pop(slot, None)
+                if seq is not None and seq.status is Status.REMOTE:
+                    self.sched.kv_arrived(seq)
+            case RemoteFailed(slot=slot, code=code, message=message):
+                seq = self.seqs.pop(slot, None)
+                if seq is None or seq.status is not Status.REMOTE:
+                    return
+                self.sched.free_pages(self.sched.detach(seq))  # no write can land any more
+                if self.on_failure == "local" or code == "no_prefiller":
+                    log.warning("prefilling %s locally: %s", seq.request_id, message)
+                    seq.status = Status.WAITING
+                    self.sched.add(seq)
+                else:
+                    await self._end(seq, Error("prefill_failed", f"{code}: {message}",
+                                               seq.request_id))
+                await self._pump()
+            case RemoteReleased(slot=slot):
+                self.sched.free_pages(self.quarantine.pop(slot, []))
+                await self._pump()
+            case PeersAlive(count=n):
+                self.peers_alive = n
+                if n == 0:  # nobody to send queued prompts to: prefill them here
+                    while self.remote_queue:
+                        seq = self.remote_queue.popleft()
+                        self.seqs.pop(seq.slot, None)
+                        self.sched.add(seq)
+            case _:
+                await super().handle_messenger(msg)
+
+    async def release(self, seq: Sequence) -> None:
+        if seq in self.remote_queue:
+            self.remote_queue.remove(seq)
+            self.seqs.pop(seq.slot, None)
+        if seq.status is Status.REMOTE:
+            if seq.block_table:  # a write may still land: quarantine until released
+                self.quarantine[seq.slot] = self.sched.detach(seq)
+                self.seqs.pop(seq.slot, None)
+                await self._to_messenger(CancelRemote(seq.slot))
+            else:
+                self.sched.detach(seq)
+            return
+        await super().release(seq)
+
+    async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
+                         hidden: bytes | None) -> None:
+        if self.remote_queue:
+            await self._pump()
+
+    def waiting_for_kv(self) -> int:
+        return len(self.sched.remote) + len(self.remote_queue)
+
+    async def _to_messenger(self, msg: object) -> None:
+        assert self.mbox is not None
+        await self.mbox.send(self._menc.encode(msg))

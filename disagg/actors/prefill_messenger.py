@@ -1,0 +1,409 @@
+"""Prefill-side KV messenger.
+
+Receives: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` from decode nodes (ROUTER on the
+node's ``--listen``); ``StepAnnounce`` / ``StepDone`` (+ context rows) from the scheduler.
+Sends: ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` / ``MessengerStats`` to the scheduler;
+``Pong`` / ``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` to decoders; page writes through
+the transfer engine, layer by layer as the layer counter advances (SEED.md 11-16).
+Owns: the jobs (one per accepted PrefillRequest), the layer-counter poller thread, the context
+staging buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+import zmq.asyncio
+
+from disagg.actors.transfer import TransferEngine
+from disagg.protocol import (
+    AbortAck,
+    AbortPrefill,
+    CancelJob,
+    KVLayoutDesc,
+    MessengerStats,
+    PeerRequest,
+    Ping,
+    Pong,
+    PrefillDone,
+    PrefillFailed,
+    PrefillJob,
+    PrefillRequest,
+    ReleaseJob,
+    StatsQuery,
+    StatsReply,
+    StatsRequest,
+    StepAnnounce,
+    StepDone,
+    ToMessenger,
+)
+from disagg.transfer_plan import Write, incompatibility, pages_to_send, plan_layer_writes
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.0002  # counter poll period while a step runs; idle waits block on an event
+
+
+@dataclass
+class Job:
+    id: int
+    peer: bytes  # decoder's ROUTER identity
+    req: PrefillRequest
+    dst_kv: Any  # decoded MemoryDescriptor
+    dst_ctx: Any
+    deadline: float
+    accepted_at: float
+    futures: list[asyncio.Future[None]] = field(default_factory=list)
+    computed: bool = False  # last chunk done and context write posted
+    cancelled: bool = False
+    ended: bool = False
+
+
+@dataclass
+class Step:
+    announce: StepAnnounce
+    next_layer: int = 0  # layers [0, next_layer) handed to the engine
+
+
+class LayerPoller:
+    """A dedicated thread that follows the layer counter of the running step (SEED.md 13)."""
+
+    def __init__(self, counter: Any, num_layers: int, loop: asyncio.AbstractEventLoop,
+                 on_layers: Any):
+        self.counter = counter
+        self.num_layers = num_layers
+        self.loop = loop
+        self.on_layers = on_layers  # called in the loop with (step_id, layers_done)
+        self._step: tuple[int, int] | None = None  # (step_id, counter base)
+        self._event = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="layer-poller", daemon=True)
+        self._thread.start()
+
+    def follow(self, step_id: int, base: int) -> None:
+        self._step = (step_id, base)
+        self._event.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._event.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        seen: tuple[int, int] = (-1, 0)
+        while not self._stop:
+            step = self._step
+            if step is None or seen == (step[0], self.num_layers):
+                self._event.wait(0.5)  # idle: block, never spin
+                self._event.clear()
+                continue
+            step_id, base = step
+            done = max(0, min(self.num_layers, self.counter.read() - base))
+            if done != seen[1] or step_id != seen[0]:
+                if done > 0:
+                    self.loop.call_soon_threadsafe(self.on_layers, step_id, done)
+                seen = (step_id, done)
+            time.sleep(POLL_S)
+
+
+class PrefillMessenger:
+    def __init__(
+        self,
+        listen: str,
+        ctx: zmq.asyncio.Context,
+        sched_sock: zmq.asyncio.Socket,
+        transfer: TransferEngine,
+        layout: KVLayoutDesc,
+        kv: torch.Tensor,
+        counter: Any,
+        vocab_size: int,
+        max_jobs: int = 256,
+    ):
+        self.vocab_size = vocab_size
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self.sock.bind(listen)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sched = sched_sock
+        self.transfer = transfer
+        self.layout = layout
+        self.kv_region = transfer.register(kv.view(torch.uint8).view(-1))
+        self.ctx_buf = torch.zeros(max_jobs, layout.context_bytes, dtype=torch.uint8)
+        self.ctx_region = transfer.register(self.ctx_buf.view(-1))
+        self.ctx_free = list(range(max_jobs - 1, -1, -1))
+        self.ctx_of: dict[int, int] = {}
+        self.counter = counter
+        self.jobs: dict[int, Job] = {}
+        self.by_peer: dict[tuple[bytes, str], int] = {}
+        self.steps: dict[int, Step] = {}
+        self.queued_tokens = 0
+        self._ids = itertools.count(1)
+        self._enc = msgspec.msgpack.Encoder()
+        self._peer_dec = msgspec.msgpack.Decoder(PeerRequest)
+        self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.bad_frames = 0
+        self.layerwise_steps = 0
+        self.poller: LayerPoller | None = None
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self) -> None:
+        """Loop: 1. wait for a decoder frame or a scheduler message; 2. handle it (accept,
+        abort, ping / announce, step done). Layer progress arrives via the poller thread."""
+        self.poller = LayerPoller(self.counter, self.layout.num_layers,
+                                  asyncio.get_running_loop(), self.on_layers)
+        poller = zmq.asyncio.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.sched, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(await poller.poll(1000))
+                if self.sock in events:
+                    await self._from_peers()
+                if self.sched in events:
+                    await self._from_scheduler()
+                self._expire()
+        finally:
+            self.poller.stop()
+
+    async def _from_peers(self) -> None:
+        while True:
+            try:
+                frames = await self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer = frames[0]
+            try:
+                if len(frames) != 2:
+                    raise msgspec.ValidationError("expected one message frame")
+                msg = self._peer_dec.decode(frames[1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.bad_frames += 1
+                log.warning("bad frame from a decoder: %s", e)
+                continue
+            match msg:
+                case Ping(seq=seq):
+                    await self._reply(peer, Pong(seq, self.queued_tokens, self.layout))
+                case PrefillRequest() as req:
+                    await self._accept(peer, req)
+                case AbortPrefill(request_id=rid):
+                    await self._abort(peer, rid)
+                case StatsRequest():
+                    await self._to_scheduler(StatsQuery(peer))
+
+    async def _from_scheduler(self) -> None:
+        while True:
+            try:
+                frames = await self.sched.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            match self._sched_dec.decode(frames[0]):
+                case StepAnnounce() as a:
+                    self.steps[a.step_id] = Step(a)
+                    assert self.poller is not None
+                    self.poller.follow(a.step_id, a.counter_base)
+                case StepDone() as d:
+                    self._step_done(d, frames[1] if len(frames) > 1 else None)
+                case StatsReply(peer=peer, stats=stats):
+                    await self._reply(peer, msgspec.structs.replace(
+                        stats, bad_frames=self.bad_frames))
+
+    # ------------------------------------------------------------------ requests
+
+    def validate(self, req: PrefillRequest) -> str | None:
+        """Why a PrefillRequest cannot be served, or None (bounds-checks before any write)."""
+        why = incompatibility(self.layout, req.dst_layout)
+        if why:
+            return why
+        n = len(req.prompt_ids)
+        if n == 0:
+            return "empty prompt"
+        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
+            return "token id outside the vocabulary"
+        d = req.dst_layout
+        if len(req.dst_pages) != -(-n // d.page_size):
+            return f"{len(req.dst_pages)} destination pages for {n} tokens of page size {d.page_size}"
+        if len(set(req.dst_pages)) != len(req.dst_pages):
+            return "destination pages repeat"
+        if any(not 0 <= p < d.num_pages for p in req.dst_pages):
+            return "destination page id out of range"
+        if n > self.layout.num_pages * self.layout.page_size:
+            return "prompt larger than this prefiller's KV pool"
+        if not 0 < req.timeout_s <= 3600:
+            return f"timeout_s out of range: {req.timeout_s}"
+        return None
+
+    async def _accept(self, peer: bytes, req: PrefillRequest) -> None:
+        why = self.validate(req)
+        dst_kv = dst_ctx = None
+        if why is None:
+            try:
+                dst_kv = self.transfer.decode_descriptor(req.dst_kv)
+                dst_ctx = self.transfer.decode_descriptor(req.dst_ctx)
+                if dst_kv.length < req.dst_layout.total_bytes:
+                    why = "KV descriptor smaller than the advertised layout"
+                elif not 0 <= req.ctx_offset <= dst_ctx.length - self.layout.context_bytes:
+                    why = "context offset outside the context buffer"
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+                why = f"bad memory descriptor: {e}"
+        if why is None and (peer, req.request_id) in self.by_peer:
+            why = f"duplicate request id {req.request_id!r}"
+        if why is None and not self.ctx_free:
+            await self._reply(peer, PrefillFailed(req.request_id, "overloaded", "too many jobs"))
+            return
+        if why is not None:
+            await self._reply(peer, PrefillFailed(req.request_id, "bad_request", why))
+            return
+        now = time.monotonic()
+        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx, now + req.timeout_s, now)
+        self.jobs[job.id] = job
+        self.by_peer[(peer, req.request_id)] = job.id
+        self.ctx_of[job.id] = self.ctx_free.pop()
+        self.queued_tokens += len(req.prompt_ids)
+        await self._to_scheduler(PrefillJob(job.id, req.prompt_ids))
+
+    async def _abort(self, peer: bytes, rid: str) -> None:
+        job_id = self.by_peer.get((peer, rid))
+        if job_id is None:
+            await self._reply(peer, AbortAck(rid))  # nothing of it can land
+            return
+        self._cancel(self.jobs[job_id], ack=True)
+
+    def _cancel(self, job: Job, ack: bool, code: str = "", message: str = "") -> None:
+        """Stop a job: no new writes; reply and free pages once posted writes settle."""
+        if job.cancelled or job.ended:
+            return
+        job.cancelled = True
+        if not job.computed:
+            self._send_soon(CancelJob(job.id))
+        reply: Any = AbortAck(job.req.request_id) if ack else PrefillFailed(
+            job.req.request_id, code, message)
+        self._spawn(self._finish(job, reply))
+
+    # ------------------------------------------------------------------ layers and steps
+
+    def on_layers(self, step_id: int, layers_done: int) -> None:
+        """Called in the loop by the poller: ship every newly finished layer of the step."""
+        step = self.steps.get(step_id)
+        if step is None:
+            return
+        if step.next_layer == 0 and layers_done < self.layout.num_layers and step.announce.chunks:
+            self.layerwise_steps += 1  # shipping starts while later layers still compute
+        for layer in range(step.next_layer, layers_done):
+            for chunk in step.announce.chunks:
+                job = self.jobs.get(chunk.job)
+                if job is None or job.cancelled:
+                    continue
+                idx = pages_to_send(chunk.start, chunk.start + chunk.count, chunk.total,
+                                    self.layout.page_size)
+                if not idx:
+                    continue
+                src = [chunk.pages[i] for i in idx]
+                dst = [job.req.dst_pages[i] for i in idx]
+                writes = plan_layer_writes(self.layout, job.req.dst_layout, src, dst, layer)
+                self._post(job, self.kv_region, job.dst_kv, writes)
+        step.next_layer = max(step.next_layer, layers_done)
+
+    def _step_done(self, done: StepDone, hidden: bytes | None) -> None:
+        step = self.steps.pop(done.step_id, None)
+        if step is None:
+            return
+        if not done.ok:
+            for c in step.announce.chunks:
+                if c.job in self.jobs:
+                    self._cancel(self.jobs[c.job], False, "internal", f"step failed: {done.error}")
+            return
+        self.on_layers(done.step_id, self.layout.num_layers)  # whatever the poller missed
+        for c in step.announce.chunks:
+            self.queued_tokens -= c.count
+        row_bytes = self.layout.context_bytes
+        for i, job_id in enumerate(done.context_jobs):
+            job = self.jobs.get(job_id)
+            if job is None or job.cancelled or hidden is None:
+                continue
+            slot = self.ctx_of[job_id]
+            self.ctx_buf[slot] = torch.frombuffer(bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]),
+                                                  dtype=torch.uint8)
+            w = Write(slot * row_bytes, job.req.ctx_offset, row_bytes, 1)
+            self._post(job, self.ctx_region, job.dst_ctx, [w])
+            job.computed = True
+            self._spawn(self._finish(job, None))
+        self._send_soon(self.stats())
+
+    def _post(self, job: Job, src: Any, dst: Any, writes: list[Any]) -> None:
+        try:
+            job.futures.extend(self.transfer.write(src, dst, writes, job.req.key))
+        except Exception as e:  # out of range: refuse, never write outside
+            log.error("job %d: refused writes: %s", job.id, e)
+            self._cancel(job, False, "transfer_failed", str(e))
+
+    async def _finish(self, job: Job, reply: Any) -> None:
+        """Wait for every posted write to settle, then answer the decoder and free pages."""
+        results = await asyncio.gather(*job.futures, return_exceptions=True)
+        if job.ended:
+            return
+        if reply is None:  # the normal end: all writes done at the source
+            if job.cancelled:
+                return  # a cancel raced the last step; its own _finish answers
+            errors = [r for r in results if isinstance(r, BaseException)]
+            reply = (PrefillDone(job.req.request_id, time.monotonic() - job.accepted_at)
+                     if not errors else PrefillFailed(job.req.request_id, "transfer_failed",
+                                                      str(errors[0])))
+        job.ended = True
+        await self._reply(job.peer, reply)
+        self.jobs.pop(job.id, None)
+        self.by_peer.pop((job.peer, job.req.request_id), None)
+        self.ctx_free.append(self.ctx_of.pop(job.id))
+        await self._to_scheduler(ReleaseJob(job.id))
+        await self._to_scheduler(self.stats())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for job in [j for j in self.jobs.values() if j.deadline < now and not j.cancelled
+                    and not j.computed]:
+            self._cancel(job, False, "timeout", "prefill did not finish within its deadline")
+
+    # ------------------------------------------------------------------ plumbing
+
+    def stats(self) -> MessengerStats:
+        lag = 0
+        for s in self.steps.values():
+            done = max(0, min(self.layout.num_layers, self.counter.read() - s.announce.counter_base))
+            lag = max(lag, done - s.next_layer)
+        return MessengerStats(
+            transfers_in_flight=sum(1 for j in self.jobs.values() if j.futures and not j.ended),
+            kv_writes_sent=self.transfer.writes_sent, kv_bytes_sent=self.transfer.bytes_sent,
+            layer_lag=lag, layerwise_steps=self.layerwise_steps)
+
+    async def _reply(self, peer: bytes, msg: Any) -> None:
+        try:
+            await self.sock.send_multipart([peer, self._enc.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("could not reply to a decoder: %s", e)
+
+    async def _to_scheduler(self, msg: Any) -> None:
+        await self.sched.send(self._enc.encode(msg))
+
+    def _send_soon(self, msg: Any) -> None:
+        self._spawn(self._to_scheduler(msg))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.sock.close()
