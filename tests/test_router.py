@@ -10,11 +10,11 @@ import msgspec
 import openai
 import pytest
 import zmq
+from test_http import LoopThread, chat_model
 
 from disagg.actors.router import start_router
 from disagg.client import Client
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
-from test_http import LoopThread, chat_model
 from tinymodels import NodeProcess, free_port, make_tiny_model
 
 MODEL = "tiny-llama"
@@ -63,7 +63,8 @@ async def wait_all_live(r, timeout=30.0):
 
     deadline = time.monotonic() + timeout
     while len(r.balancer.alive()) < len(r.balancer.order):
-        assert time.monotonic() < deadline, "decode peers never answered"
+        assert time.monotonic() < deadline, (
+            f"decode peers never answered: {r.balancer.peers} tasks {r._tasks}")
         await asyncio.sleep(0.05)
 
 
