@@ -45,6 +45,24 @@ _TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 OUTCOMES = ("stop", "length", "abort", "error")
 
 
+_NODE_EXTRA = (
+    ("disagg_node_kv_writes_sent", "Fabric writes of KV posted by the node (its Stats).",
+     "kv_writes_sent", "counter"),
+    ("disagg_node_kv_bytes_sent", "KV bytes sent by the node (its Stats).", "kv_bytes_sent",
+     "counter"),
+    ("disagg_node_kv_units_received", "KV pages (per layer) and contexts landed on the node.",
+     "kv_units_received", "counter"),
+    ("disagg_num_requests_waiting_for_kv", "Decode: requests waiting for a prefiller's KV.",
+     "waiting_for_kv", "gauge"),
+    ("disagg_kv_transfers_in_flight", "KV transfers in flight on the node.",
+     "transfers_in_flight", "gauge"),
+    ("disagg_kv_layer_lag", "Prefill: layers computed but not yet handed to the engine.",
+     "layer_lag", "gauge"),
+    ("disagg_prefill_peers_alive", "Decode: prefill peers answering.", "prefill_peers_alive",
+     "gauge"),
+)
+
+
 class _StatsCollector(Collector):
     """Exposes the last ``Stats`` snapshot of each node as gauges and counters."""
 
@@ -73,6 +91,13 @@ class _StatsCollector(Collector):
         for node, s in self.last.items():
             pre.add_metric([node], float(s.preemptions))
         yield pre
+        # disaggregation fields of Stats (read with getattr: absent on older nodes)
+        for name, doc, field, kind in _NODE_EXTRA:
+            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, doc, labels=["node"])
+            for node, s in self.last.items():
+                fam.add_metric([node], float(getattr(s, field, 0)))
+            yield fam
         reqs = CounterMetricFamily("disagg_node_requests",
                                    "Request counters reported by the node (its Stats).",
                                    labels=["node", "state"])

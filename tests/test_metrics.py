@@ -64,3 +64,13 @@ def test_two_instances_do_not_collide():
     a, b = Metrics(), Metrics()
     a.observe_error("x")
     assert samples(b).get("disagg_request_errors_total,code=x") is None
+
+
+def test_disaggregation_fields_of_stats():
+    m = Metrics()
+    m.update_stats(Stats("prefill", 10, 10, 16, 0, 0, 1, 1, 0, 0, 0, 0, 0, kv_writes_sent=12,
+                         kv_bytes_sent=4096, layer_lag=2), node="p")
+    s = samples(m)
+    assert s["disagg_node_kv_writes_sent_total,node=p"] == 12
+    assert s["disagg_node_kv_bytes_sent_total,node=p"] == 4096
+    assert s["disagg_kv_layer_lag,node=p"] == 2

@@ -286,17 +286,14 @@ class Router:
         return self._aggregate(live)
 
     def _aggregate(self, live: list[Stats]) -> Stats:
-        def total(name: str) -> int:
-            return sum(int(getattr(s, name)) for s in live)
-
-        return Stats(role="router", pages_total=total("pages_total"),
-                     pages_free=total("pages_free"),
-                     page_size=live[0].page_size if live else 0, running=total("running"),
-                     waiting=total("waiting"), started=total("started"),
-                     finished=total("finished"), aborted=total("aborted"),
-                     errored=total("errored"), rejected=total("rejected") + self.rejected,
-                     bad_frames=total("bad_frames") + self.bad_frames,
-                     preemptions=total("preemptions"))
+        """Every count summed over ``live``; the router's own refusals added."""
+        sums: dict[str, Any] = {}
+        for f in msgspec.structs.fields(Stats):
+            if f.name not in ("role", "page_size", "v") and f.type is int:
+                sums[f.name] = sum(int(getattr(s, f.name)) for s in live)
+        sums["rejected"] += self.rejected
+        sums["bad_frames"] += self.bad_frames
+        return Stats(role="router", page_size=live[0].page_size if live else 0, **sums)
 
     # ------------------------------------------------------------------ client-protocol front
 
