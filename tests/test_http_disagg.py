@@ -1,0 +1,121 @@
+"""The OpenAI gateway in front of a live decode node with a prefill peer (KV over libfabric tcp
+on loopback), driven by the official client: the issue's acceptance path."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import openai
+import pytest
+from test_http import LoopThread, chat_model
+
+from disagg.actors.http import start_http_gateway
+from disagg.client import Client
+from tinymodels import NodeProcess, free_port, make_tiny_model
+
+pytestmark = pytest.mark.fabric
+
+MODEL = "tiny-llama"
+PAGE = 4
+MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("http-disagg") / "llama")
+    chat_model(path)
+    return path
+
+
+def stats(addr):
+    c = Client(addr)
+    try:
+        return c.stats(timeout=10)
+    finally:
+        c.close()
+
+
+def wait_for(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("log")
+    p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    common = ["--model", str(model_dir), "--page-size", str(PAGE), "--threads", "1",
+              "--max-model-len", str(MAX_LEN), "--fabric-provider", "tcp"]
+    prefill = NodeProcess(["--role", "prefill", "--listen", p_addr, "--num-pages", "160",
+                           *common], tmp / "prefill.log")
+    decode = NodeProcess(["--role", "decode", "--listen", d_addr, "--num-pages", "160",
+                          "--prefill-peer", p_addr, "--heartbeat", "0.2",
+                          "--local-prefill-max-tokens", "0", *common], tmp / "decode.log")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
+        yield p_addr, d_addr
+    finally:
+        assert decode.stop() == [] and prefill.stop() == []
+
+
+@pytest.fixture(scope="module")
+def gateway(pair, model_dir):
+    lt = LoopThread()
+    gw = lt.run(start_http_gateway(pair[1], "127.0.0.1:0", str(model_dir), model_name=MODEL,
+                                   stats_interval=0.2))
+    yield gw
+    lt.run(gw.stop())
+    lt.close()
+
+
+@pytest.fixture(scope="module")
+def oai(gateway):
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        yield client
+
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_chat_and_completions_over_a_prefill_decode_pair(oai, pair):
+    sent_before = stats(pair[0]).kv_writes_sent
+    messages = [{"role": "user", "content": "w10 w11 w12 w13 w14 w15 w16"}]
+    r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, **GREEDY)
+    assert r.usage.prompt_tokens == 10 and r.usage.completion_tokens == 5
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                              stream=True, stream_options={"include_usage": True},
+                                              **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 5
+    assert stats(pair[0]).kv_writes_sent > sent_before  # the prompts went through the prefiller
+    ref = oai.completions.create(model=MODEL, prompt="w7 w8 w9 w10 w11", max_tokens=8, **GREEDY)
+    stop = ref.choices[0].text.split()[3]
+    s = oai.completions.create(model=MODEL, prompt="w7 w8 w9 w10 w11", max_tokens=8, stop=stop,
+                               **GREEDY)
+    assert s.choices[0].text == ref.choices[0].text[:ref.choices[0].text.index(stop)]
+    assert s.choices[0].finish_reason == "stop"
+
+
+def test_disconnect_frees_pages_on_both_nodes(gateway, pair):
+    before = stats(pair[1])
+    body = json.dumps({"model": MODEL, "prompt": "w5 w6 w7 w8 w9 w10", "max_tokens": 480,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    sock = socket.create_connection((gateway.host, gateway.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    while b'"text":" w' not in got:
+        got += sock.recv(4096)
+    sock.close()
+    wait_for(lambda: stats(pair[1]).aborted > before.aborted, what="abort on the decode node")
+    for addr in pair:
+        wait_for(lambda a=addr: (s := stats(a)).pages_free == s.pages_total and s.running == 0,
+                 what=f"pages freed on {addr}")
