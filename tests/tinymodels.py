@@ -79,14 +79,16 @@ def add_word_tokenizer(path: Path, vocab_size: int = TINY["vocab_size"]) -> None
 class NodeProcess:
     """A real ``disagg-node`` process; ``stop()`` checks that no child outlives it."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        import os
         import subprocess
         import sys
 
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "disagg", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         import time

@@ -316,15 +316,17 @@ class PrefillMessenger:
         step.next_layer = max(step.next_layer, layers_done)
 
     def _step_done(self, done: StepDone, hidden: bytes | None) -> None:
-        step = self.steps.pop(done.step_id, None)
+        step = self.steps.get(done.step_id)
         if step is None:
             return
+        if done.ok:
+            self.on_layers(done.step_id, self.layout.num_layers)  # whatever the poller missed
+        del self.steps[done.step_id]
         if not done.ok:
             for c in step.announce.chunks:
                 if c.job in self.jobs:
                     self._cancel(self.jobs[c.job], False, "internal", f"step failed: {done.error}")
             return
-        self.on_layers(done.step_id, self.layout.num_layers)  # whatever the poller missed
         for c in step.announce.chunks:
             self.queued_tokens -= c.count
         row_bytes = self.layout.context_bytes
