@@ -25,7 +25,7 @@ log = logging.getLogger("disagg.node")
 def build_parser() -> argparse.ArgumentParser:
     n, e, c, s = NodeConfig(), ExecutorConfig(), CacheConfig(), SchedulerConfig()  # defaults
     ap = argparse.ArgumentParser(prog="disagg-node", description="Run one disagg node.")
-    ap.add_argument("--role", choices=["mixed", "prefill", "decode"], default=n.role)
+    ap.add_argument("--role", choices=["mixed", "prefill", "decode", "router"], default=n.role)
     ap.add_argument("--listen", default=n.listen, help="client-protocol ZeroMQ address")
     ap.add_argument("--model", default=e.model,
                     help="local Hugging Face model directory (default: embedded SmolLM2-135M)")
@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s)
     ap.add_argument("--heartbeat", type=float, default=d.heartbeat_s)
     ap.add_argument("--peer-timeout", type=float, default=d.peer_timeout_s)
+    ap.add_argument("--http-listen", default=None,
+                    help="HOST:PORT for the OpenAI-compatible HTTP API (mixed, decode, router)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="model id in the HTTP API (default: the model directory's name)")
+    ap.add_argument("--decode-peer", action="append", default=[], dest="decode_peers",
+                    help="router role: a decode node's --listen address (repeatable)")
     ap.add_argument("--log-level", default=None)
     return ap
 
@@ -84,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     return cfg
 
 
-async def launch(cfg: NodeConfig) -> int:
+async def launch(cfg: NodeConfig, http_listen: str | None = None,
+                 served_model_name: str | None = None) -> int:
     """Start a node, serve until SIGINT/SIGTERM, stop every child. Returns an exit code."""
     from disagg.node import Node
 
@@ -102,6 +109,18 @@ async def launch(cfg: NodeConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # again: native libraries loaded by start()
         loop.remove_signal_handler(sig)  # may have replaced the process's handlers
         loop.add_signal_handler(sig, stop.set)
+    gateway = None
+    if http_listen:
+        from disagg.actors.http import start_http_gateway
+
+        try:
+            gateway = await start_http_gateway(node.address or cfg.listen, http_listen,
+                                               node.cfg.executor.model or "", served_model_name,
+                                               cfg.scheduler.max_model_len or None)
+        except Exception as e:
+            log.error("could not start the HTTP gateway: %s", e)
+            await node.stop()
+            return 1
     waiter = asyncio.create_task(node.wait())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -109,6 +128,8 @@ async def launch(cfg: NodeConfig) -> int:
     if waiter.done() and waiter.exception() is not None:
         code = 1
     log.info("stopping")
+    if gateway is not None:
+        await gateway.stop()
     await node.stop()
     stopper.cancel()
     waiter.cancel()
@@ -123,6 +144,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_level:  # executors read it from the environment they inherit
         os.environ[ENV_PREFIX + "LOG_LEVEL"] = args.log_level
     setup_logging(args.role, level=args.log_level)
+    if args.role == "router":
+        from disagg.actors.router import run_router
+
+        if not args.decode_peers:
+            print("disagg-node: --role router needs at least one --decode-peer", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(asyncio.run(run_router(args.listen, args.decode_peers, args.http_listen,
+                                        args.model, args.served_model_name,
+                                        args.max_model_len or None)))
+    if args.http_listen and args.role == "prefill":
+        print("disagg-node: --http-listen needs --role mixed, decode or router", file=sys.stderr)
+        sys.exit(2)
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
@@ -131,5 +164,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
     except ImportError:
-        sys.exit(asyncio.run(launch(cfg)))
-    sys.exit(uvloop.run(launch(cfg)))
+        sys.exit(asyncio.run(launch(cfg, args.http_listen, args.served_model_name)))
+    sys.exit(uvloop.run(launch(cfg, args.http_listen, args.served_model_name)))
