@@ -166,6 +166,8 @@ class ExecutorGroup:
         self._fd_socks: list[socket.socket] = []
         self.ready: list[ExecutorReady] = []
         self.kv_views: list[Any] = []  # (tensor, keepalive) per rank, main-process mappings
+        self.kv_fds: list[int | None] = []  # the executors' KV memory fds, kept open here so a
+        # transfer backend can share them (e.g. cuMem POSIX fds for same-host GPU peers)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(ExecutorReply)
         self._identities: list[bytes] = []
@@ -210,11 +212,10 @@ class ExecutorGroup:
         sock.settimeout(30)
         msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
         if not fds:
+            self.kv_fds.append(None)
             return None
-        try:
-            return map_kv(info, fds[0])
-        finally:
-            os.close(fds[0])
+        self.kv_fds.append(fds[0])
+        return map_kv(info, fds[0])
 
     def _check_alive(self) -> None:
         for rank, p in enumerate(self.procs):
@@ -262,6 +263,10 @@ class ExecutorGroup:
                 p.wait()
         for s in self._fd_socks:
             s.close()
+        for fd in self.kv_fds:
+            if fd is not None:
+                os.close(fd)
+        self.kv_fds.clear()
         self.sock.close()
 
     def kill(self) -> None:
