@@ -109,6 +109,12 @@ class Finished(msgspec.Struct, tag="finished", frozen=True):
     reason: str
     usage: Usage
     v: int = PROTOCOL_VERSION
+    # Where the time to first token went (milliseconds), for requests prefilled remotely:
+    # decode_queue (admitted -> sent to a prefiller), prefill_queue, prefill_compute (the
+    # prefiller's view), kv_wait (sent -> every unit landed), exposed_transfer (kv_wait minus
+    # the prefiller's queue and compute: what the transfer added), first_step (KV landed ->
+    # first token). None for requests prefilled locally.
+    timings: dict[str, float] | None = None
 
 
 class Error(msgspec.Struct, tag="error", frozen=True):
@@ -318,6 +324,9 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
 
     request_id: str
     prefill_s: float  # seconds from acceptance to the last write's completion
+    queue_s: float = 0.0  # acceptance -> its first chunk was scheduled
+    compute_s: float = 0.0  # first chunk scheduled -> last step done
+    tail_s: float = 0.0  # last step done -> last write completed at the source
 
 
 class PrefillFailed(msgspec.Struct, tag="prefill_failed", frozen=True):
@@ -426,6 +435,15 @@ class RemoteReleased(msgspec.Struct, tag="remote_released", array_like=True, fro
     slot: int
 
 
+class PrefillTimings(msgspec.Struct, tag="prefill_timings", array_like=True, frozen=True):
+    """The prefiller's view of a finished remote prefill (from its PrefillDone), in seconds."""
+
+    slot: int
+    queue_s: float
+    compute_s: float
+    tail_s: float
+
+
 class PeersAlive(msgspec.Struct, tag="peers_alive", array_like=True, frozen=True):
     count: int
 
@@ -452,5 +470,5 @@ class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True
 
 
 ToScheduler = (PrefillJob | CancelJob | ReleaseJob | KVReady | RemoteFailed | RemoteReleased
-               | PeersAlive | MessengerStats | StatsQuery)
+               | PeersAlive | MessengerStats | StatsQuery | PrefillTimings)
 ToMessenger = StepAnnounce | StepDone | NeedPrefill | CancelRemote | StatsReply

@@ -10,7 +10,7 @@ import pytest
 from disagg.client import AsyncClient, Client
 from disagg.llm import LLM
 from disagg.model.loader import load_model
-from disagg.protocol import SamplingParams, Stats
+from disagg.protocol import Finished, SamplingParams, Stats
 from tinymodels import NodeProcess, free_port, hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.fabric
@@ -97,6 +97,13 @@ def test_disaggregated_greedy_matches_transformers(cluster, model_dir):
             for msg in client.generate(prompt_token_ids=prompt(n), sampling=greedy()):
                 ids += getattr(msg, "token_ids", [])
             assert ids == hf_greedy(model_dir, prompt(n), NEW), f"prompt length {n}"
+            assert isinstance(msg, Finished)
+            if n == 1:
+                assert msg.timings is None  # prefilled locally
+            else:  # the TTFT breakdown of a remote prefill
+                assert msg.timings is not None
+                assert {"decode_queue", "kv_wait", "first_step"} <= msg.timings.keys()
+                assert all(v >= 0 for v in msg.timings.values())
     finally:
         client.close()
     # every prompt longer than one token came through the prefiller: 2 layers x pages + context

@@ -43,6 +43,7 @@ from disagg.protocol import (
     PrefillDone,
     PrefillFailed,
     PrefillRequest,
+    PrefillTimings,
     RemoteFailed,
     RemoteReleased,
     ToMessenger,
@@ -117,6 +118,7 @@ class DecodeMessenger:
         self.max_tries = max_tries if on_failure == "retry" else 1
         self.attempts: dict[str, Attempt] = {}  # by request id
         self.by_slot: dict[int, Attempt] = {}
+        self.completed: dict[str, int] = {}  # request id -> slot, KV landed, PrefillDone due
         self._gens = itertools.count(1)
         self._ping = itertools.count()
         self._enc = msgspec.msgpack.Encoder()
@@ -191,7 +193,15 @@ class DecodeMessenger:
                     a = self.attempts.get(rid)
                     if a is not None:  # no write of it can land any more
                         await self._settled(a, a.failure or (code, message))
-                case PrefillDone(request_id=rid) | AbortAck(request_id=rid):
+                case PrefillDone(request_id=rid) as done:
+                    slot = self.completed.pop(rid, None)
+                    if slot is not None:
+                        await self._to_scheduler(PrefillTimings(slot, done.queue_s,
+                                                                done.compute_s, done.tail_s))
+                    a = self.attempts.get(rid)
+                    if a is not None and a.state == "draining":
+                        await self._settled(a, a.failure or ("cancelled", "the request ended"))
+                case AbortAck(request_id=rid):
                     a = self.attempts.get(rid)
                     if a is not None and a.state == "draining":
                         await self._settled(a, a.failure or ("cancelled", "the request ended"))
@@ -242,6 +252,9 @@ class DecodeMessenger:
             return
         self.units_received += units
         self._forget(a)
+        self.completed[a.request_id] = a.slot  # its PrefillDone brings the prefiller's timings
+        while len(self.completed) > 4096:
+            self.completed.pop(next(iter(self.completed)))
         await self._to_scheduler(KVReady(a.slot))
         await self._to_scheduler(self.stats())
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 import msgspec
 
@@ -24,13 +25,14 @@ from disagg.protocol import (
     KVReady,
     NeedPrefill,
     PeersAlive,
+    PrefillTimings,
     RemoteFailed,
     RemoteReleased,
     StepPlan,
     StepResult,
     ToScheduler,
 )
-from disagg.scheduling import Batch, Sequence, Status
+from disagg.scheduling import Batch, Sequence, SeqUpdate, Status
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class DecodeScheduler(SchedulerActor):
         self.remote_queue: collections.deque[Sequence] = collections.deque()  # no pages yet
         self.quarantine: dict[int, list[int]] = {}  # slot -> pages a write may still reach
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence, while remote
+        self.clock: dict[int, dict[str, float]] = {}  # slot -> TTFT milestones (monotonic s)
         self._menc = msgspec.msgpack.Encoder()
 
     def wants_remote(self, seq: Sequence) -> bool:
@@ -55,6 +58,7 @@ class DecodeScheduler(SchedulerActor):
             self.sched.add(seq)
             return
         self.seqs[seq.slot] = seq
+        self.clock[seq.slot] = {"admit": time.monotonic()}
         self.remote_queue.append(seq)
         await self._pump()
 
@@ -62,6 +66,7 @@ class DecodeScheduler(SchedulerActor):
         """Reserve pages for queued remote prefills, oldest first, while the pool allows."""
         while self.remote_queue and self.sched.reserve_remote(self.remote_queue[0]):
             seq = self.remote_queue.popleft()
+            self.clock.get(seq.slot, {})["sent"] = time.monotonic()
             n = len(seq.prompt_ids) - 1
             await self._to_messenger(NeedPrefill(seq.slot, seq.prompt_ids[:-1],
                                                  seq.block_table[: pages_needed(n, self.page_size)]))
@@ -71,12 +76,14 @@ class DecodeScheduler(SchedulerActor):
             case KVReady(slot=slot):
                 seq = self.seqs.pop(slot, None)
                 if seq is not None and seq.status is Status.REMOTE:
+                    self.clock.get(slot, {})["kv"] = time.monotonic()
                     self.sched.kv_arrived(seq)
             case RemoteFailed(slot=slot, code=code, message=message):
                 seq = self.seqs.pop(slot, None)
                 if seq is None or seq.status is not Status.REMOTE:
                     return
                 self.sched.free_pages(self.sched.detach(seq))  # no write can land any more
+                self.clock.pop(slot, None)
                 if self.on_failure == "local" or code == "no_prefiller":
                     log.warning("prefilling %s locally: %s", seq.request_id, message)
                     seq.status = Status.WAITING
@@ -85,6 +92,10 @@ class DecodeScheduler(SchedulerActor):
                     await self._end(seq, Error("prefill_failed", f"{code}: {message}",
                                                seq.request_id))
                 await self._pump()
+            case PrefillTimings(slot=slot) as t:
+                clock = self.clock.get(slot)
+                if clock is not None:
+                    clock.update(prefill_queue=t.queue_s, prefill_compute=t.compute_s)
             case RemoteReleased(slot=slot):
                 self.sched.free_pages(self.quarantine.pop(slot, []))
                 await self._pump()
@@ -98,7 +109,26 @@ class DecodeScheduler(SchedulerActor):
             case _:
                 await super().handle_messenger(msg)
 
+    async def _emit(self, update: SeqUpdate) -> None:
+        clock = self.clock.get(update.seq.slot)
+        if clock is not None and "first" not in clock:
+            clock["first"] = time.monotonic()
+        await super()._emit(update)
+
+    def timings_of(self, seq: Sequence) -> dict[str, float] | None:
+        c = self.clock.get(seq.slot)
+        if c is None or not {"admit", "sent", "kv", "first"} <= c.keys():
+            return None
+        out = {"decode_queue": c["sent"] - c["admit"], "kv_wait": c["kv"] - c["sent"],
+               "first_step": c["first"] - c["kv"]}
+        if "prefill_queue" in c:  # the prefiller's PrefillDone may still be on its way
+            out.update(prefill_queue=c["prefill_queue"], prefill_compute=c["prefill_compute"],
+                       exposed_transfer=max(0.0, out["kv_wait"] - c["prefill_queue"]
+                                            - c["prefill_compute"]))
+        return {k: round(1000 * v, 3) for k, v in out.items()}
+
     async def release(self, seq: Sequence) -> None:
+        self.clock.pop(seq.slot, None)
         if seq in self.remote_queue:
             self.remote_queue.remove(seq)
             self.seqs.pop(seq.slot, None)

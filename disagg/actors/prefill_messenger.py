@@ -63,6 +63,8 @@ class Job:
     deadline: float
     accepted_at: float
     futures: list[asyncio.Future[None]] = field(default_factory=list)
+    first_step_at: float | None = None
+    computed_at: float | None = None
     computed: bool = False  # last chunk done and context write posted
     cancelled: bool = False
     ended: bool = False
@@ -211,6 +213,11 @@ class PrefillMessenger:
             match self._sched_dec.decode(frames[0]):
                 case StepAnnounce() as a:
                     self.steps[a.step_id] = Step(a)
+                    now = time.monotonic()
+                    for c in a.chunks:
+                        job = self.jobs.get(c.job)
+                        if job is not None and job.first_step_at is None:
+                            job.first_step_at = now
                     assert self.poller is not None
                     self.poller.follow(a.step_id, a.counter_base)
                 case StepDone() as d:
@@ -340,6 +347,7 @@ class PrefillMessenger:
             w = Write(slot * row_bytes, job.req.ctx_offset, row_bytes, 1)
             self._post(job, self.ctx_region, job.dst_ctx, [w])
             job.computed = True
+            job.computed_at = time.monotonic()
             self._spawn(self._finish(job, None))
         self._send_soon(self.stats())
 
@@ -359,8 +367,7 @@ class PrefillMessenger:
             if job.cancelled:
                 return  # a cancel raced the last step; its own _finish answers
             errors = [r for r in results if isinstance(r, BaseException)]
-            reply = (PrefillDone(job.req.request_id, time.monotonic() - job.accepted_at)
-                     if not errors else PrefillFailed(job.req.request_id, "transfer_failed",
+            reply = (self._done(job) if not errors else PrefillFailed(job.req.request_id, "transfer_failed",
                                                       str(errors[0])))
         job.ended = True
         await self._reply(job.peer, reply)
@@ -369,6 +376,14 @@ class PrefillMessenger:
         self.ctx_free.append(self.ctx_of.pop(job.id))
         await self._to_scheduler(ReleaseJob(job.id))
         await self._to_scheduler(self.stats())
+
+    @staticmethod
+    def _done(job: Job) -> PrefillDone:
+        now = time.monotonic()
+        first = job.first_step_at or job.accepted_at
+        computed = job.computed_at or now
+        return PrefillDone(job.req.request_id, now - job.accepted_at, queue_s=first - job.accepted_at,
+                           compute_s=computed - first, tail_s=now - computed)
 
     def _expire(self) -> None:
         now = time.monotonic()

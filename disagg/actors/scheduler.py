@@ -254,7 +254,8 @@ class SchedulerActor:
         text = live.detok.push(update.new_token_ids)
         await self._send(live.identity, TokenChunk(seq.request_id, update.new_token_ids, text))
         if update.finish_reason is not None:
-            await self._end(seq, Finished(seq.request_id, update.finish_reason, self._usage(seq)))
+            await self._end(seq, Finished(seq.request_id, update.finish_reason, self._usage(seq),
+                                          timings=self.timings_of(seq)))
 
     async def _end(self, seq: Sequence, terminal: Finished | Error) -> None:
         """Make ``terminal`` the request's last message, free its pages, count it."""
@@ -270,6 +271,10 @@ class SchedulerActor:
         else:
             self.counters.finished += 1
         await self._send(live.identity, terminal)
+
+    def timings_of(self, seq: Sequence) -> dict[str, float] | None:
+        """The TTFT breakdown of a finishing request (decode role: remote prefills)."""
+        return None
 
     async def release(self, seq: Sequence) -> None:
         """Take an ended sequence out of batching and free its pages."""

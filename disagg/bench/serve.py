@@ -8,9 +8,9 @@ has TTFT, TPOT, ITL and E2E latency, tokens/s per user, throughputs and goodput;
 definitions are in ``disagg.bench.metrics_math``, the workloads in ``disagg.bench.workload``.
 
 TTFT breakdown (decoder queue, prefill queue, prefill compute, exposed transfer tail, first
-decode step): each record has a ``breakdown`` field filled from node timestamps by the
-transport; the client protocol carries none yet, so it is empty and the summary's
-``ttft_breakdown_ms`` is ``{}``.
+decode step): each record's ``breakdown`` comes from the ``timings`` a decode node puts in
+``Finished`` for requests it had prefilled remotely (see ``disagg.protocol.Finished``); it is
+empty for requests prefilled locally, and the summary's ``ttft_breakdown_ms`` then is ``{}``.
 """
 
 from __future__ import annotations

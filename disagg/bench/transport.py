@@ -85,7 +85,7 @@ class ZmqTransport(Transport):
                         yield TokenEvent(now, len(msg.token_ids))
                 elif isinstance(msg, Finished):
                     yield Done(now, msg.reason, msg.usage.prompt_tokens,
-                               msg.usage.completion_tokens)
+                               msg.usage.completion_tokens, dict(msg.timings or {}))
         except RequestError as e:
             raise TransportError(e.error.code, e.error.message) from None
 
