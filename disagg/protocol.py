@@ -316,6 +316,7 @@ class Pong(msgspec.Struct, tag="pong", frozen=True):
     seq: int
     queued_tokens: int  # prompt tokens accepted and not yet prefilled
     layout: KVLayoutDesc
+    transport: str = ""  # "backend/provider" of its transfer engine; decoders must match it
     v: int = PROTOCOL_VERSION
 
 

@@ -158,3 +158,53 @@ def test_bad_peer_frames_do_not_stop_the_prefiller(cluster):
     finally:
         client.close()
     assert msgs[-1].reason == "length"
+
+
+def test_short_prompts_prefill_locally_and_no_prefiller_means_local(cluster, model_dir, tmp_path,
+                                                                    request):
+    p_addr, _ = cluster
+    fabric = ["--fabric-provider", request.node.callspec.params["cluster"]]
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nobody listens here
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer", p_addr,
+                     "--local-prefill-max-tokens", "8", "--heartbeat", "0.2", *fabric)
+    lone_addr, lone = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
+                           dead, "--heartbeat", "0.2", *fabric)
+    try:
+        d.wait_ready()
+        lone.wait_ready()
+        wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
+        for addr, n, remote in [(d_addr, 9, False), (d_addr, 10, True), (lone_addr, 20, False)]:
+            before = stats(addr).kv_units_received
+            c = Client(addr)
+            try:
+                ids = [t for m in c.generate(prompt_token_ids=prompt(n), sampling=greedy())
+                       for t in getattr(m, "token_ids", [])]
+            finally:
+                c.close()
+            assert ids == hf_greedy(model_dir, prompt(n), NEW)
+            assert (stats(addr).kv_units_received > before) == remote, (addr, n)
+        assert stats(lone_addr).prefill_peers_alive == 0
+    finally:
+        assert d.stop() == [] and lone.stop() == []
+
+
+def test_decoder_with_another_transport_refuses_the_prefiller(cluster, model_dir, tmp_path, request):
+    p_addr, _ = cluster
+    other = "shm" if request.node.callspec.params["cluster"] == "tcp" else "tcp"
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer", p_addr,
+                     "--heartbeat", "0.2", "--fabric-provider", other)
+    try:
+        d.wait_ready()
+        c = Client(d_addr)
+        try:  # served, but prefilled locally: the prefiller is never counted as alive
+            ids = [t for m in c.generate(prompt_token_ids=prompt(9), sampling=greedy())
+                   for t in getattr(m, "token_ids", [])]
+        finally:
+            c.close()
+        assert ids == hf_greedy(model_dir, prompt(9), NEW)
+        s = stats(d_addr)
+        assert s.prefill_peers_alive == 0 and s.kv_units_received == 0
+    finally:
+        assert d.stop() == []
+    assert "transport mismatch" in d.log_path.read_text()
+

@@ -155,3 +155,36 @@ def test_decoder_killed_prefiller_frees_pages(model_dir, tmp_path):
     finally:
         assert p.stop() == []
         d.stop()
+
+
+def test_layer_writes_start_before_the_step_ends(trio, ref):
+    (p_addr, _), _, d_addr = trio
+    before = stats(p_addr).layerwise_steps
+    req = Background(d_addr, prompt(LONG))
+    req.join()
+    assert req.tokens == ref
+    # with layers this slow, every prefill step shipped layer 0 while layer 1 still computed
+    assert stats(p_addr).layerwise_steps - before >= (LONG - 1) // 4 // 2
+
+
+def test_retry_on_another_prefiller(model_dir, tmp_path, ref):
+    prefillers = [node("prefill", model_dir, tmp_path, "--num-pages", "64", "--max-batch-tokens",
+                       "4", env=SLOW) for _ in range(2)]
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
+                     prefillers[0][0], "--prefill-peer", prefillers[1][0],
+                     "--on-prefill-failure", "retry", *FAST_FAILURE)
+    procs = [p for _, p in prefillers] + [d]
+    try:
+        for proc in procs:
+            proc.wait_ready()
+        wait_for(lambda: stats(d_addr).prefill_peers_alive == 2, what="both prefillers seen")
+        req = Background(d_addr, prompt(LONG))
+        wait_for(lambda: any(prefilling(a) for a, _ in prefillers), what="prefill under way")
+        busy = next(p for a, p in prefillers if prefilling(a))
+        busy.proc.send_signal(signal.SIGKILL)
+        req.join()
+        assert req.error is None and req.tokens == ref  # finished on the other prefiller
+        wait_for(lambda: pools_full(d_addr), what="decoder pool full")
+    finally:
+        for proc in procs:
+            proc.stop()

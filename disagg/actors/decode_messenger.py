@@ -184,9 +184,13 @@ class DecodeMessenger:
                 case Pong() as pong:
                     peer.last_pong = time.monotonic()
                     peer.queued_tokens, peer.sent_tokens = pong.queued_tokens, 0
-                    peer.incompatible = incompatibility(pong.layout, self.layout)
-                    if peer.incompatible and peer.alive is False:
-                        log.error("prefiller %s refused: %s", peer.address, peer.incompatible)
+                    why = incompatibility(pong.layout, self.layout)
+                    if pong.transport != self.transfer.transport:
+                        why = (f"transport mismatch: prefiller uses {pong.transport}, "
+                               f"this decoder {self.transfer.transport}")
+                    if why and why != peer.incompatible:
+                        log.error("prefiller %s refused: %s", peer.address, why)
+                    peer.incompatible = why
                     peer.alive = peer.incompatible is None
                     await self._report_alive()
                 case PrefillFailed(request_id=rid, code=code, message=message):

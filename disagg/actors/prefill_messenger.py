@@ -196,7 +196,8 @@ class PrefillMessenger:
                 continue
             match msg:
                 case Ping(seq=seq):
-                    await self._reply(peer, Pong(seq, self.queued_tokens, self.layout))
+                    await self._reply(peer, Pong(seq, self.queued_tokens, self.layout,
+                                                 self.transfer.transport))
                 case PrefillRequest() as req:
                     await self._accept(peer, req)
                 case AbortPrefill(request_id=rid):

@@ -4,6 +4,18 @@ Owns: the backend engine (libfabric endpoint, CQ, AV and progress thread, or cud
 registrations of every executor's KV memory (mapped into this process) and of the context
 buffer. Turns planned writes into batches with immediate data and counts what lands here.
 Callers only ``await``; the engine's progress thread enters asyncio in one place.
+
+Backends and memory (``--transfer-backend``):
+- ``fabric`` + host KV (CPU): the KV memory is registered with libfabric as it is.
+- ``fabric`` + CUDA KV: automatic host staging (libfabric without FI_HMEM cannot register GPU
+  memory): ``register`` makes a pinned host mirror of the tensor (same byte offsets) and
+  registers the mirror. ``write`` copies the runs it is about to send GPU -> mirror
+  (``HostMirror.out``) before posting them; the decoder calls :meth:`stage_in_pages` once a
+  transfer's units all landed, which copies its pages mirror -> GPU. The context buffers stay
+  host memory.
+- ``cuda-ipc`` (GPUs of one host): the KV is cuMem memory, registered with the fd the node
+  keeps open (``ExecutorGroup.kv_fds``) so a peer can import and map it; context buffers are
+  device tensors (:meth:`context_buffer`), shared by legacy CUDA IPC handles.
 """
 
 from __future__ import annotations
@@ -11,31 +23,53 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from disagg.fabric import decode_descriptor, make_backend
-from disagg.fabric.descriptor import MemoryDescriptor
-from disagg.transfer_plan import UNIT_BITS, Write, make_imm
+from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
+from disagg.protocol import KVLayoutDesc
+from disagg.transfer_plan import UNIT_BITS, Write, make_imm, page_runs
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class StagedRegion:
+    """A CUDA tensor on the fabric backend: ``region`` registers its pinned host ``mirror``."""
+
+    region: Any  # the fabric LocalRegion of mirror.host
+    mirror: Any  # disagg.fabric.staging.HostMirror
+
+    @property
+    def descriptor(self) -> MemoryDescriptor:
+        return self.region.descriptor  # type: ignore[no-any-return]
+
+    @property
+    def length(self) -> int:
+        return int(self.region.length)
 
 
 class TransferEngine:
     def __init__(self, backend: str = "fabric", provider: str = "tcp", timeout_s: float = 30.0,
                  device: torch.device | None = None):
         kw: dict[str, Any] = {"weight_bits": UNIT_BITS, "default_timeout": timeout_s}
+        self.device = device if device is not None else torch.device("cpu")
         if backend == "cuda-ipc":
             kw["device"] = (device.index or 0) if device is not None else 0
             self.engine = make_backend(backend, **kw)
         else:
             self.engine = make_backend(backend, provider=provider, **kw)
         self.backend = backend
+        # "backend/provider": what a peer's engine must match (carried in Pong)
+        self.transport = f"{backend}/{self.engine.provider}"
         self.timeout_s = timeout_s
         self.writes_sent = 0
         self.bytes_sent = 0
         self.units_received = 0
+        self._mirrors: list[Any] = []
 
     def start(self) -> TransferEngine:
         self.engine.start(asyncio.get_running_loop())
@@ -43,13 +77,35 @@ class TransferEngine:
 
     async def close(self) -> None:
         await self.engine.close()
+        for m in self._mirrors:
+            m.close()
 
-    def register(self, tensor: torch.Tensor) -> Any:
-        """Register a tensor's memory once; returns the local region (``.descriptor`` for peers)."""
+    def register(self, tensor: torch.Tensor, fd: int | None = None) -> Any:
+        """Register a tensor's memory once; returns the local region (``.descriptor`` for peers).
+
+        ``fd``: for CUDA memory from cuMem (the node's KV), the allocation's POSIX fd, which
+        cuda-ipc peers import; ignored elsewhere."""
         if self.backend == "cuda-ipc":
-            return self.engine.register(tensor)
+            return self.engine.register(tensor, fd=fd if tensor.is_cuda else None)
+        if tensor.is_cuda:
+            from disagg.fabric.staging import HostMirror
+
+            mirror = HostMirror(tensor)
+            self._mirrors.append(mirror)
+            region = self.engine.register_address(int(mirror.host.data_ptr()), mirror.nbytes,
+                                                  owner=mirror)
+            log.info("fabric over host staging: %d MiB pinned mirror of %s memory",
+                     mirror.nbytes >> 20, tensor.device)
+            return StagedRegion(region, mirror)
         return self.engine.register_address(int(tensor.data_ptr()),
                                             tensor.numel() * tensor.element_size(), owner=tensor)
+
+    def context_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
+        """A zeroed ``[rows, row_bytes]`` uint8 buffer for context rows, in memory this backend
+        can share: device memory for cuda-ipc, host memory for the fabric."""
+        if self.backend == "cuda-ipc" and self.device.type == "cuda":
+            return torch.zeros(rows, row_bytes, dtype=torch.uint8, device=self.device)
+        return torch.zeros(rows, row_bytes, dtype=torch.uint8)
 
     @staticmethod
     def decode_descriptor(data: bytes) -> MemoryDescriptor:
@@ -62,15 +118,54 @@ class TransferEngine:
         by_units: dict[int, list[Write]] = defaultdict(list)
         for w in writes:
             by_units[w.units].append(w)
-        futures = []
-        for units, ws in by_units.items():
-            futures.append(self.engine.submit(
-                src, dst, [w.src_offset for w in ws], [w.dst_offset for w in ws],
-                [w.length for w in ws], make_imm(key, units), timeout=timeout))
-            self.writes_sent += len(ws)
-            self.bytes_sent += sum(w.length for w in ws)
+        futures: list[asyncio.Future[None]] = []
+        if isinstance(src, StagedRegion):
+            if dst.backend != "fabric":
+                raise OutOfRange(f"descriptor is for {dst.backend}, engine is fabric")
+            check_writes(src.length, dst.length, [w.src_offset for w in writes],
+                         [w.dst_offset for w in writes], [w.length for w in writes])
+            futures.append(asyncio.ensure_future(
+                self._staged_write(src, dst, writes, dict(by_units), key, timeout)))
+        else:
+            for units, ws in by_units.items():
+                futures.append(self.engine.submit(
+                    src, dst, [w.src_offset for w in ws], [w.dst_offset for w in ws],
+                    [w.length for w in ws], make_imm(key, units), timeout=timeout))
+        self.writes_sent += len(writes)
+        self.bytes_sent += sum(w.length for w in writes)
         return futures
+
+    async def _staged_write(self, src: StagedRegion, dst: MemoryDescriptor, writes: list[Write],
+                            by_units: dict[int, list[Write]], key: int,
+                            timeout: float | None) -> None:
+        await src.mirror.out([w.src_offset for w in writes], [w.length for w in writes])
+        await asyncio.gather(*[self.engine.submit(
+            src.region, dst, [w.src_offset for w in ws], [w.dst_offset for w in ws],
+            [w.length for w in ws], make_imm(key, units), timeout=timeout)
+            for units, ws in by_units.items()])
 
     def expect(self, key: int, units: int, timeout: float) -> Any:
         """An awaitable that resolves when ``units`` units carrying ``key`` have landed."""
         return self.engine.expect(key, units, timeout=timeout)
+
+    async def stage_in(self, region: Any, offsets: list[int], lengths: list[int]) -> None:
+        """Copy these byte runs of a staged region mirror -> GPU (no-op for other regions)."""
+        if isinstance(region, StagedRegion) and offsets:
+            await region.mirror.into(offsets, lengths)
+
+    async def stage_in_pages(self, region: Any, layout: KVLayoutDesc, pages: list[int]) -> None:
+        """``stage_in`` of every layer of these KV pages (runs of adjacent pages coalesced)."""
+        if not isinstance(region, StagedRegion) or not pages:
+            return
+        offsets, lengths = [], []
+        for layer in range(layout.num_layers):
+            for p, _, n in page_runs(pages, pages):
+                offsets.append(layout.page_offset(layer, p))
+                lengths.append(n * layout.page_bytes)
+        await region.mirror.into(offsets, lengths)
+
+    async def staging_idle(self) -> None:
+        """Until every mirror -> GPU copy issued so far finished (call before pages a staged
+        copy may still write are given back)."""
+        for m in self._mirrors:
+            await m.idle()
