@@ -149,6 +149,8 @@ ssize_t dg_bench_send(struct fid_ep *ep, struct fid_cq *cq, uint64_t src, void *
                       fi_addr_t dest, uint64_t dst, uint64_t key, size_t page_size, size_t pages,
                       size_t window, uint64_t imm, int64_t timeout_ns);
 ssize_t dg_bench_recv(struct fid_cq *cq, size_t expected, uint64_t imm, int64_t timeout_ns);
+int dg_cuda_copy_runs(void *memcpy_async, size_t n, const uint64_t *dst, const uint64_t *src,
+                      const uint64_t *len, void *stream);
 """
 
 SOURCE = r"""
@@ -268,6 +270,20 @@ static ssize_t dg_bench_send(struct fid_ep *ep, struct fid_cq *cq, uint64_t src,
         if (dg_now_ns() > deadline) return -FI_ETIMEDOUT;
     }
     return (ssize_t)done;
+}
+
+/* cuda-ipc's copy-engine path: one cuMemcpyAsync per run, issued from C. `memcpy_async` is
+ * the driver's cuMemcpyAsync (looked up at run time, so no CUDA header or library is needed
+ * to build). Returns 0 or the first CUresult that failed. */
+typedef int (*dg_memcpy_async_fn)(uint64_t dst, uint64_t src, size_t n, void *stream);
+static int dg_cuda_copy_runs(void *memcpy_async, size_t n, const uint64_t *dst,
+                             const uint64_t *src, const uint64_t *len, void *stream) {
+    dg_memcpy_async_fn f = (dg_memcpy_async_fn)memcpy_async;
+    for (size_t i = 0; i < n; i++) {
+        int rc = f(dst[i], src[i], (size_t)len[i], stream);
+        if (rc != 0) return rc;
+    }
+    return 0;
 }
 
 /* The baseline's target: poll until `expected` completions carrying `imm` have arrived. */

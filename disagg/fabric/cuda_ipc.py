@@ -1,17 +1,35 @@
 """``cuda-ipc`` backend: page writes between GPUs of one host, same API as FabricEngine.
 
-Receiver: ``register(tensor)`` exports the tensor's allocation with a CUDA IPC handle (64
-bytes, serialisable, carried in ``MemoryDescriptor.handle`` with the tensor's offset in it)
-and binds a Unix datagram socket (abstract name, in ``MemoryDescriptor.address``) on which
-senders report immediates. Sender: ``submit`` maps the peer allocation once
-(``cuIpcOpenMemHandle``, peer access enabled lazily), issues one ``cuMemcpyAsync`` per page
-run on a dedicated stream, records an event, and when the event has completed sends
-``(imm, count)`` to the receiver -- the same semantics as fabric immediate data: the receiver's
-counter only moves once the bytes are there.
+Receiver: ``register(tensor, fd=None)`` makes the tensor's memory mappable by a peer process
+and puts what the peer needs in ``MemoryDescriptor.handle``; ``MemoryDescriptor.address`` is an
+abstract Unix datagram socket on which senders report immediates. Two kinds of memory:
 
-One progress thread per engine, as in the fabric engine; futures resolve through
-``call_soon_threadsafe`` only. The driver calls go through cffi in ABI mode on
-``libcuda.so.1``; torch provides the device, stream and events.
+- cuMem memory (``fd`` given: the POSIX fd of its ``cuMemCreate`` allocation, e.g. the node's
+  KV cache, ``ExecutorGroup.kv_fds``). Legacy IPC handles do not work on it. The handle is
+  ``b"M" + (region id, mapping size, offset of the tensor)``; the sender fetches the fd from
+  the receiver over an abstract Unix stream socket (``address + b".fd"``, SCM_RIGHTS; the
+  receiver answers only peers of its own uid, checked with SO_PEERCRED), then
+  ``cuMemImportFromShareableHandle`` + ``cuMemAddressReserve`` + ``cuMemMap`` +
+  ``cuMemSetAccess`` for its own device. Chosen over ``pidfd_getfd``, which needs ptrace
+  rights on the receiver (Yama, container seccomp profiles refuse it without
+  CAP_SYS_PTRACE); a Unix socket works between any two processes of one user on one host.
+- plain ``cudaMalloc`` memory (no fd; torch's caching allocator): a legacy CUDA IPC handle,
+  ``b"L" + 64-byte cuIpcMemHandle + offset``, opened with ``cuIpcOpenMemHandle``.
+
+Memory that can be neither (cuMem without its fd) registers as a source only (empty handle).
+
+Sender: ``submit`` maps the peer memory once per descriptor, then issues the batch on a
+dedicated stream without synchronizing:
+- ``kernel``: one Triton launch copies every run (``gather_copy``; runs cut into 64 KiB tiles,
+  16-byte vectors), so the CPU cost per batch is a table upload and a launch;
+- ``ce``: one ``cuMemcpyAsync`` per run (copy engine), issued by a C loop in the cffi module;
+- ``loop``: the same from Python (the old path; kept as the last fallback).
+``auto`` (default, or ``DISAGG_CUDA_IPC_COPY``) picks ``kernel`` when every address and length
+is 16-byte aligned and Triton is importable, else ``ce``. It records an event; once the event
+has completed the progress thread sends ``(imm, count)`` to the receiver -- the same semantics
+as fabric immediate data: the receiver's counter only moves once the bytes are there.
+
+One progress thread per engine; futures resolve through ``call_soon_threadsafe`` only.
 """
 
 from __future__ import annotations
@@ -19,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import os
 import select
 import socket
@@ -34,6 +53,8 @@ from disagg.fabric.counter import ImmCounter
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.fabric.engine import EngineClosed, Expectation, LocalRegion, TransferTimeout, _settle
 
+log = logging.getLogger("disagg.fabric")
+
 _CDEF = """
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -46,6 +67,11 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream)
 CUresult cuGetErrorString(CUresult error, const char **pStr);
 """
 _IMM = struct.Struct("<QQ")  # (imm, count) per notification datagram
+_CUMEM = struct.Struct("<QQQ")  # region id, mapping size, offset of byte 0 of the region
+_PREFIX = b"\0disagg-cuda-ipc-"
+COPY_MODES = ("auto", "kernel", "ce", "loop")
+RING_ENTRIES = 1 << 19  # int64 entries of the tile-table ring (4 MiB pinned + 4 MiB device)
+_GRANULE = 2 << 20
 _drv: Any = None
 _ffi: Any = None
 
@@ -70,6 +96,26 @@ def _check(what: str, rc: int) -> None:
         raise RuntimeError(f"{what}: CUDA error {rc}: {text}")
 
 
+def _cu(result: Any) -> Any:
+    """Unwrap a ``cuda.bindings.driver`` result tuple, raising on an error."""
+    from cuda.bindings import driver as cu
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise RuntimeError(f"CUDA driver call failed: {name.decode() if name else err}")
+    return rest[0] if len(rest) == 1 else (tuple(rest) if rest else None)
+
+
+@dataclass(eq=False)
+class _Mapping:
+    ptr: int  # where the peer region's byte 0 is in this process
+    base: int  # what to release
+    size: int
+    kind: str  # "M" (cuMem) or "L" (legacy IPC)
+    handle: Any = None  # cuMem generic allocation handle
+
+
 @dataclass(eq=False)
 class _Job:
     src: np.ndarray
@@ -81,22 +127,48 @@ class _Job:
     future: asyncio.Future[None]
     deadline: float
     event: Any = None
+    span: tuple[int, int] | None = None  # ring entries the kernel's tile table uses
+
+
+def fetch_fd(address: bytes, rid: int, timeout: float = 10.0) -> int:
+    """Ask the receiver at ``address`` (its notification socket) for region ``rid``'s fd."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(address + b".fd")
+        s.sendall(struct.pack("<Q", rid))
+        msg, fds, _flags, _addr = socket.recv_fds(s, 16, 1)
+    if msg != b"ok" or not fds:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError(f"cuda-ipc peer refused region {rid}: {msg!r}")
+    return fds[0]
 
 
 class CudaIpcEngine:
     backend = "cuda-ipc"
 
-    def __init__(self, device: int = 0, default_timeout: float = 60.0, weight_bits: int = 0) -> None:
+    def __init__(self, device: int = 0, default_timeout: float = 60.0, weight_bits: int = 0,
+                 copy: str | None = None, ctas: int | None = None) -> None:
         import torch
 
         self.torch = torch
         self.device = device
         self.default_timeout = default_timeout
         self.provider = "cuda-ipc"
+        self.copy = copy or os.environ.get("DISAGG_CUDA_IPC_COPY", "auto")
+        if self.copy not in COPY_MODES:
+            raise ValueError(f"cuda-ipc copy mode must be one of {COPY_MODES}, got {self.copy!r}")
+        env_ctas = os.environ.get("DISAGG_CUDA_IPC_CTAS")
+        self.ctas = ctas or (int(env_ctas) if env_ctas else 0)  # 0: 2 per SM, set on start
         self._name = f"\0disagg-cuda-ipc-{os.getpid()}-{id(self):x}".encode()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self._name)
         self._sock.setblocking(False)
+        self._fd_srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._fd_srv.bind(self._name + b".fd")
+        self._fd_srv.listen(64)
+        self._fd_srv.setblocking(False)
+        self._exports: dict[int, int] = {}  # region id -> our dup of its cuMem fd
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._wake_r, self._wake_w = os.pipe()
         self._counter = ImmCounter(weight_bits=weight_bits)
@@ -104,12 +176,17 @@ class CudaIpcEngine:
         self._lock = threading.Lock()
         self._inbox: collections.deque[_Job] = collections.deque()
         self._pending: collections.deque[_Job] = collections.deque()
-        self._opened: dict[bytes, int] = {}
+        self._opened: dict[tuple[bytes, bytes], _Mapping] = {}
         self._regions: dict[int, LocalRegion] = {}
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._running = False
+        self._ring: Any = None  # pinned int64 tile tables, uploaded into _dring
+        self._dring: Any = None
+        self._ce_fn: Any = None  # cuMemcpyAsync as a void * for the C loop, or None
+        self._ce_lib: Any = None
+        self._kernel_broken = False
         self.stats = collections.Counter[str]()
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> CudaIpcEngine:
@@ -127,54 +204,101 @@ class CudaIpcEngine:
             os.write(self._wake_w, b"x")
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
-        ffi, drv = _driver()
-        for ptr in self._opened.values():
-            drv.cuIpcCloseMemHandle(ptr)
+        self._release()
+
+    def _release(self) -> None:
+        for m in self._opened.values():
+            try:
+                if m.kind == "L":
+                    _ffi_, drv = _driver()
+                    drv.cuIpcCloseMemHandle(m.base)
+                else:
+                    from cuda.bindings import driver as cu
+
+                    _cu(cu.cuMemUnmap(m.base, m.size))
+                    _cu(cu.cuMemAddressFree(m.base, m.size))
+                    _cu(cu.cuMemRelease(m.handle))
+            except Exception as e:  # noqa: BLE001 - best effort at shutdown
+                log.debug("cuda-ipc: releasing a peer mapping failed: %s", e)
         self._opened.clear()
-        self._sock.close()
-        self._out.close()
+        for fd in self._exports.values():
+            os.close(fd)
+        self._exports.clear()
+        for s in (self._sock, self._out, self._fd_srv):
+            s.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    def register(self, tensor: Any) -> LocalRegion:
-        """Export a contiguous CUDA tensor; its descriptor lets peers on this host write to it."""
+    # ---- memory ----------------------------------------------------------------------------
+
+    def register(self, tensor: Any, fd: int | None = None) -> LocalRegion:
+        """Make a contiguous CUDA tensor writable by same-host peers (its descriptor).
+
+        ``fd``: the POSIX fd of the cuMem allocation the tensor lies in (it is dup'ed; the
+        caller keeps its own). Without it the tensor must be plain cudaMalloc memory, or it is
+        registered as a write source only."""
         if not getattr(tensor, "is_cuda", False) or not tensor.is_contiguous():
             raise ValueError("cuda-ipc registers contiguous CUDA tensors")
         ffi, drv = _driver()
         ptr = int(tensor.data_ptr())
         length = int(tensor.numel() * tensor.element_size())
-        base = ffi.new("CUdeviceptr *")
-        size = ffi.new("size_t *")
-        _check("cuMemGetAddressRange", drv.cuMemGetAddressRange_v2(base, size, ptr))
-        h = ffi.new("CUipcMemHandle *")
-        _check("cuIpcGetMemHandle", drv.cuIpcGetMemHandle(h, base[0]))
-        handle = bytes(ffi.buffer(h)) + struct.pack("<Q", ptr - int(base[0]))
         rid = next(self._ids)
+        base_p = ffi.new("CUdeviceptr *")
+        size_p = ffi.new("size_t *")
+        ranged = drv.cuMemGetAddressRange_v2(base_p, size_p, ptr) == 0
+        base, size = (int(base_p[0]), int(size_p[0])) if ranged else (ptr, 0)
+        handle = b""
+        if fd is not None:
+            off = ptr - base
+            size = max(size, -(-(off + length) // _GRANULE) * _GRANULE)
+            self._exports[rid] = os.dup(fd)
+            handle = b"M" + _CUMEM.pack(rid, size, off)
+        elif ranged:
+            h = ffi.new("CUipcMemHandle *")
+            rc = drv.cuIpcGetMemHandle(h, base)
+            if rc == 0:
+                handle = b"L" + bytes(ffi.buffer(h)) + struct.pack("<Q", ptr - base)
+            else:
+                log.info("cuda-ipc: region %d has no IPC handle (CUDA error %d; cuMem memory "
+                         "needs its fd): registered as a write source only", rid, rc)
         desc = MemoryDescriptor(backend="cuda-ipc", provider="cuda-ipc", address=self._name,
                                 base=0, length=length, key=0, region=rid, handle=handle)
         region = LocalRegion(rid, ptr, length, desc, None, tensor)
         self._regions[rid] = region
         return region
 
+    # ---- sending ---------------------------------------------------------------------------
+
     def submit(self, src: LocalRegion, dst: MemoryDescriptor, src_offsets: Any,
                dst_offsets: Any, lengths: Any, imm: int,
                timeout: float | None = None) -> asyncio.Future[None]:
         if self._loop is None:
             raise RuntimeError("engine not started")
-        if dst.backend != "cuda-ipc" or len(dst.handle) != 72:
-            raise OutOfRange("descriptor is not a cuda-ipc region")
-        if not dst.address.startswith(b"\0disagg-cuda-ipc-"):
+        h = dst.handle
+        if dst.backend != "cuda-ipc" or not (
+                (h[:1] == b"L" and len(h) == 73) or (h[:1] == b"M" and len(h) == 1 + _CUMEM.size)):
+            raise OutOfRange("descriptor is not a writable cuda-ipc region")
+        if not dst.address.startswith(_PREFIX) or len(dst.address) > 100:
             raise OutOfRange("cuda-ipc notification address is not ours")
+        if h[:1] == b"M":
+            _, size, off = _CUMEM.unpack(h[1:])
+            if off + dst.length > size:
+                raise OutOfRange("cuda-ipc region lies outside its advertised mapping")
         if not 0 <= imm < 1 << 64:
             raise OutOfRange("immediate does not fit 64 bits")
         so, do, ln = check_writes(src.length, dst.length, src_offsets, dst_offsets, lengths)
         fut: asyncio.Future[None] = self._loop.create_future()
+        if so.shape[0] == 0:
+            fut.set_result(None)
+            return fut
         t = self.default_timeout if timeout is None else timeout
         self._inbox.append(_Job(
-            (so + src.addr).astype(np.uint64), dst.handle, do.astype(np.uint64),
+            (so + src.addr).astype(np.uint64), h, do.astype(np.uint64),
             ln.astype(np.uint64), dst.address, imm, fut, time.monotonic() + t))
         os.write(self._wake_w, b"x")
         return fut
+
+    # ---- receiving -------------------------------------------------------------------------
 
     def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
         if self._loop is None:
@@ -203,61 +327,196 @@ class CudaIpcEngine:
         if events and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_settle, events)
 
-    def _open(self, handle: bytes) -> int:
-        ptr = self._opened.get(handle[:64])
-        if ptr is None:
-            ffi, drv = _driver()
-            h = ffi.new("CUipcMemHandle *")
-            ffi.memmove(h, handle[:64], 64)
-            out = ffi.new("CUdeviceptr *")
-            _check("cuIpcOpenMemHandle", drv.cuIpcOpenMemHandle_v2(out, h[0], 1))
-            ptr = int(out[0])
-            self._opened[handle[:64]] = ptr
-        return ptr + struct.unpack("<Q", handle[64:72])[0]
+    # ---- the progress thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
-        """Loop: issue queued copies, retire finished ones (notify), read notifications, wait."""
+    def _open(self, address: bytes, handle: bytes) -> int:
+        """This process's address of byte 0 of the peer region (mapped once)."""
+        key = (address, handle)
+        m = self._opened.get(key)
+        if m is None:
+            m = self._map_cumem(address, handle) if handle[:1] == b"M" else self._map_legacy(handle)
+            self._opened[key] = m
+        return m.ptr
+
+    def _map_legacy(self, handle: bytes) -> _Mapping:
+        ffi, drv = _driver()
+        h = ffi.new("CUipcMemHandle *")
+        ffi.memmove(h, handle[1:65], 64)
+        out = ffi.new("CUdeviceptr *")
+        _check("cuIpcOpenMemHandle", drv.cuIpcOpenMemHandle_v2(out, h[0], 1))
+        base = int(out[0])
+        return _Mapping(base + struct.unpack("<Q", handle[65:73])[0], base, 0, "L")
+
+    def _map_cumem(self, address: bytes, handle: bytes) -> _Mapping:
+        from cuda.bindings import driver as cu
+
+        rid, size, off = _CUMEM.unpack(handle[1:])
+        fd = fetch_fd(address, rid)
+        try:
+            h = _cu(cu.cuMemImportFromShareableHandle(
+                fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        finally:
+            os.close(fd)
+        ptr = _cu(cu.cuMemAddressReserve(size, 0, 0, 0))
+        _cu(cu.cuMemMap(ptr, size, 0, h, 0))
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _cu(cu.cuMemSetAccess(ptr, size, [access], 1))
+        self.stats["cumem_imports"] += 1
+        return _Mapping(int(ptr) + off, int(ptr), size, "M", h)
+
+    def _setup(self) -> Any:
         torch = self.torch
         torch.cuda.set_device(self.device)
         stream = torch.cuda.Stream(self.device)
+        if not self.ctas:
+            self.ctas = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        try:
+            from disagg.fabric import lib as fl
+
+            ffi, drv = _driver()
+            self._ce_fn = fl.ffi.cast("void *", int(ffi.cast("uintptr_t", drv.cuMemcpyAsync)))
+            self._ce_lib = fl
+        except Exception as e:  # noqa: BLE001 - no cffi module: Python loop instead
+            log.info("cuda-ipc: no compiled copy loop (%s)", e)
+            self._ce_fn = None
+        return stream
+
+    def _mode(self, job: _Job, dst: np.ndarray) -> str:
+        mode = self.copy
+        if mode == "auto":
+            from disagg.fabric.gather_copy import aligned
+
+            mode = ("kernel" if not self._kernel_broken and aligned(job.src, dst, job.lens)
+                    else "ce")
+        if mode == "ce" and self._ce_fn is None:
+            mode = "loop"
+        return mode
+
+    def _issue(self, job: _Job, stream: Any, events: list[Any]) -> None:
+        base = self._open(job.address, job.dst_handle)
+        dst = job.dst + np.uint64(base)
+        mode = self._mode(job, dst)
+        if mode == "kernel":
+            try:
+                self._issue_kernel(job, dst, stream, events)
+                self.stats["kernel_batches"] += 1
+                return
+            except _RingFull:
+                pass
+            except Exception as e:
+                if self.copy != "auto":
+                    raise
+                log.warning("cuda-ipc: copy kernel failed (%s); using the copy engine", e)
+                self._kernel_broken = True
+            mode = "ce" if self._ce_fn is not None else "loop"
+        if mode == "ce":
+            fl = self._ce_lib
+            n = job.src.shape[0]
+            rc = fl.lib.dg_cuda_copy_runs(
+                self._ce_fn, n, fl.ffi.cast("uint64_t *", dst.ctypes.data),
+                fl.ffi.cast("uint64_t *", job.src.ctypes.data),
+                fl.ffi.cast("uint64_t *", job.lens.ctypes.data),
+                fl.ffi.cast("void *", stream.cuda_stream))
+            _check("cuMemcpyAsync", rc)
+            self.stats["ce_batches"] += 1
+            return
         ffi, drv = _driver()
+        s = ffi.cast("void *", stream.cuda_stream)
+        for a, b, n in zip(job.src.tolist(), dst.tolist(), job.lens.tolist(), strict=True):
+            _check("cuMemcpyAsync", drv.cuMemcpyAsync(b, a, n, s))
+        self.stats["loop_batches"] += 1
+
+    def _issue_kernel(self, job: _Job, dst: np.ndarray, stream: Any, events: list[Any]) -> None:
+        from disagg.fabric import gather_copy
+
+        torch = self.torch
+        table = gather_copy.plan_tiles(job.src, dst, job.lens)
+        need = table.size
+        start = self._ring_alloc(need, events)
+        if self._ring is None:
+            self._ring = torch.empty(RING_ENTRIES, dtype=torch.int64, pin_memory=True)
+            self._dring = torch.empty(RING_ENTRIES, dtype=torch.int64, device=self.device)
+        self._ring[start:start + need].numpy()[:] = table.reshape(-1)
+        with torch.cuda.stream(stream):
+            tab = self._dring[start:start + need]
+            tab.copy_(self._ring[start:start + need], non_blocking=True)
+            gather_copy.launch(tab, table.shape[0], self.ctas)
+        job.span = (start, start + need)
+
+    def _ring_alloc(self, need: int, events: list[Any]) -> int:
+        """Start of ``need`` free ring entries (waits for the oldest batches if none)."""
+        if need > RING_ENTRIES:
+            raise _RingFull
+        while True:
+            spans = [j.span for j in self._pending if j.span is not None]
+            if not spans:
+                return 0
+            tail, head = spans[0][0], spans[-1][1]
+            if head > tail:  # used: [tail, head)
+                if RING_ENTRIES - head >= need:
+                    return head
+                if tail >= need:
+                    return 0
+            elif tail - head >= need:  # wrapped, used: [tail, end) and [0, head)
+                return head
+            self.stats["ring_waits"] += 1
+            self._pending[0].event.synchronize()  # in order: the oldest span frees first
+            self._retire(events)
+
+    def _retire(self, events: list[Any]) -> bool:
+        work = False
+        while self._pending and self._pending[0].event.query():
+            job = self._pending.popleft()
+            work = True
+            try:
+                self._out.sendto(_IMM.pack(job.imm, job.dst.shape[0]), job.address)
+                events.append((job.future, None))
+            except OSError as e:
+                events.append((job.future, ConnectionError(f"peer gone: {e}")))
+            self.stats["completed"] += job.dst.shape[0]
+        return work
+
+    def _run(self) -> None:
+        """Loop: issue queued copies, retire finished ones (notify), read notifications, serve
+        fd requests, wait."""
+        torch = self.torch
         events: list[Any] = []
         try:
+            stream = self._setup()
             while self._running:
                 work = False
                 while self._inbox:
                     job = self._inbox.popleft()
                     work = True
                     try:
-                        base = self._open(job.dst_handle)
-                        for s, d, n in zip(job.src.tolist(), job.dst.tolist(),
-                                           job.lens.tolist(), strict=True):
-                            _check("cuMemcpyAsync", drv.cuMemcpyAsync(
-                                base + d, s, n, ffi.cast("void *", stream.cuda_stream)))
+                        self._issue(job, stream, events)
                         job.event = torch.cuda.Event()
                         job.event.record(stream)
                         self._pending.append(job)
                     except Exception as e:
+                        log.warning("cuda-ipc: batch failed: %s", e)
                         events.append((job.future, e))
-                while self._pending and self._pending[0].event.query():
-                    job = self._pending.popleft()
-                    work = True
-                    try:
-                        self._out.sendto(_IMM.pack(job.imm, job.dst.shape[0]), job.address)
-                        events.append((job.future, None))
-                    except OSError as e:
-                        events.append((job.future, ConnectionError(f"peer gone: {e}")))
-                    self.stats["completed"] += job.dst.shape[0]
+                work |= self._retire(events)
                 work |= self._read_notes(events)
+                self._serve_fds()
                 self._expire(events)
                 if events:
                     self._emit(events)
                     events = []
                 if not work:
                     t = 0.0001 if self._pending else 0.05
-                    r, _, _ = select.select([self._sock.fileno(), self._wake_r], [], [], t)
+                    r, _, _ = select.select(
+                        [self._sock.fileno(), self._fd_srv.fileno(), self._wake_r], [], [], t)
                     if self._wake_r in r:
                         os.read(self._wake_r, 4096)
+        except BaseException as e:  # pragma: no cover - a bug; fail everything loudly
+            log.exception("cuda-ipc progress thread died")
+            events += [(j.future, e) for j in list(self._pending) + list(self._inbox)]
+            self._pending.clear()
+            self._inbox.clear()
         finally:
             err = EngineClosed("cuda-ipc engine closed")
             events += [(j.future, err) for j in list(self._pending) + list(self._inbox)]
@@ -265,6 +524,30 @@ class CudaIpcEngine:
                 events += [(e.future, err) for e in self._expectations.values()]
                 self._expectations.clear()
             self._emit(events)
+
+    def _serve_fds(self) -> None:
+        """Hand a registered cuMem fd to a same-user peer that asks for it (SCM_RIGHTS)."""
+        while True:
+            try:
+                conn, _ = self._fd_srv.accept()
+            except (BlockingIOError, OSError):
+                return
+            with conn:
+                try:
+                    conn.settimeout(2.0)
+                    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                            struct.calcsize("3i"))
+                    _pid, uid, _gid = struct.unpack("3i", creds)
+                    data = conn.recv(8)
+                    fd = self._exports.get(struct.unpack("<Q", data)[0]) if len(data) == 8 else None
+                    if uid != os.getuid() or fd is None:
+                        self.stats["fd_refused"] += 1
+                        conn.sendall(b"no")
+                        continue
+                    socket.send_fds(conn, [b"ok"], [fd])
+                    self.stats["fd_served"] += 1
+                except OSError as e:
+                    log.debug("cuda-ipc: fd request failed: %s", e)
 
     def _read_notes(self, events: list[Any]) -> bool:
         got = False
@@ -296,3 +579,51 @@ class CudaIpcEngine:
                 self._counter.cancel(e.imm)
                 events.append((e.future, TransferTimeout(
                     f"expectation imm {e.imm:#x} passed its deadline")))
+
+
+class _RingFull(Exception):
+    """The batch's tile table is larger than the ring: use the copy engine."""
+
+
+class CuMemBuffer:
+    """A cuMem allocation with a POSIX-fd exportable handle, mapped here (tests and bench: the
+    same kind of memory as the node's KV cache). ``tensor`` is uint8; ``fd`` is exportable."""
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        import torch
+        from cuda.bindings import driver as cu
+
+        torch.zeros(1, device=f"cuda:{device}")  # the primary context, current here
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        prop.requestedHandleTypes = (
+            cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        gran = _cu(cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        self.size = -(-nbytes // gran) * gran
+        self.handle = _cu(cu.cuMemCreate(self.size, prop, 0))
+        self.ptr = int(_cu(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
+        _cu(cu.cuMemMap(self.ptr, self.size, 0, self.handle, 0))
+        access = cu.CUmemAccessDesc()
+        access.location = prop.location
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _cu(cu.cuMemSetAccess(self.ptr, self.size, [access], 1))
+        self.fd = int(_cu(cu.cuMemExportToShareableHandle(
+            self.handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
+
+        class _Iface:
+            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                        "data": (self.ptr, False), "version": 3}
+
+        self.tensor = torch.as_tensor(_Iface(), device=f"cuda:{device}")
+
+    def close(self) -> None:
+        from cuda.bindings import driver as cu
+
+        del self.tensor
+        os.close(self.fd)
+        _cu(cu.cuMemUnmap(self.ptr, self.size))
+        _cu(cu.cuMemAddressFree(self.ptr, self.size))
+        _cu(cu.cuMemRelease(self.handle))
