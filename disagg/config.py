@@ -56,8 +56,18 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (--attention-backend)
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (--threads)
     seed: int = 0  # seed for --random-weights
+    # weights drawn from `seed` on the device; --model then needs only config.json
+    random_weights: bool = False  # (--random-weights)
+    # CUDA with num_pages 0: GPU fraction for weights + activations + KV pool
+    gpu_memory_utilization: float = 0.9  # (--gpu-memory-utilization)
+    cuda_graphs: bool = True  # CUDA: decode-only steps replay captured graphs (--enforce-eager)
 
     def validate(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.random_weights and self.model is None:
+            raise ConfigError("--random-weights needs --model DIR (a directory with config.json)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(
                 f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"

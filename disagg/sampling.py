@@ -37,9 +37,13 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(logits: torch.Tensor, chunks: Sequence[SeqChunk]) -> list[int]:
-    """One token per row of ``logits [N, V]`` (float32); row i belongs to ``chunks[i]``."""
-    greedy = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, chunks: Sequence[SeqChunk],
+           argmax: torch.Tensor | None = None) -> list[int]:
+    """One token per row of ``logits [N, V]`` (float32); row i belongs to ``chunks[i]``.
+
+    Greedy rows cost one device-to-host copy for the whole batch (``argmax``, the rows' argmax
+    already computed on the device, or computed here); only sampled rows work row by row."""
+    greedy = (logits.argmax(dim=-1) if argmax is None else argmax).tolist()
     out: list[int] = []
     for i, c in enumerate(chunks):
         if c.temperature <= 0.0:

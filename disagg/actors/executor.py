@@ -57,7 +57,6 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     or when the parent process is gone."""
     from disagg.attention import get_backend
     from disagg.kv_memory import KVAllocation, KVLayout
-    from disagg.model.loader import load_model
     from disagg.runner import ModelRunner
 
     parent = os.getppid()
@@ -69,11 +68,21 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         torch.cuda.set_device(device)
     if ecfg.model is None:
         raise ExecutorError("executor needs a resolved model directory")
-    model = load_model(ecfg.model, ecfg.dtype, device)
+    t0 = time.perf_counter()
+    model = build_model(cfg, device)
     arch = model.arch
-    num_pages = cfg.cache.num_pages or KVLayout.pages_for_budget(
-        cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads, cfg.cache.page_size,
-        arch.head_dim, model.dtype)
+    backend = get_backend(ecfg.attention_backend, device)
+    max_model_len = cfg.scheduler.max_model_len or arch.max_position_embeddings
+    log.info("model %s on %s in %.1f s (%s weights)", arch.architecture, device,
+             time.perf_counter() - t0, "random" if ecfg.random_weights else "loaded")
+    if cfg.cache.num_pages:
+        num_pages = cfg.cache.num_pages
+    elif device.type == "cuda":
+        num_pages = pages_from_free_memory(cfg, model, backend, max_model_len)
+    else:
+        num_pages = KVLayout.pages_for_budget(
+            cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads,
+            cfg.cache.page_size, arch.head_dim, model.dtype)
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
                       arch.head_dim, model.dtype)
     alloc = KVAllocation.create(layout, device)
@@ -86,9 +95,19 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         from disagg.kernels.counter import LayerCounter
 
         counter = LayerCounter.create(device)
-    runner = ModelRunner(model, alloc.tensor, get_backend(ecfg.attention_backend, device), counter)
+    runner = ModelRunner(model, alloc.tensor, backend, counter)
     log.info("loaded %s on %s: %d pages of %d tokens (%.1f MiB KV)", arch.architecture, device,
              num_pages, cfg.cache.page_size, layout.nbytes / 2**20)
+    if device.type == "cuda" and ecfg.cuda_graphs and cfg.role != "prefill":
+        if backend.name != "triton":
+            log.info("CUDA graphs need the triton attention backend; running decode eagerly")
+        else:
+            try:
+                runner.enable_cuda_graphs(
+                    min(cfg.scheduler.max_running, cfg.scheduler.max_batch_tokens), max_model_len)
+            except Exception:  # the node still serves, only slower
+                log.exception("CUDA graph capture failed; running decode eagerly")
+                runner.graphs = None
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -126,6 +145,57 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             counter.close()
         sock.close()
         ctx.term()
+
+
+def build_model(cfg: NodeConfig, device: torch.device) -> Any:
+    """Load the model directory's weights, or draw them from the seed with ``random_weights``
+    (then only ``config.json`` is read, and the weights are generated on ``device``)."""
+    ecfg = cfg.executor
+    assert ecfg.model is not None
+    if ecfg.random_weights:
+        from disagg.model.config import ModelArch
+        from disagg.model.loader import random_model
+
+        return random_model(ModelArch.from_dir(ecfg.model), ecfg.dtype, device, ecfg.seed)
+    from disagg.model.loader import load_model
+
+    return load_model(ecfg.model, ecfg.dtype, device)
+
+
+def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_len: int) -> int:
+    """KV pages that fit in ``gpu_memory_utilization`` of the GPU after a profiling step.
+
+    The profiling step is the largest the scheduler can send (``max_batch_tokens`` tokens of
+    prefill in sequences of at most ``max_model_len``, then logits for ``max_running`` rows) on a
+    throwaway cache; its peak torch allocation covers weights and activations. Memory outside
+    torch (CUDA context, cuBLAS workspaces, other processes) is what the device reports in use
+    beyond torch's reservations. CUDA graphs get the activation peak again as headroom."""
+    from disagg.kv_memory import KVLayout
+    from disagg.runner import profile_peak_memory
+
+    arch = model.arch
+    device = model.device
+    weights = torch.cuda.memory_allocated(device)
+    peak = profile_peak_memory(model, backend, cfg.cache.page_size,
+                               cfg.scheduler.max_batch_tokens, cfg.scheduler.max_running,
+                               max_model_len)
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = total - free - torch.cuda.memory_reserved(device)
+    graphs = (peak - weights) + (256 << 20) if cfg.executor.cuda_graphs else 0
+    budget = int(total * cfg.executor.gpu_memory_utilization) - non_torch - peak - graphs
+    pages = KVLayout.pages_for_budget(max(budget, 0), arch.num_layers, arch.num_kv_heads,
+                                      cfg.cache.page_size, arch.head_dim, model.dtype)
+    log.info("memory: total %.1f GiB, weights %.1f GiB, profile peak %.1f GiB, outside torch "
+             "%.1f GiB, graph headroom %.1f GiB -> KV %.1f GiB (%d pages)", total / 2**30,
+             weights / 2**30, peak / 2**30, non_torch / 2**30, graphs / 2**30, budget / 2**30,
+             pages)
+    if pages < 1:
+        raise ExecutorError(
+            f"no GPU memory left for the KV cache at --gpu-memory-utilization "
+            f"{cfg.executor.gpu_memory_utilization} (weights {weights / 2**30:.1f} GiB, "
+            f"activation peak {(peak - weights) / 2**30:.1f} GiB): raise it, lower "
+            "--max-batch-tokens, or give --num-pages")
+    return pages
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -35,6 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention-backend", default=e.attention_backend,
                     choices=["auto", "torch", "triton", "flashinfer"])
     ap.add_argument("--threads", type=int, default=e.threads, help="torch CPU threads per executor")
+    ap.add_argument("--random-weights", action="store_true", default=e.random_weights,
+                    help="draw the weights from --seed on the device; --model DIR needs only "
+                         "config.json (no safetensors, no tokenizer: send prompt_token_ids)")
+    ap.add_argument("--seed", type=int, default=e.seed, help="seed for --random-weights")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
+                    help="CUDA with --num-pages 0: fraction of GPU memory for weights, "
+                         "activations and the KV pool (sized after a profiling step)")
+    ap.add_argument("--enforce-eager", action="store_true", default=not e.cuda_graphs,
+                    help="CUDA: run decode steps eagerly (no CUDA graphs)")
     ap.add_argument("--page-size", type=int, default=c.page_size)
     ap.add_argument("--num-pages", type=int, default=c.num_pages)
     ap.add_argument("--kv-cache-mb", type=int, default=c.kv_cache_mb)
@@ -72,7 +81,10 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         listen=args.listen,
         devices=[d.strip() for d in args.devices.split(",") if d.strip()],
         executor=ExecutorConfig(model=args.model, dtype=args.dtype,
-                                attention_backend=args.attention_backend, threads=args.threads),
+                                attention_backend=args.attention_backend, threads=args.threads,
+                                seed=args.seed, random_weights=args.random_weights,
+                                gpu_memory_utilization=args.gpu_memory_utilization,
+                                cuda_graphs=not args.enforce_eager),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_mb=args.kv_cache_mb),
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens,

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from disagg.model.config import ModelArch
 from disagg.model.transformer import Transformer
@@ -72,6 +71,8 @@ def _fused_slices(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
 def load_model(
     path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
 ) -> Transformer:
+    from safetensors import safe_open  # only here: random weights need no safetensors
+
     path = Path(path)
     arch = ModelArch.from_dir(path)
     dev = torch.device(device)

@@ -1,0 +1,211 @@
+"""Engine speed on one CUDA GPU: decode step (CUDA graph vs eager) and 8k prefill of a model
+shape with random weights, against the roofline and the matmul rate measured in the same run.
+
+    python3 bench/experiment_engine.py --out DIR   # Qwen3-8B shape by default
+
+Checks first that a graph-replayed decode step gives the eager step's logits and that the
+layer counter bumped inside the graph reaches ``base + num_layers``. Writes ``engine.json`` and
+``profile.txt`` (torch profiler tables of one eager decode step and one prefill step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=151645)
+
+
+def ceilings(dev: torch.device) -> dict[str, float]:
+    from triton.testing import do_bench
+
+    a = torch.empty(1 << 29, dtype=torch.int16, device=dev).random_()  # 1 GiB
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    copy = 2 * a.numel() * 2 / (ms / 1e3)
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    ms = do_bench(lambda: x @ y, warmup=50, rep=300, return_mode="median")
+    return {"copy_bytes_per_s": copy, "matmul_flops_per_s": 2 * 8192**3 / (ms / 1e3)}
+
+
+def decode_plan(step: int, batch: int, ctx: int, page: int, pages: list[int], base: int):
+    from disagg.protocol import SeqChunk, StepPlan
+
+    rng = random.Random(step)
+    per = -(-(ctx + 1) // page)
+    chunks = []
+    for i in range(batch):
+        n = ctx - rng.randint(0, 6)
+        table = pages[i * per:(i + 1) * per]
+        chunks.append(SeqChunk(i, [rng.randrange(1000, 100000)], n - 1, table, True))
+    return StepPlan(step, chunks, batch, counter_base=base)
+
+
+def median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def event_ms(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from disagg.attention import get_backend
+    from disagg.kernels.counter import LayerCounter
+    from disagg.kv_memory import KVAllocation, KVLayout
+    from disagg.model.config import ModelArch
+    from disagg.model.loader import random_model
+    from disagg.protocol import SeqChunk, StepPlan
+    from disagg.runner import ModelRunner
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    res: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    import triton
+
+    res["triton"] = triton.__version__
+    res["ceilings"] = ceilings(dev)
+    arch = ModelArch.from_hf_config(QWEN3_8B)
+    t = time.perf_counter()
+    model = random_model(arch, "bfloat16", dev, seed=0)
+    torch.cuda.synchronize()
+    res["random_weights_s"] = time.perf_counter() - t
+    page = args.page_size
+    per = -(-(args.ctx + 1) // page)
+    num_pages = args.batch * per + -(-args.prefill // page) + 8
+    layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page, arch.head_dim,
+                      model.dtype)
+    alloc = KVAllocation.create(layout, dev)
+    alloc.tensor.normal_()
+    counter = LayerCounter.create(dev)
+    runner = ModelRunner(model, alloc.tensor, get_backend("triton", dev), counter)
+    res["graph_capture_s"] = runner.enable_cuda_graphs(256, args.max_model_len)
+    pages = list(range(num_pages))
+    random.Random(1).shuffle(pages)
+    dpages, ppages = pages[: args.batch * per], pages[args.batch * per:]
+
+    # 1. correctness: graph replay == eager, counter bumped inside the graph
+    plan = decode_plan(1, args.batch, args.ctx, page, dpages, base=1000)
+    graphs = runner.graphs
+    assert graphs is not None
+    b = graphs.buckets[[i for i, x in enumerate(graphs.buckets) if x >= args.batch][0]]
+    g_tokens = runner.execute(plan)[0]
+    g_logits = graphs.outputs[b][0][: args.batch].clone()
+    res["counter_after_graph"] = counter.read()
+    runner.graphs = None
+    e_tokens = runner.execute(plan)[0]
+    host = runner.build(plan)
+    with torch.inference_mode():
+        hid = model(host[0], host[1], alloc.tensor, host[2], runner.backend)
+        e_logits = model.logits(hid)
+    runner.graphs = graphs
+    rel = float((g_logits - e_logits).norm() / e_logits.norm())
+    res["check"] = {"graph_vs_eager_logits_rel_l2": rel,
+                    "argmax_agree": sum(a == b for a, b in zip(g_tokens, e_tokens, strict=True)),
+                    "rows": args.batch,
+                    "counter_ok": res["counter_after_graph"] == 1000 + arch.num_layers}
+    print("check", res["check"], flush=True)
+
+    # 2. decode step timings
+    kv_bytes = sum(c.start_pos + 1 for c in plan.chunks) * layout.page_bytes // page
+    kv_bytes *= arch.num_layers
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if n != "embed")
+    bw = res["ceilings"]["copy_bytes_per_s"]
+    roof_ms = (weight_bytes + kv_bytes) / bw * 1e3
+    replay_ms = event_ms(lambda: graphs.graphs[b].replay(), 30)
+    graph_step_ms = median_ms(lambda: runner.execute(plan), 30)
+    runner.graphs = None
+    eager_step_ms = median_ms(lambda: runner.execute(plan), 10)
+    runner.graphs = graphs
+    t = time.perf_counter()
+    for _ in range(200):
+        runner.check_plan(plan)
+    host_ms = (time.perf_counter() - t) / 200 * 1e3
+    res["decode"] = {
+        "batch": args.batch, "ctx": args.ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+        "roofline_ms": roof_ms, "graph_replay_ms": replay_ms, "graph_step_ms": graph_step_ms,
+        "eager_step_ms": eager_step_ms, "flatten_plan_ms": host_ms,
+        "graph_step_vs_roofline": graph_step_ms / roof_ms,
+        "replay_vs_roofline": replay_ms / roof_ms}
+    print("decode", res["decode"], flush=True)
+    for bb in (1, 16, 128, 256):
+        ctx_b = min(args.ctx, (len(pages) // bb - 1) * page - 8)
+        p2 = decode_plan(2, bb, ctx_b, page, pages, base=0)
+        res["decode"][f"graph_step_ms_b{bb}_ctx{ctx_b}"] = median_ms(
+            lambda p2=p2: runner.execute(p2), 10)
+
+    # 3. prefill of args.prefill tokens in one step (eager)
+    n = args.prefill
+    rng = random.Random(3)
+    pplan = StepPlan(3, [SeqChunk(0, [rng.randrange(1000, 100000) for _ in range(n)], 0,
+                                  ppages[: -(-n // page)], True)], 0)
+    runner.execute(pplan)
+    prefill_ms = median_ms(lambda: runner.execute(pplan), 5)
+    lin = sum(p.numel() for nm, p in model.named_parameters()
+              if nm not in ("embed", "lm_head") and p.dim() == 2)
+    attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * n * (n + 1) / 2
+    flops = 2 * lin * n + attn + 2 * arch.vocab_size * arch.hidden_size
+    mm = res["ceilings"]["matmul_flops_per_s"]
+    res["prefill"] = {"tokens": n, "model_flops": flops, "step_ms": prefill_ms,
+                      "flops_per_s": flops / (prefill_ms / 1e3),
+                      "fraction_of_matmul": flops / (prefill_ms / 1e3) / mm}
+    print("prefill", res["prefill"], flush=True)
+
+    # 4. profiles (eager decode step, prefill step)
+    from torch.profiler import ProfilerActivity, profile
+
+    text = []
+    for name, p in ((f"eager decode B={args.batch} ctx={args.ctx}", plan),
+                    (f"prefill {n}", pplan)):
+        runner.graphs = None
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            runner.execute(p)
+            torch.cuda.synchronize()
+        runner.graphs = graphs
+        text.append(f"=== {name}\n" + prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    (out / "profile.txt").write_text("\n".join(text))
+    (out / "engine.json").write_text(json.dumps(res, indent=1))
+    counter.close()
+    print(json.dumps({k: res[k] for k in ("check", "decode", "prefill")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
