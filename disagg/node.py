@@ -147,7 +147,7 @@ class Node:
         self.scheduler.mbox = s_sock
         self.messenger = PrefillMessenger(
             cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensor(),
-            self.counter, vocab_size=arch.vocab_size)
+            self.counter, vocab_size=arch.vocab_size, kv_fd=self.executors.kv_fds[0])
         self.address = self.messenger.address
         actors.append(("messenger", self.messenger.run))
 
@@ -166,7 +166,8 @@ class Node:
             d.prefill_peers, self.ctx, m_sock, self._transfer(), self._layout(arch),
             self._kv_tensor(), max_slots=2 * cfg.scheduler.max_running,
             timeout_s=d.prefill_timeout_s, heartbeat_s=d.heartbeat_s,
-            peer_timeout_s=d.peer_timeout_s, on_failure=d.on_prefill_failure)
+            peer_timeout_s=d.peer_timeout_s, on_failure=d.on_prefill_failure,
+            kv_fd=self.executors.kv_fds[0] if self.executors else None)
         actors.append(("messenger", self.messenger.run))
 
     async def _guard(self, coro: object, name: str) -> None:

@@ -98,6 +98,7 @@ class DecodeMessenger:
         peer_timeout_s: float = 5.0,
         on_failure: str = "error",
         max_tries: int = 2,
+        kv_fd: int | None = None,  # the KV allocation's fd (cuMem on CUDA), for cuda-ipc peers
     ):
         self.peers = []
         for address in peers:
@@ -108,8 +109,8 @@ class DecodeMessenger:
         self.sched = sched_sock
         self.transfer = transfer
         self.layout = layout
-        self.kv_region = transfer.register(kv.view(torch.uint8).view(-1))
-        self.ctx_buf = torch.zeros(max_slots, layout.context_bytes, dtype=torch.uint8)
+        self.kv_region = transfer.register(kv.view(torch.uint8).view(-1), fd=kv_fd)
+        self.ctx_buf = transfer.context_buffer(max_slots, layout.context_bytes)
         self.ctx_region = transfer.register(self.ctx_buf.view(-1))
         self.ctx_free = list(range(max_slots - 1, -1, -1))
         self.timeout_s = timeout_s
@@ -254,6 +255,10 @@ class DecodeMessenger:
             return
         if a.state != "waiting":
             return
+        # fabric over host staging: its pages mirror -> GPU first (no-op otherwise)
+        await self.transfer.stage_in_pages(self.kv_region, self.layout, a.need.dst_pages)
+        if a.state != "waiting":
+            return
         self.units_received += units
         self._forget(a)
         self.completed[a.request_id] = a.slot  # its PrefillDone brings the prefiller's timings
@@ -277,6 +282,7 @@ class DecodeMessenger:
 
     async def _settled(self, a: Attempt, failure: tuple[str, str]) -> None:
         """No write of ``a`` can land any more: retry, or report to the scheduler."""
+        await self.transfer.staging_idle()  # nor a staged copy into its pages
         if a.state == "waiting":
             a.expectation.cancel()
         self._forget(a)

@@ -129,6 +129,7 @@ class PrefillMessenger:
         counter: Any,
         vocab_size: int,
         max_jobs: int = 256,
+        kv_fd: int | None = None,  # the KV allocation's fd (cuMem on CUDA), for cuda-ipc peers
     ):
         self.vocab_size = vocab_size
         self.sock = ctx.socket(zmq.ROUTER)
@@ -139,8 +140,8 @@ class PrefillMessenger:
         self.sched = sched_sock
         self.transfer = transfer
         self.layout = layout
-        self.kv_region = transfer.register(kv.view(torch.uint8).view(-1))
-        self.ctx_buf = torch.zeros(max_jobs, layout.context_bytes, dtype=torch.uint8)
+        self.kv_region = transfer.register(kv.view(torch.uint8).view(-1), fd=kv_fd)
+        self.ctx_buf = transfer.context_buffer(max_jobs, layout.context_bytes)
         self.ctx_region = transfer.register(self.ctx_buf.view(-1))
         self.ctx_free = list(range(max_jobs - 1, -1, -1))
         self.ctx_of: dict[int, int] = {}
