@@ -249,33 +249,58 @@ class ToClient(msgspec.Struct, tag="to_client", array_like=True, frozen=True):
 
 
 class KVLayoutDesc(msgspec.Struct, frozen=True):
-    """A node's KV cache as a peer must know it (TP 1 in this version); see transfer_plan."""
+    """A node's KV cache as a peer must know it; see transfer_plan.
+
+    Every rank of a node has its own buffer of ``total_bytes`` laid out
+    ``[num_layers, num_pages, 2 (K, V), num_kv_heads, page_size, head_dim]`` (HND), and the same
+    page ids on every rank. Rank ``r`` holds the global kv heads ``rank_heads(r)``: block
+    ``r // kv_replicas`` of ``num_kv_heads`` heads, so with ``kv_replicas`` > 1 (kv heads < TP,
+    or MLA's single latent) consecutive ranks hold the same heads, and replica set
+    ``j = r % kv_replicas`` (ranks j, j + kv_replicas, ...) holds one whole KV cache."""
 
     num_layers: int
-    num_pages: int
-    num_kv_heads: int  # kv heads held by this rank
+    num_pages: int  # pages per rank (page ids are node-local, the same on every rank)
+    num_kv_heads: int  # kv heads held by each rank
     page_size: int  # tokens per page
     head_dim: int
     dtype: str  # torch dtype name
     element_size: int  # bytes per element
     hidden_size: int  # context (hidden state) elements per request
-    tp_size: int = 1
+    tp_size: int = 1  # ranks (one KV buffer each, all in one node's transfer engine)
+    kv_replicas: int = 1  # ranks holding each kv head (divides tp_size); 1 = no replication
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer: K and V of every local kv head."""
+        """Bytes of one page of one layer on one rank: K and V of every local kv head."""
         return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
 
     @property
+    def head_bytes(self) -> int:
+        """Bytes of one kv head's K (or V) in one page: one contiguous run (HND)."""
+        return self.page_size * self.head_dim * self.element_size
+
+    @property
     def total_bytes(self) -> int:
+        """Bytes of one rank's KV buffer."""
         return self.num_layers * self.num_pages * self.page_bytes
+
+    @property
+    def total_kv_heads(self) -> int:
+        """kv heads of the model (over all ranks, each counted once)."""
+        return self.num_kv_heads * self.tp_size // max(1, self.kv_replicas)
 
     @property
     def context_bytes(self) -> int:
         return self.hidden_size * self.element_size
 
     def page_offset(self, layer: int, page: int) -> int:
+        """Byte offset of page ``page`` of ``layer`` in a rank's buffer."""
         return (layer * self.num_pages + page) * self.page_bytes
+
+    def rank_heads(self, rank: int) -> range:
+        """Global kv heads held by ``rank`` (in local order)."""
+        block = rank // self.kv_replicas
+        return range(block * self.num_kv_heads, (block + 1) * self.num_kv_heads)
 
 
 class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_fields=True):
