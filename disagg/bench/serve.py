@@ -43,6 +43,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--connect", action="append", default=None, metavar="ADDR",
                     help="node address (tcp://host:port); repeat for round-robin over nodes "
                          "(default tcp://127.0.0.1:5555)")
+    ap.add_argument("--http", action="append", default=None, metavar="URL",
+                    help="drive the OpenAI-compatible HTTP API at URL (http://host:port) "
+                         "instead; repeatable, mixes with --connect")
     ap.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     ap.add_argument("--request-rate", type=float, default=math.inf,
                     help="mean arrival rate in req/s (Poisson); inf sends all at once")
@@ -159,7 +162,7 @@ async def _warmup(transports: list[Transport], specs: list[RequestSpec],
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole benchmark; returns the result (what ``--json`` writes)."""
-    addresses = args.connect or ["tcp://127.0.0.1:5555"]
+    addresses = (args.connect or []) + (args.http or []) or ["tcp://127.0.0.1:5555"]
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:

@@ -10,6 +10,7 @@ is aborted on the node).
 from __future__ import annotations
 
 import abc
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -96,9 +97,91 @@ class ZmqTransport(Transport):
         await self._client.close()
 
 
+class HttpTransport(Transport):
+    """The OpenAI-compatible HTTP API (``--http-listen``): streaming ``/v1/completions`` with
+    the prompt as token ids, ``ignore_eos`` and ``stream_options.include_usage``.
+
+    SSE carries no token counts per event, so each event counts one token; the final usage
+    gives the true count (the gateway sends no event for a token whose text delta is empty, so
+    per-token timings need a model with a tokenizer). The API carries no TTFT breakdown."""
+
+    def __init__(self, url: str):
+        import aiohttp
+
+        self.address = url.rstrip("/")
+        self._session = aiohttp.ClientSession()
+        self._model: str | None = None
+
+    async def _model_id(self, timeout: float) -> str:
+        if self._model is None:
+            import aiohttp
+
+            async with self._session.get(f"{self.address}/v1/models",
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                r.raise_for_status()
+                self._model = str((await r.json())["data"][0]["id"])
+        return self._model
+
+    async def generate(self, spec: RequestSpec, request_id: str, sampling: SamplingParams,
+                       timeout: float) -> AsyncIterator[TokenEvent | Done]:
+        import aiohttp
+
+        body = {
+            "model": await self._model_id(timeout), "prompt": list(spec.prompt_token_ids),
+            "max_tokens": spec.output_len, "temperature": sampling.temperature, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True},
+        }
+        reason = ""
+        try:
+            async with self._session.post(
+                    f"{self.address}/v1/completions", json=body,
+                    timeout=aiohttp.ClientTimeout(total=None, sock_read=timeout)) as r:
+                if r.status != 200:
+                    err = (await r.json()).get("error", {})
+                    raise TransportError(str(err.get("code") or r.status), str(err.get("message")))
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = msgspec.json.decode(data)
+                    now = time.perf_counter()
+                    for choice in event.get("choices") or []:
+                        if choice.get("text"):  # the closing event carries only the reason
+                            yield TokenEvent(now, 1)
+                        reason = choice.get("finish_reason") or reason
+                    usage = event.get("usage")
+                    if usage:
+                        yield Done(now, reason or "length", int(usage["prompt_tokens"]),
+                                   int(usage["completion_tokens"]))
+                        return
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no event for request {request_id} in {timeout}s") from None
+        except aiohttp.ClientError as e:
+            raise TransportError("http", str(e)) from None
+        raise TransportError("http", "stream ended without usage")
+
+    async def stats(self, timeout: float) -> dict[str, Any] | None:
+        import aiohttp
+
+        try:
+            await self._model_id(timeout)  # answers once the gateway is up
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise TimeoutError(f"{self.address}: {e}") from None
+        return None
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
 def make_transport(address: str) -> Transport:
-    """``tcp://``, ``ipc://`` and ``inproc://`` addresses speak the ZeroMQ client protocol."""
+    """``tcp://``, ``ipc://`` and ``inproc://`` addresses speak the ZeroMQ client protocol;
+    ``http://`` and ``https://`` URLs the OpenAI-compatible HTTP API."""
     if address.startswith(("tcp://", "ipc://", "inproc://")):
         return ZmqTransport(address)
-    raise ValueError(f"--connect {address!r}: expected a tcp:// or ipc:// ZeroMQ address "
-                     "(an HTTP transport is not implemented yet)")
+    if address.startswith(("http://", "https://")):
+        return HttpTransport(address)
+    raise ValueError(f"--connect {address!r}: expected a tcp:// or ipc:// ZeroMQ address or an "
+                     "http:// URL")

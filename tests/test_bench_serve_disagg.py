@@ -1,0 +1,67 @@
+"""`disagg-bench serve` against a CPU prefill + decode pair, over ZeroMQ and over HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_disagg import stats, wait_for
+
+from tinymodels import TINY, NodeProcess, add_word_tokenizer, free_port, make_tiny_model
+
+pytestmark = pytest.mark.fabric
+
+NUM, IN_LEN, OUT_LEN = 12, 24, 5
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench-pair")
+    path = make_tiny_model("llama", tmp / "llama")
+    add_word_tokenizer(path)  # text deltas: the HTTP stream has one event per token
+    p_addr = f"tcp://127.0.0.1:{free_port()}"
+    d_addr = f"tcp://127.0.0.1:{free_port()}"
+    http = f"127.0.0.1:{free_port()}"
+    common = ["--model", str(path), "--page-size", "4", "--num-pages", "256", "--threads", "1"]
+    p = NodeProcess(["--role", "prefill", "--listen", p_addr, "--max-batch-tokens", "16", *common],
+                    tmp / "prefill.log")
+    d = NodeProcess(["--role", "decode", "--listen", d_addr, "--prefill-peer", p_addr,
+                     "--heartbeat", "0.2", "--http-listen", http, *common], tmp / "decode.log")
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
+        yield d_addr, f"http://{http}"
+    finally:
+        assert p.stop() == [] and d.stop() == []
+
+
+def bench(out, *args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "disagg.bench", "serve", *args,
+                        "--num-prompts", str(NUM), "--input-len", str(IN_LEN),
+                        "--output-len", str(OUT_LEN), "--vocab-size", str(TINY["vocab_size"]),
+                        "--request-rate", "40", "--seed", "3", "--timeout", "60", "--wait", "60",
+                        "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(out.read_text())["summary"]
+
+
+def check(s: dict) -> None:
+    assert s["num_requests"] == s["completed"] == NUM and s["failed"] == 0, s["errors"]
+    assert s["total_output_tokens"] == NUM * OUT_LEN
+    assert s["total_input_tokens"] == NUM * IN_LEN
+    assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
+
+
+def test_bench_over_zeromq_reports_the_ttft_breakdown(pair, tmp_path):
+    s = bench(tmp_path / "zmq.json", "--connect", pair[0])
+    check(s)
+    phases = s["ttft_breakdown_ms"]
+    assert {"decode_queue", "kv_wait", "first_step"} <= phases.keys()
+    assert phases["kv_wait"]["count"] == NUM
+
+
+def test_bench_over_http(pair, tmp_path):
+    check(bench(tmp_path / "http.json", "--http", pair[1]))
