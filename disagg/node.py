@@ -27,6 +27,7 @@ from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor
 from disagg.actors.transfer import TransferEngine
 from disagg.config import NodeConfig
+from disagg.metrics import Metrics
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import Tokenizer
 from disagg.protocol import KVLayoutDesc
@@ -57,6 +58,7 @@ class Node:
         self.messenger: Any = None  # PrefillMessenger | DecodeMessenger
         self.transfer: TransferEngine | None = None
         self.counter: Any = None
+        self.metrics = Metrics()  # fed by the messengers; served by --metrics-listen / the gateway
         self.address: str | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._run_dir: str | None = None
@@ -149,6 +151,7 @@ class Node:
             cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensor(),
             self.counter, vocab_size=arch.vocab_size, kv_fd=self.executors.kv_fds[0])
         self.address = self.messenger.address
+        self.messenger.metrics = self.metrics
         actors.append(("messenger", self.messenger.run))
 
     async def _start_decode(self, cfg: NodeConfig, arch: ModelArch, sched_sock: zmq.asyncio.Socket,
@@ -168,6 +171,7 @@ class Node:
             timeout_s=d.prefill_timeout_s, heartbeat_s=d.heartbeat_s,
             peer_timeout_s=d.peer_timeout_s, on_failure=d.on_prefill_failure,
             kv_fd=self.executors.kv_fds[0] if self.executors else None)
+        self.messenger.metrics = self.metrics
         actors.append(("messenger", self.messenger.run))
 
     async def _guard(self, coro: object, name: str) -> None:

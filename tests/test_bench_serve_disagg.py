@@ -24,16 +24,18 @@ def pair(tmp_path_factory):
     p_addr = f"tcp://127.0.0.1:{free_port()}"
     d_addr = f"tcp://127.0.0.1:{free_port()}"
     http = f"127.0.0.1:{free_port()}"
+    p_metrics, d_metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     common = ["--model", str(path), "--page-size", "4", "--num-pages", "256", "--threads", "1"]
-    p = NodeProcess(["--role", "prefill", "--listen", p_addr, "--max-batch-tokens", "16", *common],
-                    tmp / "prefill.log")
+    p = NodeProcess(["--role", "prefill", "--listen", p_addr, "--max-batch-tokens", "16",
+                     "--metrics-listen", p_metrics, *common], tmp / "prefill.log")
     d = NodeProcess(["--role", "decode", "--listen", d_addr, "--prefill-peer", p_addr,
-                     "--heartbeat", "0.2", "--http-listen", http, *common], tmp / "decode.log")
+                     "--heartbeat", "0.2", "--http-listen", http, "--metrics-listen", d_metrics,
+                     *common], tmp / "decode.log")
     try:
         p.wait_ready()
         d.wait_ready()
         wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
-        yield d_addr, f"http://{http}"
+        yield d_addr, f"http://{http}", f"http://{p_metrics}", f"http://{d_metrics}"
     finally:
         assert p.stop() == [] and d.stop() == []
 
@@ -65,3 +67,34 @@ def test_bench_over_zeromq_reports_the_ttft_breakdown(pair, tmp_path):
 
 def test_bench_over_http(pair, tmp_path):
     check(bench(tmp_path / "http.json", "--http", pair[1]))
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page, keyed by name{labels}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def test_metrics_on_both_nodes_count_kv_transfers(pair, tmp_path):
+    bench(tmp_path / "m.json", "--connect", pair[0])  # some remote prefills
+    p_url, d_url = pair[2], pair[3]
+    wait_for(lambda: scrape(p_url).get("disagg_kv_transfer_bytes_total{direction=sent}", 0) > 0,
+             what="prefiller counts bytes sent")
+    p, d = scrape(p_url), scrape(d_url)
+    assert p["disagg_kv_transfer_writes_total{direction=sent}"] > 0
+    assert p["disagg_kv_layer_transfer_lag_seconds_count{}"] > 0
+    assert d["disagg_kv_transfer_bytes_total{direction=received}"] > 0
+    assert d["disagg_kv_transfer_latency_seconds_count{direction=received}"] >= NUM
+    # the polled Stats gauges are there for both roles
+    assert any(k.startswith("disagg_") and "page" in k for k in p)
+    assert any(k.startswith("disagg_") and "page" in k for k in d)
+

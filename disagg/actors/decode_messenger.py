@@ -74,6 +74,7 @@ class Attempt:
     expectation: Any
     deadline: float
     tries: int
+    started_at: float = 0.0
     state: str = "waiting"  # waiting (for KV) -> draining (no KV wanted; writes may land)
     cancelled: bool = False  # the request ended on the decode side
     failure: tuple[str, str] | None = None
@@ -129,6 +130,7 @@ class DecodeMessenger:
         self._alive_reported = -1
         self.units_received = 0
         self.bad_frames = 0
+        self.metrics: Any = None  # disagg.metrics.Metrics, set by the node
 
     # ------------------------------------------------------------------ loop
 
@@ -232,7 +234,7 @@ class DecodeMessenger:
         ctx_slot = self.ctx_free.pop()
         exp = self.transfer.expect(key, units, timeout=self.timeout_s)
         a = Attempt(need.slot, gen, need, peer, ctx_slot, exp,
-                    time.monotonic() + self.timeout_s, tries)
+                    time.monotonic() + self.timeout_s, tries, started_at=time.monotonic())
         self.attempts[a.request_id] = a
         self.by_slot[need.slot] = a
         peer.sent_tokens += len(need.prompt_ids)
@@ -260,6 +262,10 @@ class DecodeMessenger:
         if a.state != "waiting":
             return
         self.units_received += units
+        if self.metrics is not None:  # units: pages per layer, plus one context
+            nbytes = (units - 1) * self.layout.page_bytes + self.layout.context_bytes
+            self.metrics.observe_transfer("received", nbytes, units,
+                                          time.monotonic() - a.started_at)
         self._forget(a)
         self.completed[a.request_id] = a.slot  # its PrefillDone brings the prefiller's timings
         while len(self.completed) > 4096:

@@ -64,6 +64,9 @@ class Job:
     accepted_at: float
     futures: list[asyncio.Future[None]] = field(default_factory=list)
     first_step_at: float | None = None
+    first_post_at: float | None = None
+    writes: int = 0  # posted so far
+    bytes: int = 0
     computed_at: float | None = None
     computed: bool = False  # last chunk done and context write posted
     cancelled: bool = False
@@ -84,7 +87,7 @@ class LayerPoller:
         self.counter = counter
         self.num_layers = num_layers
         self.loop = loop
-        self.on_layers = on_layers  # called in the loop with (step_id, layers_done)
+        self.on_layers = on_layers  # called in the loop with (step_id, layers_done, seen_at)
         self._step: tuple[int, int] | None = None  # (step_id, counter base)
         self._event = threading.Event()
         self._stop = False
@@ -112,7 +115,8 @@ class LayerPoller:
             done = max(0, min(self.num_layers, self.counter.read() - base))
             if done != seen[1] or step_id != seen[0]:
                 if done > 0:
-                    self.loop.call_soon_threadsafe(self.on_layers, step_id, done)
+                    self.loop.call_soon_threadsafe(self.on_layers, step_id, done,
+                                                   time.monotonic())
                 seen = (step_id, done)
             time.sleep(POLL_S)
 
@@ -157,6 +161,7 @@ class PrefillMessenger:
         self._tasks: set[asyncio.Task[None]] = set()
         self.bad_frames = 0
         self.layerwise_steps = 0
+        self.metrics: Any = None  # disagg.metrics.Metrics, set by the node
         self.poller: LayerPoller | None = None
 
     # ------------------------------------------------------------------ loop
@@ -302,11 +307,14 @@ class PrefillMessenger:
 
     # ------------------------------------------------------------------ layers and steps
 
-    def on_layers(self, step_id: int, layers_done: int) -> None:
-        """Called in the loop by the poller: ship every newly finished layer of the step."""
+    def on_layers(self, step_id: int, layers_done: int, seen_at: float | None = None) -> None:
+        """Called in the loop by the poller: ship every newly finished layer of the step.
+        ``seen_at``: when the poller saw the counter reach ``layers_done`` (for the lag metric)."""
         step = self.steps.get(step_id)
         if step is None:
             return
+        if seen_at is not None and self.metrics is not None and layers_done > step.next_layer:
+            self.metrics.observe_layer_lag(time.monotonic() - seen_at)
         if step.next_layer == 0 and layers_done < self.layout.num_layers and step.announce.chunks:
             self.layerwise_steps += 1  # shipping starts while later layers still compute
         for layer in range(step.next_layer, layers_done):
@@ -354,6 +362,10 @@ class PrefillMessenger:
         self._send_soon(self.stats())
 
     def _post(self, job: Job, src: Any, dst: Any, writes: list[Any]) -> None:
+        if job.first_post_at is None:
+            job.first_post_at = time.monotonic()
+        job.writes += len(writes)
+        job.bytes += sum(w.length for w in writes)
         try:
             job.futures.extend(self.transfer.write(src, dst, writes, job.req.key))
         except Exception as e:  # out of range: refuse, never write outside
@@ -369,8 +381,11 @@ class PrefillMessenger:
             if job.cancelled:
                 return  # a cancel raced the last step; its own _finish answers
             errors = [r for r in results if isinstance(r, BaseException)]
-            reply = (self._done(job) if not errors else PrefillFailed(job.req.request_id, "transfer_failed",
-                                                      str(errors[0])))
+            reply = (self._done(job) if not errors else PrefillFailed(
+                job.req.request_id, "transfer_failed", str(errors[0])))
+            if not errors and self.metrics is not None:
+                self.metrics.observe_transfer("sent", job.bytes, job.writes, time.monotonic()
+                                              - (job.first_post_at or job.accepted_at))
         job.ended = True
         await self._reply(job.peer, reply)
         self.jobs.pop(job.id, None)

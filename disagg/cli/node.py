@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-timeout", type=float, default=d.peer_timeout_s)
     ap.add_argument("--http-listen", default=None,
                     help="HOST:PORT for the OpenAI-compatible HTTP API (mixed, decode, router)")
+    ap.add_argument("--metrics-listen", default=None,
+                    help="HOST:PORT serving Prometheus /metrics (any role)")
     ap.add_argument("--served-model-name", default=None,
                     help="model id in the HTTP API (default: the model directory's name)")
     ap.add_argument("--decode-peer", action="append", default=[], dest="decode_peers",
@@ -103,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
 
 
 async def launch(cfg: NodeConfig, http_listen: str | None = None,
-                 served_model_name: str | None = None) -> int:
+                 served_model_name: str | None = None, metrics_listen: str | None = None) -> int:
     """Start a node, serve until SIGINT/SIGTERM, stop every child. Returns an exit code."""
     from disagg.node import Node
 
@@ -128,9 +130,24 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
         try:
             gateway = await start_http_gateway(node.address or cfg.listen, http_listen,
                                                node.cfg.executor.model or "", served_model_name,
-                                               cfg.scheduler.max_model_len or None)
+                                               cfg.scheduler.max_model_len or None,
+                                               metrics=node.metrics)
         except Exception as e:
             log.error("could not start the HTTP gateway: %s", e)
+            await node.stop()
+            return 1
+    metrics_server = None
+    if metrics_listen:
+        from disagg.actors.metrics_server import MetricsServer
+
+        try:
+            metrics_server = MetricsServer(node.address or cfg.listen, metrics_listen,
+                                           node.metrics)
+            await metrics_server.start()
+        except Exception as e:
+            log.error("could not start the metrics endpoint: %s", e)
+            if gateway is not None:
+                await gateway.stop()
             await node.stop()
             return 1
     waiter = asyncio.create_task(node.wait())
@@ -140,6 +157,8 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
     if waiter.done() and waiter.exception() is not None:
         code = 1
     log.info("stopping")
+    if metrics_server is not None:
+        await metrics_server.stop()
     if gateway is not None:
         await gateway.stop()
     await node.stop()
@@ -176,5 +195,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
     except ImportError:
-        sys.exit(asyncio.run(launch(cfg, args.http_listen, args.served_model_name)))
-    sys.exit(uvloop.run(launch(cfg, args.http_listen, args.served_model_name)))
+        sys.exit(asyncio.run(launch(cfg, args.http_listen, args.served_model_name,
+                                    args.metrics_listen)))
+    sys.exit(uvloop.run(launch(cfg, args.http_listen, args.served_model_name, args.metrics_listen)))
