@@ -29,8 +29,18 @@ from disagg.fabric.loopback import PeerConfig, _pin, bad_pages, receiver_main, s
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--backend", default="fabric", choices=["fabric", "cuda-ipc"],
-                    help="fabric (host memory), or cuda-ipc (GPU0 -> GPU1 of this host)")
+    ap.add_argument("--backend", default="fabric", choices=["fabric", "cuda-ipc", "staged"],
+                    help="fabric (host memory), cuda-ipc (GPU0 -> last GPU of this host), or "
+                         "staged (GPU0 -> pinned -> fabric --provider -> pinned -> last GPU)")
+    ap.add_argument("--page-sizes", default="",
+                    help="cuda-ipc/staged: comma-separated run sizes, one sweep (bytes)")
+    ap.add_argument("--total-bytes", type=int, default=0,
+                    help="cuda-ipc/staged: bytes per round (default pages x page size)")
+    ap.add_argument("--copy", default="auto",
+                    help="cuda-ipc: comma-separated copy modes: auto, kernel[:CTAS], ce, loop")
+    ap.add_argument("--memory", default="cumem", choices=["cumem", "malloc"],
+                    help="cuda-ipc receiver memory: cuMem with an fd (as the node's KV) or "
+                         "cudaMalloc (legacy IPC handle)")
     ap.add_argument("--provider", default="tcp", help="libfabric provider: tcp, shm, net, ...")
     ap.add_argument("--page-size", type=int, default=256 * 1024, help="bytes per write")
     ap.add_argument("--pages", type=int, default=1024, help="writes per round")
@@ -170,84 +180,176 @@ def _summary(times: list[float], cfg: PeerConfig) -> dict[str, float]:
             "best_gib_s": nbytes / min(times) / 2**30}
 
 
-def _cuda_receiver(conn: Any, cfg: PeerConfig) -> None:
-    """Child for cuda-ipc: pages on the last GPU, same protocol as receiver_main."""
-    asyncio.run(_cuda_receiver_async(conn, cfg))
+def _pattern(torch: Any, nbytes: int, seed: int, device: str) -> Any:
+    """Deterministic bytes, made on the device in both processes: word i = seed + i * K."""
+    w = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
+    w = w * -7046029254386353131 + seed  # 0x9E3779B97F4A7C15, wrapping
+    return w.view(torch.uint8)
 
 
-async def _cuda_receiver_async(conn: Any, cfg: PeerConfig) -> None:
+def _cuda_receiver(conn: Any, cfg: PeerConfig, total: int, memory: str, backend: str) -> None:
+    """Child for cuda-ipc / staged: one buffer on the last GPU, many rounds of any run size.
+
+    Per round ("go", imm, page_size, pages): zero, expect ``pages`` writes, (staged: copy the
+    mirror to the GPU), check on the GPU that dst page j holds src page ``pages - 1 - j``."""
+    asyncio.run(_cuda_receiver_async(conn, cfg, total, memory, backend))
+
+
+async def _cuda_receiver_async(conn: Any, cfg: PeerConfig, total: int, memory: str,
+                               backend: str) -> None:
     import torch
-
-    from disagg.fabric.cuda_ipc import CudaIpcEngine
 
     dev = torch.cuda.device_count() - 1
     torch.cuda.set_device(dev)
-    engine = CudaIpcEngine(device=dev).start()
-    buf = torch.zeros(cfg.pages * cfg.page_size, dtype=torch.uint8, device=f"cuda:{dev}")
-    region = engine.register(buf)
+    keep: Any = None
+    mirror: Any = None
+    if backend == "staged":
+        from disagg.fabric.engine import FabricEngine, discover
+        from disagg.fabric.staging import HostMirror
+
+        engine: Any = FabricEngine(discover(cfg.provider), max_inflight=cfg.window).start()
+        buf = torch.zeros(total, dtype=torch.uint8, device=f"cuda:{dev}")
+        mirror = HostMirror(buf)
+        region = engine.register_address(int(mirror.host.data_ptr()), total, owner=mirror)
+    else:
+        from disagg.fabric.cuda_ipc import CudaIpcEngine, CuMemBuffer
+
+        engine = CudaIpcEngine(device=dev).start()
+        if memory == "cumem":
+            keep = CuMemBuffer(total, dev)
+            buf = keep.tensor
+            region = engine.register(buf, fd=keep.fd)
+        else:
+            buf = torch.zeros(total, dtype=torch.uint8, device=f"cuda:{dev}")
+            region = engine.register(buf)
     conn.send(("desc", region.descriptor.encode()))
-    expected = seeded_pages(cfg.seed, cfg.pages, cfg.page_size)
+    src = _pattern(torch, total, cfg.seed, f"cuda:{dev}")
     loop = asyncio.get_running_loop()
     try:
         while True:
             msg = await loop.run_in_executor(None, conn.recv)
             if msg[0] == "stop":
                 break
+            _, imm, page_size, pages = msg
             buf.zero_()
+            if mirror is not None:
+                mirror.host.zero_()
             torch.cuda.synchronize(dev)
-            exp = engine.expect(msg[1], cfg.expected, timeout=cfg.timeout)
+            exp = engine.expect(imm, pages, timeout=cfg.timeout)
             conn.send(("ready",))
-            await exp
+            try:
+                await exp
+                if mirror is not None:
+                    await mirror.into([0], [pages * page_size])
+            except Exception as e:  # reported to the parent
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+                continue
             landed_ns = time.monotonic_ns()
-            host = buf.cpu().numpy().reshape(cfg.pages, cfg.page_size)
-            bad = bad_pages(host, expected, list(range(cfg.pages)))
+            n = pages * page_size
+            got = buf[:n].view(pages, page_size)
+            want = src[:n].view(pages, page_size).flip(0)
+            bad = (got != want).any(dim=1).nonzero().flatten().tolist()[:10]
             conn.send(("done", not bad, bad, dict(engine.stats), landed_ns))
     finally:
         await engine.close()
+        if keep is not None:
+            keep.close()
 
 
-async def _cuda_rounds(cfg: PeerConfig, rounds: int) -> tuple[list[float], list[float]]:
-    """(engine times, peer-copy times): GPU0 -> last GPU, same bytes, same run."""
+def _spawn_args(target: Any, *args: Any) -> tuple[Any, Any]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    child.close()
+    return parent, proc
+
+
+async def _cuda_sweep(cfg: PeerConfig, rounds: int, page_sizes: list[int], copies: list[str],
+                      total: int, memory: str, backend: str) -> list[dict[str, Any]]:
+    """GPU0 -> last GPU, ``total`` bytes per round in runs of each page size, dst pages in
+    reverse order; per (copy mode, page size): engine rounds, each next to a peer copy of the
+    same bytes (one ``tensor.copy_``) in the same run."""
     import torch
 
-    from disagg.fabric.cuda_ipc import CudaIpcEngine
     from disagg.fabric.descriptor import decode_descriptor
 
     torch.cuda.set_device(0)
-    conn, proc = _spawn(_cuda_receiver, cfg)
-    engine = CudaIpcEngine(device=0).start()
-    loop = asyncio.get_running_loop()
     last = torch.cuda.device_count() - 1
+    conn, proc = _spawn_args(_cuda_receiver, cfg, total, memory, backend)
+    mirror: Any = None
+    if backend == "staged":
+        from disagg.fabric.engine import FabricEngine, discover
+        from disagg.fabric.staging import HostMirror
+
+        engine: Any = FabricEngine(discover(cfg.provider), max_inflight=cfg.window).start()
+    else:
+        from disagg.fabric.cuda_ipc import CudaIpcEngine
+
+        engine = CudaIpcEngine(device=0).start()
+    loop = asyncio.get_running_loop()
+    out: list[dict[str, Any]] = []
+    imm = cfg.imm
     try:
         desc = decode_descriptor((await loop.run_in_executor(None, _recv, conn, 120))[1])
-        src_t = torch.from_numpy(seeded_pages(cfg.seed, cfg.pages, cfg.page_size).reshape(-1))
-        src_t = src_t.to("cuda:0")
-        region = engine.register(src_t)
-        offs = np.arange(cfg.pages, dtype=np.int64) * cfg.page_size
-        times, peer = [], []
+        src_t = _pattern(torch, total, cfg.seed, "cuda:0")
+        if backend == "staged":
+            mirror = HostMirror(src_t)
+            region = engine.register_address(int(mirror.host.data_ptr()), total, owner=mirror)
+        else:
+            region = engine.register(src_t)
         dst_ref = torch.empty_like(src_t, device=f"cuda:{last}")
-        for r in range(rounds + 1):
-            conn.send(("go", cfg.imm + r))
-            await loop.run_in_executor(None, _recv, conn, 60)
-            t0 = time.monotonic_ns()
-            await engine.submit(region, desc, offs, offs, cfg.page_size, cfg.imm + r,
-                                timeout=cfg.timeout)
-            _, ok, bad, _, landed = await loop.run_in_executor(None, _recv, conn, cfg.timeout)
-            if not ok:
-                raise RuntimeError(f"cuda-ipc round {r}: pages differ: {bad[:10]}")
-            torch.cuda.synchronize(0)
-            t1 = time.perf_counter()
-            dst_ref.copy_(src_t)
-            torch.cuda.synchronize(last)
-            t2 = time.perf_counter()
-            if r:
-                times.append((landed - t0) / 1e9)
-                peer.append(t2 - t1)
-        return times, peer
+        for copy in copies:
+            mode, _, ctas = copy.partition(":")
+            if backend != "staged":
+                engine.copy = mode
+                engine.ctas = int(ctas) if ctas else 2 * torch.cuda.get_device_properties(
+                    0).multi_processor_count
+            for ps in page_sizes:
+                pages = total // ps
+                n = pages * ps
+                offs = np.arange(pages, dtype=np.int64) * ps
+                times, peer = [], []
+                for r in range(rounds + 1):  # round 0 warms up (mapping, JIT, connections)
+                    imm += 1
+                    conn.send(("go", imm, ps, pages))
+                    await loop.run_in_executor(None, _recv, conn, 60)
+                    t0 = time.monotonic_ns()
+                    if mirror is not None:
+                        await mirror.out([0], [n])
+                    await engine.submit(region, desc, offs, offs[::-1].copy(), ps, imm,
+                                        timeout=cfg.timeout)
+                    _, ok, bad, stats, landed = await loop.run_in_executor(
+                        None, _recv, conn, cfg.timeout)
+                    if not ok:
+                        raise RuntimeError(f"{backend} {copy} page {ps} round {r}: "
+                                           f"pages differ: {bad}")
+                    torch.cuda.synchronize(0)
+                    t1 = time.perf_counter()
+                    dst_ref[:n].copy_(src_t[:n])
+                    torch.cuda.synchronize(last)
+                    t2 = time.perf_counter()
+                    if r:
+                        times.append((landed - t0) / 1e9)
+                        peer.append(t2 - t1)
+                e = _summary(times, PeerConfig(page_size=ps, pages=pages))
+                c = _summary(peer, PeerConfig(page_size=ps, pages=pages))
+                row = {"copy": copy if backend != "staged" else f"staged/{cfg.provider}",
+                       "page_size": ps, "pages": pages, "engine": e, "peer_copy": c,
+                       "ratio": e["gib_s"] / c["gib_s"]}
+                out.append(row)
+                sys.stderr.write(f"{row['copy']:>12} run {ps >> 10:6d} KiB x {pages:5d}: "
+                                 f"{e['gib_s']:7.1f} GiB/s (best {e['best_gib_s']:.1f}), peer copy "
+                                 f"{c['gib_s']:7.1f} GiB/s, ratio {row['ratio']:.2f}\n")
+        if backend != "staged":
+            sys.stderr.write(f"sender stats: {dict(engine.stats)}\n")
+        return out
     finally:
         conn.send(("stop",))
         proc.join(20)
         await engine.close()
+        if mirror is not None:
+            mirror.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -267,11 +369,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "host": f"{platform.machine()} {ncpu} cpus, {platform.system()} {platform.release()}",
         "date": time.strftime("%Y-%m-%d"),
     }
-    if args.backend == "cuda-ipc":
-        times, peer = asyncio.run(_cuda_rounds(cfg, args.rounds))
-        result["engine"] = _summary(times, cfg)
-        result["peer_copy"] = _summary(peer, cfg)
-        result["ratio"] = result["engine"]["gib_s"] / result["peer_copy"]["gib_s"]
+    if args.backend in ("cuda-ipc", "staged"):
+        sizes = [int(x) for x in args.page_sizes.split(",")] if args.page_sizes else [
+            args.page_size]
+        total = args.total_bytes or args.pages * args.page_size
+        copies = args.copy.split(",") if args.backend == "cuda-ipc" else ["staged"]
+        result.update(total_bytes=total, memory=args.memory, copy=args.copy)
+        sweep = asyncio.run(_cuda_sweep(cfg, args.rounds, sizes, copies, total, args.memory,
+                                        args.backend))
+        result["sweep"] = sweep
+        for k in ("engine", "peer_copy", "ratio"):
+            result[k] = sweep[0][k]
         return result
     result["engine"] = _summary(asyncio.run(_engine_rounds(cfg, args.rounds)), cfg)
     if not args.no_baseline:
