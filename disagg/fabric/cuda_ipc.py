@@ -239,6 +239,10 @@ class CudaIpcEngine:
         registered as a write source only."""
         if not getattr(tensor, "is_cuda", False) or not tensor.is_contiguous():
             raise ValueError("cuda-ipc registers contiguous CUDA tensors")
+        with self.torch.cuda.device(tensor.device):  # its primary context current here
+            return self._register(tensor, fd)
+
+    def _register(self, tensor: Any, fd: int | None) -> LocalRegion:
         ffi, drv = _driver()
         ptr = int(tensor.data_ptr())
         length = int(tensor.numel() * tensor.element_size())
