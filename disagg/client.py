@@ -16,6 +16,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from disagg import security
 from disagg.protocol import (
     Abort,
     Error,
@@ -27,6 +28,7 @@ from disagg.protocol import (
     StatsRequest,
     TokenChunk,
 )
+from disagg.security import CurveKeys
 
 
 class RequestError(RuntimeError):
@@ -46,11 +48,13 @@ def _request(prompt: str | None, prompt_token_ids: list[int] | None, sampling: S
 class AsyncClient:
     """Many concurrent requests over one DEALER socket; replies are routed by request id."""
 
-    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None,
+                 curve_keys: CurveKeys | None = None):
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        security.client(self.sock, curve_keys or security.keys_from_env())
         self.sock.connect(address)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(NodeReply)
@@ -146,10 +150,11 @@ class AsyncClient:
 class Client:
     """Blocking client, one request at a time."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, curve_keys: CurveKeys | None = None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        security.client(self.sock, curve_keys or security.keys_from_env())
         self.sock.connect(address)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(NodeReply)

@@ -109,6 +109,7 @@ class NodeConfig(msgspec.Struct, frozen=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     disagg: DisaggConfig = DisaggConfig()
     run_dir: str | None = None  # where ipc:// sockets live; None = a fresh temp dir
+    curve_keys: str | None = None  # CURVE key directory for client and peer sockets (--curve-keys)
     step_timeout_s: float = 600.0  # deadline for one executor step (--step-timeout)
     startup_timeout_s: float = 600.0  # deadline for executors to load (--startup-timeout)
 

@@ -22,6 +22,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from disagg import security
 from disagg.actors.executor import ExecutorGroup
 from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor
@@ -72,6 +73,7 @@ class Node:
         assert model_dir is not None
         arch = ModelArch.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
+        security.install(self.ctx, security.load(cfg.curve_keys) if cfg.curve_keys else None)
         self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")
         self.executors = ExecutorGroup(cfg, self._run_dir, self.ctx)
         try:
@@ -218,6 +220,7 @@ class Node:
             self.counter.close()
         if self.executors is not None:
             await self.executors.stop()
+        security.uninstall(self.ctx)
         self.ctx.destroy(linger=0)
         if self._run_dir and self.cfg.run_dir is None:
             shutil.rmtree(self._run_dir, ignore_errors=True)

@@ -27,6 +27,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from disagg import security
 from disagg.actors.transfer import TransferEngine
 from disagg.protocol import (
     AbortAck,
@@ -104,6 +105,7 @@ class DecodeMessenger:
         self.peers = []
         for address in peers:
             sock = ctx.socket(zmq.DEALER)
+            security.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             self.peers.append(Peer(address, sock))

@@ -14,6 +14,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from disagg import security
 from disagg.protocol import ClientMessage, Error, FromClient, Stats, ToClient
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ MAX_FRAME_BYTES = 16 << 20
 class FrontendActor:
     def __init__(self, listen: str, scheduler: zmq.asyncio.Socket, ctx: zmq.asyncio.Context):
         self.sock = ctx.socket(zmq.ROUTER)
+        security.server(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)

@@ -24,6 +24,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from disagg import security
 from disagg.actors.transfer import TransferEngine
 from disagg.protocol import (
     AbortAck,
@@ -137,6 +138,7 @@ class PrefillMessenger:
     ):
         self.vocab_size = vocab_size
         self.sock = ctx.socket(zmq.ROUTER)
+        security.server(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         self.sock.bind(listen)

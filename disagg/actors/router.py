@@ -27,6 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from disagg import security
 from disagg.client import RequestError
 from disagg.metrics import Metrics, RequestTimer
 from disagg.protocol import (
@@ -71,6 +72,7 @@ class Router:
         self.balancer = LoadBalancer(decode_peers, dead_after)
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
+        security.install(self.ctx, security.keys_from_env())
         self.metrics = metrics or Metrics()
         self.poll_interval = poll_interval
         self.listen = listen
@@ -97,12 +99,14 @@ class Router:
         ``wait_for_peer`` seconds, with a warning)."""
         for addr in self.balancer.order:
             sock = self.ctx.socket(zmq.DEALER)
+            security.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(addr)
             self.peers[addr] = sock
             self._tasks.append(asyncio.create_task(self._guard(self._from_peer(addr, sock))))
         if self.listen is not None:
             self.front = self.ctx.socket(zmq.ROUTER)
+            security.server(self.front)
             self.front.setsockopt(zmq.LINGER, 0)
             self.front.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self.front.bind(self.listen)
@@ -128,6 +132,7 @@ class Router:
         if self.front is not None:
             self.front.close()
         if self._own_ctx:
+            security.uninstall(self.ctx)
             self.ctx.destroy(linger=0)
 
     async def _guard(self, coro: Awaitable[None]) -> None:

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--wait", type=float, default=0.0,
                     help="retry for up to this many seconds until the node answers")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-message deadline")
+    ap.add_argument("--curve-keys", default=None, metavar="DIR",
+                    help="CURVE key directory of a node started with --curve-keys "
+                         "(default: $DISAGG_CURVE_KEYS)")
     return ap
 
 
@@ -46,7 +49,9 @@ def wait_for_node(client: Client, seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    client = Client(args.connect)
+    from disagg.security import load
+
+    client = Client(args.connect, load(args.curve_keys) if args.curve_keys else None)
     try:
         if args.wait > 0:
             wait_for_node(client, args.wait)

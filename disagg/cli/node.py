@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model id in the HTTP API (default: the model directory's name)")
     ap.add_argument("--decode-peer", action="append", default=[], dest="decode_peers",
                     help="router role: a decode node's --listen address (repeatable)")
+    ap.add_argument("--curve-keys", default=None, metavar="DIR",
+                    help="authenticate and encrypt client and node-to-node sockets with the "
+                         "CURVE keys in DIR (made by `disagg-node keygen DIR`)")
     ap.add_argument("--log-level", default=None)
     return ap
 
@@ -97,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             on_prefill_failure=args.on_prefill_failure, prefill_timeout_s=args.prefill_timeout,
             heartbeat_s=args.heartbeat, peer_timeout_s=args.peer_timeout),
+        curve_keys=args.curve_keys,
         step_timeout_s=args.step_timeout,
         startup_timeout_s=args.startup_timeout,
     )
@@ -168,10 +172,32 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
     return code
 
 
+def keygen(argv: list[str]) -> None:
+    """``disagg-node keygen DIR``: make a CURVE key set for --curve-keys."""
+    from disagg.security import keygen as make_keys
+
+    ap = argparse.ArgumentParser(prog="disagg-node keygen")
+    ap.add_argument("directory")
+    args = ap.parse_args(argv)
+    try:
+        keys = make_keys(args.directory)
+    except FileExistsError as e:
+        print(f"disagg-node keygen: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"wrote CURVE keys to {keys.directory}; give every node --curve-keys "
+          f"{keys.directory} and clients DISAGG_CURVE_KEYS={keys.directory}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from disagg.log import setup_logging
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        keygen(argv[1:])
+        return
     args = build_parser().parse_args(argv)
+    if args.curve_keys:  # in-process clients (HTTP gateway, metrics, router) read it here
+        os.environ[ENV_PREFIX + "CURVE_KEYS"] = args.curve_keys
     if args.log_level:  # executors read it from the environment they inherit
         os.environ[ENV_PREFIX + "LOG_LEVEL"] = args.log_level
     setup_logging(args.role, level=args.log_level)
