@@ -153,6 +153,11 @@ def main() -> None:
     graph_step_ms = median_ms(lambda: runner.execute(plan), 30)
     runner.graphs = None
     eager_step_ms = median_ms(lambda: runner.execute(plan), 10)
+    import disagg.model.transformer as tf
+
+    tf.FUSED = False
+    eager_unfused_ms = median_ms(lambda: runner.execute(plan), 10)
+    tf.FUSED = True
     runner.graphs = graphs
     t = time.perf_counter()
     for _ in range(200):
@@ -161,7 +166,8 @@ def main() -> None:
     res["decode"] = {
         "batch": args.batch, "ctx": args.ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
         "roofline_ms": roof_ms, "graph_replay_ms": replay_ms, "graph_step_ms": graph_step_ms,
-        "eager_step_ms": eager_step_ms, "flatten_plan_ms": host_ms,
+        "eager_step_ms": eager_step_ms, "eager_unfused_step_ms": eager_unfused_ms,
+        "flatten_plan_ms": host_ms,
         "graph_step_vs_roofline": graph_step_ms / roof_ms,
         "replay_vs_roofline": replay_ms / roof_ms}
     print("decode", res["decode"], flush=True)
@@ -178,12 +184,16 @@ def main() -> None:
                                   ppages[: -(-n // page)], True)], 0)
     runner.execute(pplan)
     prefill_ms = median_ms(lambda: runner.execute(pplan), 5)
+    tf.FUSED = False
+    prefill_unfused_ms = median_ms(lambda: runner.execute(pplan), 3)
+    tf.FUSED = True
     lin = sum(p.numel() for nm, p in model.named_parameters()
               if nm not in ("embed", "lm_head") and p.dim() == 2)
     attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * n * (n + 1) / 2
     flops = 2 * lin * n + attn + 2 * arch.vocab_size * arch.hidden_size
     mm = res["ceilings"]["matmul_flops_per_s"]
     res["prefill"] = {"tokens": n, "model_flops": flops, "step_ms": prefill_ms,
+                      "unfused_step_ms": prefill_unfused_ms,
                       "flops_per_s": flops / (prefill_ms / 1e3),
                       "fraction_of_matmul": flops / (prefill_ms / 1e3) / mm}
     print("prefill", res["prefill"], flush=True)

@@ -127,6 +127,7 @@ class ModelRunner:
 
             self.layer_hook = bump
         self.device = model.device
+        self.split_bound = 0  # CUDA: decode split count chosen for this bound (graph-stable)
         self.graphs: DecodeGraphs | None = None  # disagg.cuda_graphs.DecodeGraphs once enabled (CUDA only)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
@@ -142,7 +143,31 @@ class ModelRunner:
         self.graphs = graphs
         log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", graphs.buckets,
                  seconds)
+        self.split_bound = max_model_len
+        t0 = time.perf_counter()
+        n = self._warm_eager_decode(graphs, max_batch)
+        log.info("compiled %d eager decode launch shapes in %.1f s", n, time.perf_counter() - t0)
         return seconds
+
+    @torch.inference_mode()
+    def _warm_eager_decode(self, graphs: DecodeGraphs, max_batch: int) -> int:
+        """Eager (mixed) steps pin the decode split count to ``split_bound`` too, so it depends
+        on the batch size only; compile each distinct launch now rather than mid-serving."""
+        from disagg.kernels.decode import default_num_splits
+
+        arch = self.model.arch
+        seen: set[int] = set()
+        k, v = self.kv[0, :, 0], self.kv[0, :, 1]
+        for b in range(1, min(max_batch, graphs.buckets[-1]) + 1):
+            splits = default_num_splits(b, arch.num_kv_heads, self.split_bound, 64)
+            if splits in seen:
+                continue
+            seen.add(splits)
+            q = torch.zeros((b, arch.num_heads, arch.head_dim), dtype=self.model.dtype,
+                            device=self.device)
+            self.backend.attend(q, k, v, graphs._meta(b), arch.head_dim**-0.5)
+        torch.cuda.synchronize(self.device)
+        return len(seen)
 
     def check_plan(self, plan: StepPlan) -> None:
         """Bounds-check a plan before it touches the cache (it crossed a process boundary)."""
@@ -163,7 +188,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=put(host.slots), block_tables=put(host.tables),
             seq_lens=put(host.seq_lens), cu_seqlens_q=put(host.cu), num_decodes=num_decodes,
-            max_q_len=host.max_q_len, max_seq_len=host.max_seq_len)
+            max_q_len=host.max_q_len, max_seq_len=max(host.max_seq_len, self.split_bound))
         return put(host.token_ids), put(host.positions), meta
 
     def _graphable(self, plan: StepPlan, host: HostStep) -> bool:

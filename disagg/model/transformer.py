@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.attention import AttentionBackend, AttentionMetadata
+from disagg.config import env
 from disagg.model.config import ModelArch
+
+FUSED = env("NO_FUSED") is None  # DISAGG_NO_FUSED=1: plain torch elementwise ops on CUDA too
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,6 +101,9 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         after_attention: Callable[[], None] | None,
     ) -> torch.Tensor:
+        if x.is_cuda and FUSED:
+            return self._forward_fused(x, cos, sin, k_cache, v_cache, meta, backend,
+                                       after_attention)
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)
@@ -119,6 +125,37 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, self.post_norm, self.eps)
         gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+    def _forward_fused(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        after_attention: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        """The same layer with the elementwise work in fused Triton kernels (CUDA)."""
+        from disagg.model import fused
+
+        t = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        h, _ = fused.rms_norm(x, self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        q = fused.norm_rope(q, self.q_norm, cos, sin, self.eps)
+        k = fused.norm_rope(k, self.k_norm, cos, sin, self.eps)
+        backend.append_kv(k, v, k_cache, v_cache, meta)
+        attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
+        h, x = fused.rms_norm(F.linear(attn.reshape(t, hq * d), self.o_weight), self.post_norm,
+                              self.eps, residual=x)
+        if after_attention is not None:
+            after_attention()
+        return x + F.linear(fused.silu_mul(F.linear(h, self.gate_up_weight)), self.down_weight)
 
 
 class Transformer(nn.Module):
