@@ -300,11 +300,8 @@ async def _cuda_sweep(cfg: PeerConfig, rounds: int, page_sizes: list[int], copie
             region = engine.register(src_t)
         dst_ref = torch.empty_like(src_t, device=f"cuda:{last}")
         for copy in copies:
-            mode, _, ctas = copy.partition(":")
             if backend != "staged":
-                engine.copy = mode
-                engine.ctas = int(ctas) if ctas else 2 * torch.cuda.get_device_properties(
-                    0).multi_processor_count
+                engine.copy = copy
             for ps in page_sizes:
                 pages = total // ps
                 n = pages * ps

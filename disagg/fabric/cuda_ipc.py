@@ -156,7 +156,7 @@ class CudaIpcEngine:
         self.default_timeout = default_timeout
         self.provider = "cuda-ipc"
         self.copy = copy or os.environ.get("DISAGG_CUDA_IPC_COPY", "auto")
-        if self.copy not in COPY_MODES:
+        if self.copy.split(":")[0] not in COPY_MODES:
             raise ValueError(f"cuda-ipc copy mode must be one of {COPY_MODES}, got {self.copy!r}")
         env_ctas = os.environ.get("DISAGG_CUDA_IPC_CTAS")
         self.ctas = ctas or (int(env_ctas) if env_ctas else 0)  # 0: 2 per SM, set on start
@@ -187,6 +187,8 @@ class CudaIpcEngine:
         self._ce_fn: Any = None  # cuMemcpyAsync as a void * for the C loop, or None
         self._ce_lib: Any = None
         self._kernel_broken = False
+        self._opts = ""  # the copy mode's options: kernel:CTAS:WARPS:BLOCK:HINTS, ce:STREAMS
+        self._side: list[Any] = []  # extra streams of ce:S
         self.stats = collections.Counter[str]()
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> CudaIpcEngine:
@@ -389,7 +391,7 @@ class CudaIpcEngine:
         return stream
 
     def _mode(self, job: _Job, dst: np.ndarray) -> str:
-        mode = self.copy
+        mode, _, self._opts = self.copy.partition(":")
         if mode == "auto":
             from disagg.fabric.gather_copy import aligned
 
@@ -417,14 +419,7 @@ class CudaIpcEngine:
                 self._kernel_broken = True
             mode = "ce" if self._ce_fn is not None else "loop"
         if mode == "ce":
-            fl = self._ce_lib
-            n = job.src.shape[0]
-            rc = fl.lib.dg_cuda_copy_runs(
-                self._ce_fn, n, fl.ffi.cast("uint64_t *", dst.ctypes.data),
-                fl.ffi.cast("uint64_t *", job.src.ctypes.data),
-                fl.ffi.cast("uint64_t *", job.lens.ctypes.data),
-                fl.ffi.cast("void *", stream.cuda_stream))
-            _check("cuMemcpyAsync", rc)
+            self._issue_ce(job, dst, stream)
             self.stats["ce_batches"] += 1
             return
         ffi, drv = _driver()
@@ -432,6 +427,35 @@ class CudaIpcEngine:
         for a, b, n in zip(job.src.tolist(), dst.tolist(), job.lens.tolist(), strict=True):
             _check("cuMemcpyAsync", drv.cuMemcpyAsync(b, a, n, s))
         self.stats["loop_batches"] += 1
+
+    def _issue_ce(self, job: _Job, dst: np.ndarray, stream: Any) -> None:
+        """Copy-engine copies from the C loop; ``ce:S`` spreads the runs round-robin over S
+        streams (several copy engines overlap their per-copy latency), joined into ``stream``."""
+        fl = self._ce_lib
+        nstreams = int(self._opts.split(":")[0]) if self._opts and self.copy.startswith("ce") else 1
+        n = job.src.shape[0]
+        nstreams = max(1, min(nstreams, n))
+        while len(self._side) < nstreams - 1:
+            self._side.append(self.torch.cuda.Stream(self.device))
+        targets = [stream] + self._side[:nstreams - 1]
+        if nstreams > 1:
+            ev = self.torch.cuda.Event()
+            ev.record(stream)
+            for s in targets[1:]:
+                s.wait_event(ev)
+        for k, s in enumerate(targets):
+            d = np.ascontiguousarray(dst[k::nstreams])
+            a = np.ascontiguousarray(job.src[k::nstreams])
+            ln = np.ascontiguousarray(job.lens[k::nstreams])
+            rc = fl.lib.dg_cuda_copy_runs(
+                self._ce_fn, d.shape[0], fl.ffi.cast("uint64_t *", d.ctypes.data),
+                fl.ffi.cast("uint64_t *", a.ctypes.data), fl.ffi.cast("uint64_t *", ln.ctypes.data),
+                fl.ffi.cast("void *", s.cuda_stream))
+            _check("cuMemcpyAsync", rc)
+        for s in targets[1:]:
+            ev = self.torch.cuda.Event()
+            ev.record(s)
+            stream.wait_event(ev)
 
     def _issue_kernel(self, job: _Job, dst: np.ndarray, stream: Any, events: list[Any]) -> None:
         from disagg.fabric import gather_copy
@@ -447,7 +471,13 @@ class CudaIpcEngine:
         with torch.cuda.stream(stream):
             tab = self._dring[start:start + need]
             tab.copy_(self._ring[start:start + need], non_blocking=True)
-            gather_copy.launch(tab, table.shape[0], self.ctas)
+            o = [int(x) if x else -1 for x in self._opts.split(":")] if (
+                self.copy.startswith("kernel")) else []
+            o += [-1] * (4 - len(o))
+            gather_copy.launch(tab, table.shape[0], o[0] if o[0] > 0 else self.ctas,
+                               num_warps=o[1] if o[1] > 0 else 8,
+                               block=o[2] if o[2] > 0 else gather_copy.BLOCK,
+                               hints=bool(o[3]) if o[3] >= 0 else True)
         job.span = (start, start + need)
 
     def _ring_alloc(self, need: int, events: list[Any]) -> int:

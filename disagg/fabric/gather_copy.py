@@ -61,7 +61,8 @@ def _build() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def copy_tiles(tab_ptr, n_tiles, BLOCK: tl.constexpr):  # noqa: N803 - Triton constexpr
+    def copy_tiles(tab_ptr, n_tiles, BLOCK: tl.constexpr,  # noqa: N803 - Triton constexpr
+                   HINTS: tl.constexpr):  # noqa: N803
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         for t in range(pid, n_tiles, nprog):
@@ -73,8 +74,12 @@ def _build() -> Any:
             for i in range(0, nw, BLOCK):
                 o = i + tl.arange(0, BLOCK)
                 m = o < nw
-                v = tl.load(sp + o, mask=m, cache_modifier=".cg")
-                tl.store(dp + o, v, mask=m, cache_modifier=".cs")
+                if HINTS:
+                    v = tl.load(sp + o, mask=m, cache_modifier=".cg")
+                    tl.store(dp + o, v, mask=m, cache_modifier=".cs")
+                else:
+                    v = tl.load(sp + o, mask=m)
+                    tl.store(dp + o, v, mask=m)
 
     return copy_tiles
 
@@ -86,13 +91,14 @@ def kernel() -> Any:
     return _kernel
 
 
-def launch(table: Any, n_tiles: int, ctas: int, num_warps: int = 8) -> None:
+def launch(table: Any, n_tiles: int, ctas: int, num_warps: int = 8, block: int = BLOCK,
+           hints: bool = True) -> None:
     """Copy every tile of ``table`` (an int64 tensor on the launching device, ``3 * n_tiles``
     entries) on the current stream with ``min(ctas, n_tiles)`` programs."""
     if n_tiles <= 0:
         return
     grid = (max(1, min(ctas, n_tiles)),)
-    kernel()[grid](table, n_tiles, BLOCK=BLOCK, num_warps=num_warps)
+    kernel()[grid](table, n_tiles, BLOCK=block, HINTS=hints, num_warps=num_warps)
 
 
 def copy_runs_reference(src: np.ndarray, dst: np.ndarray, src_offsets: Any, dst_offsets: Any,
