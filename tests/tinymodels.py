@@ -142,3 +142,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def tree_rss_kb(pid: int) -> int:
+    """VmRSS (kB) of a process plus its direct children (a node and its executors)."""
+    total = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        me = int(status.parent.name)
+        if me == pid or int(fields.get("PPid", "0").strip() or 0) == pid:
+            total += int(fields.get("VmRSS", "0 kB").split()[0])
+    return total
+
+
+def listening_tcp(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket (v4 and v6) a process holds open."""
+    import ipaddress
+
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().as_posix()
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, v6 in (("tcp", False), ("tcp6", True)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = local.split(":")
+            raw = bytes.fromhex(hexaddr)
+            if v6:  # four little-endian 32-bit words
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                addr = str(ipaddress.IPv6Address(raw))
+            else:
+                addr = str(ipaddress.IPv4Address(raw[::-1]))
+            out.append((addr, int(hexport, 16)))
+    return out
