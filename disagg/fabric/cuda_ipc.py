@@ -24,8 +24,9 @@ dedicated stream without synchronizing:
   16-byte vectors), so the CPU cost per batch is a table upload and a launch;
 - ``ce``: one ``cuMemcpyAsync`` per run (copy engine), issued by a C loop in the cffi module;
 - ``loop``: the same from Python (the old path; kept as the last fallback).
-``auto`` (default, or ``DISAGG_CUDA_IPC_COPY``) picks ``kernel`` when every address and length
-is 16-byte aligned and Triton is importable, else ``ce``. It records an event; once the event
+``auto`` (default, or ``DISAGG_CUDA_IPC_COPY``) picks ``kernel`` (4 CTAs of 4 warps per SM)
+when the batch's mean run is under 4 MiB and every address and length is 16-byte aligned, else
+``ce``. Options for experiments: ``kernel:CTAS:WARPS:BLOCK:HINTS``, ``ce:STREAMS``. It records an event; once the event
 has completed the progress thread sends ``(imm, count)`` to the receiver -- the same semantics
 as fabric immediate data: the receiver's counter only moves once the bytes are there.
 
@@ -70,6 +71,7 @@ _IMM = struct.Struct("<QQ")  # (imm, count) per notification datagram
 _CUMEM = struct.Struct("<QQQ")  # region id, mapping size, offset of byte 0 of the region
 _PREFIX = b"\0disagg-cuda-ipc-"
 COPY_MODES = ("auto", "kernel", "ce", "loop")
+KERNEL_MAX_MEAN_RUN = 4 << 20  # auto: kernel for batches whose mean run is shorter
 RING_ENTRIES = 1 << 19  # int64 entries of the tile-table ring (4 MiB pinned + 4 MiB device)
 _GRANULE = 2 << 20
 _drv: Any = None
@@ -159,7 +161,7 @@ class CudaIpcEngine:
         if self.copy.split(":")[0] not in COPY_MODES:
             raise ValueError(f"cuda-ipc copy mode must be one of {COPY_MODES}, got {self.copy!r}")
         env_ctas = os.environ.get("DISAGG_CUDA_IPC_CTAS")
-        self.ctas = ctas or (int(env_ctas) if env_ctas else 0)  # 0: 2 per SM, set on start
+        self.ctas = ctas or (int(env_ctas) if env_ctas else 0)  # 0: 4 per SM, set on start
         self._name = f"\0disagg-cuda-ipc-{os.getpid()}-{id(self):x}".encode()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self._name)
@@ -378,7 +380,7 @@ class CudaIpcEngine:
         torch.cuda.set_device(self.device)
         stream = torch.cuda.Stream(self.device)
         if not self.ctas:
-            self.ctas = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.ctas = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count
         try:
             from disagg.fabric import lib as fl
 
@@ -395,8 +397,11 @@ class CudaIpcEngine:
         if mode == "auto":
             from disagg.fabric.gather_copy import aligned
 
-            mode = ("kernel" if not self._kernel_broken and aligned(job.src, dst, job.lens)
-                    else "ce")
+            # measured on 2x H200 (BENCHMARKS.md, Fabric): the kernel wins below ~4 MiB runs,
+            # the copy engine above
+            small = int(job.lens.sum()) < KERNEL_MAX_MEAN_RUN * job.lens.shape[0]
+            mode = ("kernel" if small and not self._kernel_broken
+                    and aligned(job.src, dst, job.lens) else "ce")
         if mode == "ce" and self._ce_fn is None:
             mode = "loop"
         return mode
@@ -475,7 +480,7 @@ class CudaIpcEngine:
                 self.copy.startswith("kernel")) else []
             o += [-1] * (4 - len(o))
             gather_copy.launch(tab, table.shape[0], o[0] if o[0] > 0 else self.ctas,
-                               num_warps=o[1] if o[1] > 0 else 8,
+                               num_warps=o[1] if o[1] > 0 else 4,
                                block=o[2] if o[2] > 0 else gather_copy.BLOCK,
                                hints=bool(o[3]) if o[3] >= 0 else True)
         job.span = (start, start + need)
