@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -43,6 +44,7 @@ from disagg.scheduling import Batch, BatchScheduler, Sequence, SeqUpdate
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID = 256
+SLOW_STEP_S = 0.5  # a step slower than this is logged (compiles, stalls)
 
 
 @dataclass
@@ -154,7 +156,13 @@ class SchedulerActor:
                 plan = StepPlan(step_id, [c.to_wire() for c in batch.chunks], batch.num_decodes,
                                 counter_base=step_id * (self.arch.num_layers + 1))
                 await self.before_step(plan, batch)
+                started = time.monotonic()
                 result, hidden = await self.executors.step(plan)
+                took = time.monotonic() - started
+                if took > SLOW_STEP_S:
+                    log.warning("slow step %d: %.0f ms for %d tokens (%d decodes, %d chunks)",
+                                step_id, 1000 * took, batch.num_tokens, batch.num_decodes,
+                                len(batch.chunks) - batch.num_decodes)
                 await self.after_step(plan, batch, result, hidden)
                 if result.error is not None:
                     for c in batch.chunks:
