@@ -118,6 +118,16 @@ def test_client_abort_during_prefill_frees_pages_on_both_sides(trio, ref):
     assert d.aborted == 2 and d.started == d.finished + d.aborted + d.errored
 
 
+def test_layer_writes_start_before_the_step_ends(trio, ref):
+    (p_addr, _), _, d_addr = trio
+    before = stats(p_addr).layerwise_steps
+    req = Background(d_addr, prompt(LONG))
+    req.join()
+    assert req.tokens == ref
+    # with layers this slow, every prefill step shipped layer 0 while layer 1 still computed
+    assert stats(p_addr).layerwise_steps - before >= (LONG - 1) // 4 // 2
+
+
 def test_prefiller_killed_mid_prefill(trio, ref):
     (p_addr, p), d_err, d_loc = trio
     err = Background(d_err, prompt(LONG))
@@ -155,16 +165,6 @@ def test_decoder_killed_prefiller_frees_pages(model_dir, tmp_path):
     finally:
         assert p.stop() == []
         d.stop()
-
-
-def test_layer_writes_start_before_the_step_ends(trio, ref):
-    (p_addr, _), _, d_addr = trio
-    before = stats(p_addr).layerwise_steps
-    req = Background(d_addr, prompt(LONG))
-    req.join()
-    assert req.tokens == ref
-    # with layers this slow, every prefill step shipped layer 0 while layer 1 still computed
-    assert stats(p_addr).layerwise_steps - before >= (LONG - 1) // 4 // 2
 
 
 def test_retry_on_another_prefiller(model_dir, tmp_path, ref):

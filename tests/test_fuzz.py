@@ -282,10 +282,6 @@ def test_fuzz_executor_plans_10k(executors):
     check_executor_fuzz(executors, FULL)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: ExecutorGroup.step decodes every frame on its ipc ROUTER without a try and counts a "
-    "StepResult from any identity: a garbage frame raises DecodeError out of the scheduler "
-    "(the node stops), a forged result for the current step id ends it with a KeyError"))
 def test_garbage_on_the_executor_control_socket(executors):
     loop, group = executors
     ctx = zmq.Context()
@@ -304,10 +300,6 @@ def test_garbage_on_the_executor_control_socket(executors):
         ctx.term()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: the executor process decodes commands without a try: one malformed frame from the "
-    "main process ends it (only the node's own process can reach it; a robustness gap, not "
-    "an exposure)"))
 def test_garbage_command_to_the_executor_process(model_dir, tmp_path):
     import zmq.asyncio
 

@@ -124,7 +124,12 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                     log.warning("parent process is gone; exiting")
                     return
                 continue
-            match dec.decode(sock.recv()):
+            try:
+                command = dec.decode(sock.recv())
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:  # never fatal
+                log.error("ignoring a malformed command: %s", e)
+                continue
+            match command:
                 case StepPlan() as plan:
                     frames = [b""]
                     try:
@@ -227,6 +232,7 @@ class ExecutorGroup:
 
     def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
         self.hidden: bytes | None = None  # the latest step's hidden-state frame, if any
+        self.bad_frames = 0
         self.cfg = cfg
         self.control = f"ipc://{run_dir}/executors.sock"
         self.sock = ctx.socket(zmq.ROUTER)
@@ -265,9 +271,8 @@ class ExecutorGroup:
                 raise ExecutorError(f"executors not ready within {self.cfg.startup_timeout_s:.0f}s "
                                     "(--startup-timeout)")
             if await self.sock.poll(500):
-                ident, payload = await self.sock.recv_multipart()
-                msg = self._dec.decode(payload)
-                if isinstance(msg, ExecutorReady):
+                ident, msg = self._decode(await self.sock.recv_multipart())
+                if isinstance(msg, ExecutorReady) and 0 <= msg.rank < len(self.procs):
                     by_rank[msg.rank] = (ident, msg)
         for rank in range(len(self.procs)):
             ident, ready = by_rank[rank]
@@ -306,15 +311,29 @@ class ExecutorGroup:
                 raise ExecutorError(f"step {plan.step_id} exceeded {self.cfg.step_timeout_s:.0f}s "
                                     "(--step-timeout)")
             if await self.sock.poll(int(min(left, 1.0) * 1000) + 1):
-                ident, data, *extra = await self.sock.recv_multipart()
-                msg = self._dec.decode(data)
-                if isinstance(msg, StepResult) and msg.step_id == plan.step_id:
+                frames = await self.sock.recv_multipart()
+                ident, msg = self._decode(frames[:2])
+                if (isinstance(msg, StepResult) and msg.step_id == plan.step_id
+                        and ident in self._identities):
                     results[ident] = msg
                     if ident == self._identities[0]:
-                        self.hidden = extra[0] if extra else None
+                        self.hidden = frames[2] if len(frames) > 2 else None
             else:
                 self._check_alive()
         return results[self._identities[0]], self.hidden
+
+    def _decode(self, frames: list[bytes]) -> tuple[bytes, ExecutorReply | None]:
+        """(identity, message) of a frame from an executor; a malformed one is counted and
+        dropped (the socket is private, but a bad frame must never stop the node)."""
+        if len(frames) < 2:
+            self.bad_frames += 1
+            return b"", None
+        try:
+            return frames[0], self._dec.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.bad_frames += 1
+            log.error("ignoring a malformed frame from an executor: %s", e)
+            return frames[0], None
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every executor to stop; kill what has not exited by ``timeout``."""
