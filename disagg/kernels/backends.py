@@ -56,8 +56,8 @@ class TritonBackend:
             )  # fmt: skip
         if nd < ns:
             paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                meta.cu_seqlens_q[nd:], scale, max_q_len=meta.max_q_len, out=out,
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale,
+                max_q_len=meta.max_q_len, out=out, seq_base=nd,
             )  # fmt: skip
         return out
 

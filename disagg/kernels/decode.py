@@ -24,7 +24,7 @@ from disagg.kernels import checks
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width varies per step
 def _decode_split_kernel(
     q_ptr,
     k_ptr,

@@ -63,7 +63,10 @@ def _attend_block(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Per-step sizes must not select kernel variants: Triton specializes int arguments on
+# divisibility by 16 (and == 1), so a varying block-table width or sequence offset would compile
+# a new variant mid-serving (seen: 0.5-2 s stalls of mixed steps on an H200).
+@triton.jit(do_not_specialize=["stride_bt", "seq_base"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -80,6 +83,7 @@ def _prefill_kernel(
     stride_kp,
     stride_vp,
     stride_bt,
+    seq_base,  # index of this launch's first sequence in bt/seq_lens/cu (whole arrays passed)
     GROUP: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -88,7 +92,7 @@ def _prefill_kernel(
     F32_DOT: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the K/V loops
 ):
-    b = tl.program_id(1)
+    b = tl.program_id(1) + seq_base
     h = tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
@@ -150,20 +154,25 @@ def paged_prefill_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
+    seq_base: int = 0,
 ) -> torch.Tensor:
     """Causal attention of chunks ``q`` ``[T, Hq, D]`` (rows ``cu[b]:cu[b+1]``) -> ``[T, Hq, D]``.
 
     ``cu_seqlens_q`` may be a slice whose offsets do not start at 0: rows are absolute indices
     into ``q`` and ``out``; rows outside every chunk are left untouched. ``max_q_len`` (a host
     upper bound on chunk lengths) sizes the grid; without it the launcher reads ``cu_seqlens_q``
-    (a device sync).
+    (a device sync). ``seq_base`` skips the first sequences of ``block_tables``, ``seq_lens``
+    and ``cu_seqlens_q`` (pass whole arrays rather than slices: slices change the pointers'
+    alignment, and with it the compiled variant).
     """
     group = checks.check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     checks.check_index("cu_seqlens_q", cu_seqlens_q, 1, torch.int32, k_cache.device)
-    num_seqs = seq_lens.shape[0]
-    if cu_seqlens_q.shape[0] != num_seqs + 1:
+    if not 0 <= seq_base <= seq_lens.shape[0]:
+        raise ValueError(f"seq_base {seq_base} outside [0, {seq_lens.shape[0]}]")
+    num_seqs = seq_lens.shape[0] - seq_base
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(
-            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for {num_seqs} sequences"
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for {seq_lens.shape[0]} sequences"
         )
     _, num_heads, head_dim = q.shape
     _, _, page_size, _ = k_cache.shape
@@ -176,7 +185,8 @@ def paged_prefill_attention(
     if num_seqs == 0 or q.shape[0] == 0:
         return out
     if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        cu = cu_seqlens_q[seq_base:]
+        max_q_len = int((cu[1:] - cu[:-1]).max())
     interp = checks.interpreting()
     if block_m is None:
         block_m = 16 if interp else (128 if max_q_len > 64 else 64)
@@ -191,7 +201,7 @@ def paged_prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+        k_cache.stride(0), v_cache.stride(0), block_tables.stride(0), seq_base,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         F32_DOT=f32_dot, STAGES=num_stages, **({} if interp else dict(num_warps=num_warps, num_stages=num_stages)),
     )  # fmt: skip
