@@ -150,6 +150,7 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     layer_lag: int = 0  # prefill: layers computed but not yet handed to the engine
     prefill_peers_alive: int = 0
     layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
+    pages_fenced: int = 0  # decode: pages a write of a failed attempt may still reach (not free)
     v: int = PROTOCOL_VERSION
 
 
@@ -319,6 +320,9 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     dst_ctx: bytes  # encoded MemoryDescriptor of the decoder's context buffer
     ctx_offset: int  # byte offset of this request's context slot in dst_ctx
     timeout_s: float  # the prefiller gives up (and frees its pages) after this long
+    deadline_unix: float = 0.0  # wall clock (time.time()) after which the prefiller posts no
+    # write of this request, whenever it received it (0 = none); the decoder keeps the pages
+    # fenced until then when it cannot get an acknowledgement
     v: int = PROTOCOL_VERSION
 
 
@@ -448,17 +452,23 @@ class KVReady(msgspec.Struct, tag="kv_ready", array_like=True, frozen=True):
 
 
 class RemoteFailed(msgspec.Struct, tag="remote_failed", array_like=True, frozen=True):
-    """The remote prefill of ``slot`` failed for good (retries spent); no write can land."""
+    """The remote prefill of ``slot`` failed for good (retries spent). ``pages_free``: no write
+    can land any more; otherwise keep the pages fenced until ``RemoteReleased`` (the prefiller
+    is unreachable, and its deadline has not passed)."""
 
     slot: int
     code: str
     message: str
+    pages_free: bool = True
+    fence: int = 0  # when not pages_free: the id a later RemoteReleased names
 
 
 class RemoteReleased(msgspec.Struct, tag="remote_released", array_like=True, frozen=True):
-    """After ``CancelRemote``: no write for ``slot`` can land any more; free its pages."""
+    """No write can land any more in the pages fenced for ``slot``: after ``CancelRemote``
+    (``fence`` 0), or after a ``RemoteFailed`` that was not ``pages_free`` (its ``fence``)."""
 
     slot: int
+    fence: int = 0
 
 
 class PrefillTimings(msgspec.Struct, tag="prefill_timings", array_like=True, frozen=True):

@@ -15,6 +15,7 @@ PrefillDone/PrefillFailed, or the prefiller declared dead) before the scheduler 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -53,6 +54,8 @@ from disagg.transfer_plan import expected_units, incompatibility, make_key
 
 log = logging.getLogger(__name__)
 
+FENCE_GRACE_S = 1.0  # after a peer's connection went down, for bytes already on their way
+
 
 @dataclass
 class Peer:
@@ -63,6 +66,9 @@ class Peer:
     queued_tokens: int = 0  # from its last Pong
     sent_tokens: int = 0  # tokens we sent since that Pong
     incompatible: str | None = None
+    monitor: Any = None  # zmq monitor socket: connection events of ``sock``
+    epoch: int = 0  # connections to this address that went down (a dead process's did)
+    down_at: float = 0.0  # when the last one went down (monotonic)
 
 
 @dataclass
@@ -75,7 +81,9 @@ class Attempt:
     expectation: Any
     deadline: float
     tries: int
+    epoch: int = 0  # the peer's connection epoch when the request was sent
     started_at: float = 0.0
+    deadline_unix: float = 0.0  # wall clock after which the prefiller posts no write of it
     state: str = "waiting"  # waiting (for KV) -> draining (no KV wanted; writes may land)
     cancelled: bool = False  # the request ended on the decode side
     failure: tuple[str, str] | None = None
@@ -107,8 +115,9 @@ class DecodeMessenger:
             sock = ctx.socket(zmq.DEALER)
             security.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(address)
-            self.peers.append(Peer(address, sock))
+            self.peers.append(Peer(address, sock, monitor=monitor))
         self.sched = sched_sock
         self.transfer = transfer
         self.layout = layout
@@ -143,6 +152,7 @@ class DecodeMessenger:
         poller.register(self.sched, zmq.POLLIN)
         for p in self.peers:
             poller.register(p.sock, zmq.POLLIN)
+            poller.register(p.monitor, zmq.POLLIN)
         next_beat = 0.0
         while True:
             now = time.monotonic()
@@ -155,6 +165,8 @@ class DecodeMessenger:
             for p in self.peers:
                 if p.sock in events:
                     await self._from_peer(p)
+                if p.monitor in events:
+                    await self._connection_events(p)
 
     async def _from_scheduler(self) -> None:
         while True:
@@ -208,11 +220,11 @@ class DecodeMessenger:
                         await self._to_scheduler(PrefillTimings(slot, done.queue_s,
                                                                 done.compute_s, done.tail_s))
                     a = self.attempts.get(rid)
-                    if a is not None and a.state == "draining":
+                    if a is not None and a.state in ("draining", "fenced"):
                         await self._settled(a, a.failure or ("cancelled", "the request ended"))
                 case AbortAck(request_id=rid):
                     a = self.attempts.get(rid)
-                    if a is not None and a.state == "draining":
+                    if a is not None and a.state in ("draining", "fenced"):
                         await self._settled(a, a.failure or ("cancelled", "the request ended"))
 
     # ------------------------------------------------------------------ attempts
@@ -236,7 +248,8 @@ class DecodeMessenger:
         ctx_slot = self.ctx_free.pop()
         exp = self.transfer.expect(key, units, timeout=self.timeout_s)
         a = Attempt(need.slot, gen, need, peer, ctx_slot, exp,
-                    time.monotonic() + self.timeout_s, tries, started_at=time.monotonic())
+                    time.monotonic() + self.timeout_s, tries, epoch=peer.epoch,
+                    started_at=time.monotonic(), deadline_unix=time.time() + self.timeout_s)
         self.attempts[a.request_id] = a
         self.by_slot[need.slot] = a
         peer.sent_tokens += len(need.prompt_ids)
@@ -244,7 +257,8 @@ class DecodeMessenger:
             request_id=a.request_id, key=key, prompt_ids=need.prompt_ids,
             dst_pages=need.dst_pages, dst_layout=self.layout,
             dst_kv=self.kv_region.descriptor.encode(), dst_ctx=self.ctx_region.descriptor.encode(),
-            ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s)
+            ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s,
+            deadline_unix=a.deadline_unix)
         await peer.sock.send(self._enc.encode(req))
         self._spawn(self._await_kv(a, units))
 
@@ -276,32 +290,57 @@ class DecodeMessenger:
         await self._to_scheduler(self.stats())
 
     async def _drain(self, a: Attempt, failure: tuple[str, str]) -> None:
-        """Stop wanting the KV; report only once no write of the attempt can land."""
-        if a.state == "draining":
+        """Stop wanting the KV; ask the prefiller to stop (queued even if it looks dead: a
+        stopped process reads it when it resumes). Pages are reported free only once no write
+        can land: an acknowledgement, or the attempt's deadline (``_fence``)."""
+        if a.state != "waiting":
             return
         a.state = "draining"
         a.failure = failure
         a.expectation.cancel()
         a.deadline = time.monotonic() + self.peer_timeout_s
-        if a.peer.alive:
-            await a.peer.sock.send(self._enc.encode(AbortPrefill(a.request_id)))
-        else:
-            await self._settled(a, failure)
+        with contextlib.suppress(zmq.ZMQError):
+            await a.peer.sock.send(self._enc.encode(AbortPrefill(a.request_id)), zmq.NOBLOCK)
+        if not a.peer.alive:
+            await self._fence(a)
+
+    async def _fence(self, a: Attempt) -> None:
+        """The prefiller does not answer: report the failure now, but keep the pages fenced
+        until no write of the attempt can land: the prefiller acknowledges (it was only slow or
+        stopped, and read our AbortPrefill when it resumed), or the connection the request went
+        out on goes down (the process is gone). A prefiller also posts nothing past the
+        attempt's absolute deadline, whenever it reads the request."""
+        if a.state == "fenced":
+            return
+        a.state = "fenced"
+        if not a.cancelled:
+            code, message = a.failure or ("prefiller_dead", "prefiller stopped")
+            await self._to_scheduler(RemoteFailed(a.slot, code, message, pages_free=False,
+                                                  fence=a.generation))
+        if self.by_slot.get(a.slot) is a:
+            del self.by_slot[a.slot]  # the slot may start over (locally); keep only the fence
+        await self._to_scheduler(self.stats())
 
     async def _settled(self, a: Attempt, failure: tuple[str, str]) -> None:
         """No write of ``a`` can land any more: retry, or report to the scheduler."""
         await self.transfer.staging_idle()  # nor a staged copy into its pages
         if a.state == "waiting":
             a.expectation.cancel()
+        fenced = a.state == "fenced"  # its failure was reported already
         self._forget(a)
-        if a.cancelled:
-            await self._to_scheduler(RemoteReleased(a.slot))
+        if fenced or a.cancelled:
+            await self._to_scheduler(self._released(a))
         elif a.tries < self.max_tries and self.pick() is not None:
             log.warning("prefill of slot %d failed (%s: %s); retrying", a.slot, *failure)
             await self._start(a.need, a.tries + 1)
         else:
             await self._to_scheduler(RemoteFailed(a.slot, failure[0], failure[1]))
         await self._to_scheduler(self.stats())
+
+    @staticmethod
+    def _released(a: Attempt) -> RemoteReleased:
+        """Which fence to lift: the scheduler's cancel fence, or this attempt's failure fence."""
+        return RemoteReleased(a.slot, 0 if a.cancelled else a.generation)
 
     def _forget(self, a: Attempt) -> None:
         if self.attempts.pop(a.request_id, None) is not None:
@@ -324,11 +363,17 @@ class DecodeMessenger:
         for a in list(self.attempts.values()):
             dead = not a.peer.alive
             if a.state == "draining" and (dead or now > a.deadline):
-                # a dead prefiller writes nothing more; a live one that ignores AbortPrefill
-                # past the peer timeout is treated as dead
-                await self._settled(a, a.failure or ("prefiller_dead", "prefiller stopped"))
+                # no acknowledgement within the peer timeout: fence until the deadline
+                await self._fence(a)
             elif a.state == "waiting" and dead:
                 await self._drain(a, ("prefiller_dead", f"prefiller {a.peer.address} died"))
+            elif (a.state == "fenced" and a.peer.epoch > a.epoch
+                  and now > a.peer.down_at + FENCE_GRACE_S):
+                # the connection it was sent on went down (the process is gone: a stopped
+                # one keeps its connections), so nothing of it can land any more
+                self._forget(a)
+                await self._to_scheduler(self._released(a))
+                await self._to_scheduler(self.stats())
         await self._report_alive()
 
     async def _report_alive(self) -> None:
@@ -353,8 +398,22 @@ class DecodeMessenger:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _connection_events(self, peer: Peer) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                frames = await peer.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+                peer.epoch += 1
+                peer.down_at = time.monotonic()
+
     def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         for p in self.peers:
+            p.sock.disable_monitor()
+            p.monitor.close()
             p.sock.close()

@@ -36,6 +36,8 @@ from disagg.scheduling import Batch, Sequence, SeqUpdate, Status
 
 log = logging.getLogger(__name__)
 
+MAX_REMOTE_RETRIES = 1  # --on-prefill-failure retry: new attempts after a fenced failure
+
 
 class DecodeScheduler(SchedulerActor):
     def __init__(self, *args, local_prefill_max_tokens: int = 0, on_failure: str = "error",
@@ -45,9 +47,11 @@ class DecodeScheduler(SchedulerActor):
         self.on_failure = on_failure  # error | retry | local (retries happen in the messenger)
         self.peers_alive = 0
         self.remote_queue: collections.deque[Sequence] = collections.deque()  # no pages yet
-        self.quarantine: dict[int, list[int]] = {}  # slot -> pages a write may still reach
+        # (slot, fence) -> pages a write may still reach; fence 0 = cancelled by this side
+        self.quarantine: dict[tuple[int, int], list[int]] = {}
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence, while remote
         self.clock: dict[int, dict[str, float]] = {}  # slot -> TTFT milestones (monotonic s)
+        self.retries: dict[int, int] = {}  # slot -> remote attempts retried with new pages
         self._menc = msgspec.msgpack.Encoder()
 
     def wants_remote(self, seq: Sequence) -> bool:
@@ -78,16 +82,29 @@ class DecodeScheduler(SchedulerActor):
                 if seq is not None and seq.status is Status.REMOTE:
                     self.clock.get(slot, {})["kv"] = time.monotonic()
                     self.sched.kv_arrived(seq)
-            case RemoteFailed(slot=slot, code=code, message=message):
+            case RemoteFailed(slot=slot, code=code, message=message, pages_free=free,
+                              fence=fence):
                 seq = self.seqs.pop(slot, None)
                 if seq is None or seq.status is not Status.REMOTE:
                     return
-                self.sched.free_pages(self.sched.detach(seq))  # no write can land any more
+                pages = self.sched.detach(seq)
+                if free:  # no write can land any more
+                    self.sched.free_pages(pages)
+                else:  # fenced until the messenger's RemoteReleased
+                    self.quarantine[(slot, fence)] = pages
                 self.clock.pop(slot, None)
                 if self.on_failure == "local" or code == "no_prefiller":
                     log.warning("prefilling %s locally: %s", seq.request_id, message)
                     seq.status = Status.WAITING
                     self.sched.add(seq)
+                elif (self.on_failure == "retry" and self.peers_alive > 0
+                      and self.retries.get(slot, 0) < MAX_REMOTE_RETRIES):
+                    # the old pages may still be written: a new attempt gets new pages
+                    log.warning("retrying the prefill of %s: %s", seq.request_id, message)
+                    self.retries[slot] = self.retries.get(slot, 0) + 1
+                    seq.status = Status.WAITING
+                    self.seqs[slot] = seq
+                    self.remote_queue.appendleft(seq)
                 else:
                     await self._end(seq, Error("prefill_failed", f"{code}: {message}",
                                                seq.request_id))
@@ -96,8 +113,8 @@ class DecodeScheduler(SchedulerActor):
                 clock = self.clock.get(slot)
                 if clock is not None:
                     clock.update(prefill_queue=t.queue_s, prefill_compute=t.compute_s)
-            case RemoteReleased(slot=slot):
-                self.sched.free_pages(self.quarantine.pop(slot, []))
+            case RemoteReleased(slot=slot, fence=fence):
+                self.sched.free_pages(self.quarantine.pop((slot, fence), []))
                 await self._pump()
             case PeersAlive(count=n):
                 self.peers_alive = n
@@ -129,12 +146,13 @@ class DecodeScheduler(SchedulerActor):
 
     async def release(self, seq: Sequence) -> None:
         self.clock.pop(seq.slot, None)
+        self.retries.pop(seq.slot, None)
         if seq in self.remote_queue:
             self.remote_queue.remove(seq)
             self.seqs.pop(seq.slot, None)
         if seq.status is Status.REMOTE:
             if seq.block_table:  # a write may still land: quarantine until released
-                self.quarantine[seq.slot] = self.sched.detach(seq)
+                self.quarantine[(seq.slot, 0)] = self.sched.detach(seq)
                 self.seqs.pop(seq.slot, None)
                 await self._to_messenger(CancelRemote(seq.slot))
             else:
@@ -146,6 +164,9 @@ class DecodeScheduler(SchedulerActor):
                          hidden: bytes | None) -> None:
         if self.remote_queue:
             await self._pump()
+
+    def pages_fenced(self) -> int:
+        return sum(len(p) for p in self.quarantine.values())
 
     def waiting_for_kv(self) -> int:
         return len(self.sched.remote) + len(self.remote_queue)

@@ -282,7 +282,14 @@ class PrefillMessenger:
             await self._reply(peer, PrefillFailed(req.request_id, "bad_request", why))
             return
         now = time.monotonic()
-        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx, now + req.timeout_s, now)
+        budget = req.timeout_s
+        if req.deadline_unix > 0:  # the decoder's absolute deadline bounds it, however late
+            budget = min(budget, req.deadline_unix - time.time())  # this request was read
+        if budget <= 0:
+            await self._reply(peer, PrefillFailed(req.request_id, "timeout",
+                                                  "the request's deadline passed before it was read"))
+            return
+        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx, now + budget, now)
         self.jobs[job.id] = job
         self.by_peer[(peer, req.request_id)] = job.id
         self.ctx_of[job.id] = self.ctx_free.pop()
@@ -364,12 +371,17 @@ class PrefillMessenger:
         self._send_soon(self.stats())
 
     def _post(self, job: Job, src: Any, dst: Any, writes: list[Any]) -> None:
+        left = job.deadline - time.monotonic()
+        if left <= 0:  # past its deadline the decoder may have reused the pages: never write
+            self._cancel(job, False, "timeout", "prefill did not finish within its deadline")
+            return
         if job.first_post_at is None:
             job.first_post_at = time.monotonic()
         job.writes += len(writes)
         job.bytes += sum(w.length for w in writes)
         try:
-            job.futures.extend(self.transfer.write(src, dst, writes, job.req.key))
+            job.futures.extend(self.transfer.write(src, dst, writes, job.req.key,
+                                                   timeout=min(left, self.transfer.timeout_s)))
         except Exception as e:  # out of range: refuse, never write outside
             log.error("job %d: refused writes: %s", job.id, e)
             self._cancel(job, False, "transfer_failed", str(e))

@@ -306,8 +306,12 @@ class SchedulerActor:
             waiting=len(self.sched.waiting), started=c.started, finished=c.finished,
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             preemptions=self.sched.num_preemptions,
-            waiting_for_kv=self.waiting_for_kv(), **msgspec.structs.asdict(self.messenger_stats),
+            waiting_for_kv=self.waiting_for_kv(), pages_fenced=self.pages_fenced(),
+            **msgspec.structs.asdict(self.messenger_stats),
         )
+
+    def pages_fenced(self) -> int:
+        return 0
 
     def waiting_for_kv(self) -> int:
         return len(self.sched.remote)
