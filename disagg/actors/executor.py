@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.config import NodeConfig
+from disagg.model.tp import TensorParallel
 from disagg.protocol import (
     ExecutorCommand,
     ExecutorReady,
@@ -69,7 +70,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     if ecfg.model is None:
         raise ExecutorError("executor needs a resolved model directory")
     t0 = time.perf_counter()
-    model = build_model(cfg, device)
+    tp = init_tensor_parallel(cfg, rank, control, device)
+    model = build_model(cfg, device, tp)
     arch = model.arch
     backend = get_backend(ecfg.attention_backend, device)
     max_model_len = cfg.scheduler.max_model_len or arch.max_position_embeddings
@@ -99,7 +101,9 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     log.info("loaded %s on %s: %d pages of %d tokens (%.1f MiB KV)", arch.architecture, device,
              num_pages, cfg.cache.page_size, layout.nbytes / 2**20)
     if device.type == "cuda" and ecfg.cuda_graphs and cfg.role != "prefill":
-        if backend.name != "triton":
+        if tp.size > 1:
+            log.info("CUDA graphs are not used with --tp > 1 yet; running decode eagerly")
+        elif backend.name != "triton":
             log.info("CUDA graphs need the triton attention backend; running decode eagerly")
         else:
             try:
@@ -152,19 +156,39 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         ctx.term()
 
 
-def build_model(cfg: NodeConfig, device: torch.device) -> Any:
-    """Load the model directory's weights, or draw them from the seed with ``random_weights``
-    (then only ``config.json`` is read, and the weights are generated on ``device``)."""
+def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
+                         device: torch.device) -> TensorParallel:
+    """One executor per device; with several, join them in a torch.distributed group (gloo on
+    CPU, NCCL on CUDA) rendezvousing through a file in the node's private run directory."""
+    size = len(cfg.devices)
+    if size == 1:
+        return TensorParallel()
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        init_method="file://" + control.removeprefix("ipc://") + ".tp-rendezvous",
+        rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=cfg.startup_timeout_s))
+    return TensorParallel(rank, size)
+
+
+def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None = None) -> Any:
+    """Load the model directory's weights (this rank's shard under TP), or draw them from the
+    seed with ``random_weights`` (then only ``config.json`` is read, and the weights are
+    generated on ``device``)."""
     ecfg = cfg.executor
     assert ecfg.model is not None
     if ecfg.random_weights:
         from disagg.model.config import ModelArch
         from disagg.model.loader import random_model
 
-        return random_model(ModelArch.from_dir(ecfg.model), ecfg.dtype, device, ecfg.seed)
+        return random_model(ModelArch.from_dir(ecfg.model), ecfg.dtype, device, ecfg.seed, tp)
     from disagg.model.loader import load_model
 
-    return load_model(ecfg.model, ecfg.dtype, device)
+    return load_model(ecfg.model, ecfg.dtype, device, tp)
 
 
 def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_len: int) -> int:

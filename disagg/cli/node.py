@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=e.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--devices", default=",".join(n.devices),
                     help="comma-separated devices, one executor each: cpu or cuda:0,cuda:1")
+    ap.add_argument("--tp", type=int, default=0,
+                    help="tensor-parallel size: one executor per device (with --devices cpu, "
+                         "that many CPU executors); default: the number of --devices")
     ap.add_argument("--attention-backend", default=e.attention_backend,
                     choices=["auto", "torch", "triton", "flashinfer"])
     ap.add_argument("--threads", type=int, default=e.threads, help="torch CPU threads per executor")
@@ -80,11 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def tp_devices(devices: str, tp: int) -> list[str]:
+    """One device per tensor-parallel rank: ``--devices cpu --tp 2`` is two CPU executors."""
+    out = [d.strip() for d in devices.split(",") if d.strip()]
+    if tp <= 0 or tp == len(out):
+        return out
+    if out == ["cpu"]:
+        return ["cpu"] * tp
+    raise ConfigError(f"--tp {tp} needs {tp} --devices, got {len(out)}: {devices!r}")
+
+
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
     cfg = NodeConfig(
         role=args.role,
         listen=args.listen,
-        devices=[d.strip() for d in args.devices.split(",") if d.strip()],
+        devices=tp_devices(args.devices, args.tp),
         executor=ExecutorConfig(model=args.model, dtype=args.dtype,
                                 attention_backend=args.attention_backend, threads=args.threads,
                                 seed=args.seed, random_weights=args.random_weights,

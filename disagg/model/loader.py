@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from disagg.model.config import ModelArch
+from disagg.model.tp import TensorParallel
 from disagg.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,18 @@ def _fused_slices(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
 
 
 def load_model(
-    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
+    tp: TensorParallel | None = None,
 ) -> Transformer:
+    """Load a checkpoint; under ``tp`` only this rank's slices (``disagg.model.tp``)."""
     from safetensors import safe_open  # only here: random weights need no safetensors
 
     path = Path(path)
-    arch = ModelArch.from_dir(path)
+    tp = tp or TensorParallel()
+    full = ModelArch.from_dir(path)
+    arch = tp.local_arch(full)
     dev = torch.device(device)
-    model = Transformer(arch, resolve_dtype(dtype, arch, dev), dev)
+    model = Transformer(arch, resolve_dtype(dtype, arch, dev), dev, tp)
     slices = _fused_slices(arch)
     expected = {name for name, _ in model.named_parameters()}
     seen: set[str] = set()
@@ -90,7 +95,7 @@ def load_model(
                     continue
                 param_name, part = target
                 param = model.get_parameter(param_name)
-                tensor = f.get_tensor(name)
+                tensor = tp.shard(_shard_kind(name), f.get_tensor(name), full)
                 if part is None:
                     dst = param.data
                 else:
@@ -115,6 +120,16 @@ def load_model(
     return model
 
 
+_SHARD_KINDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
+                "up_proj": "up", "down_proj": "down"}
+
+
+def _shard_kind(name: str) -> str:
+    """How a checkpoint tensor is split under TP (see ``TensorParallel.shard``)."""
+    parts = name.split(".")
+    return _SHARD_KINDS.get(parts[-2], "replicated") if len(parts) >= 2 else "replicated"
+
+
 def _target(name: str, arch: ModelArch) -> tuple[str, int | None] | None:
     if name == "model.embed_tokens.weight":
         return ("embed", None)
@@ -132,11 +147,15 @@ def _target(name: str, arch: ModelArch) -> tuple[str, int | None] | None:
 
 
 def random_model(
-    arch: ModelArch, dtype: str = "auto", device: str | torch.device = "cpu", seed: int = 0
+    arch: ModelArch, dtype: str = "auto", device: str | torch.device = "cpu", seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> Transformer:
-    """A model with weights drawn from ``seed`` directly on ``device`` (no files needed)."""
+    """A model with weights drawn from ``seed`` directly on ``device`` (no files needed);
+    under ``tp`` each rank draws its own shard (shapes and speed, not a given function)."""
     dev = torch.device(device)
-    model = Transformer(arch, resolve_dtype(dtype, arch, dev), dev)
+    tp = tp or TensorParallel()
+    local = tp.local_arch(arch)
+    model = Transformer(local, resolve_dtype(dtype, local, dev), dev, tp)
     gen = torch.Generator(device=dev).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm") or name == "norm":

@@ -18,6 +18,7 @@ from torch import nn
 from disagg.attention import AttentionBackend, AttentionMetadata
 from disagg.config import env
 from disagg.model.config import ModelArch
+from disagg.model.tp import TensorParallel
 
 FUSED = env("NO_FUSED") is None  # DISAGG_NO_FUSED=1: plain torch elementwise ops on CUDA too
 
@@ -70,8 +71,10 @@ class Rotary(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp or TensorParallel()  # ``arch`` holds this rank's (local) shapes
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         self.eps = arch.rms_norm_eps
@@ -119,12 +122,12 @@ class DecoderLayer(nn.Module):
         k = k * cos + rotate_half(k) * sin
         backend.append_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
-        x = x + F.linear(attn.reshape(t, hq * d), self.o_weight)
+        x = x + self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
         if after_attention is not None:
             after_attention()
         h = rms_norm(x, self.post_norm, self.eps)
         gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        return x + self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
 
     def _forward_fused(
         self,
@@ -151,24 +154,29 @@ class DecoderLayer(nn.Module):
         k = fused.norm_rope(k, self.k_norm, cos, sin, self.eps)
         backend.append_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
-        h, x = fused.rms_norm(F.linear(attn.reshape(t, hq * d), self.o_weight), self.post_norm,
-                              self.eps, residual=x)
+        o = self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
+        h, x = fused.rms_norm(o, self.post_norm, self.eps, residual=x)
         if after_attention is not None:
             after_attention()
-        return x + F.linear(fused.silu_mul(F.linear(h, self.gate_up_weight)), self.down_weight)
+        down = F.linear(fused.silu_mul(F.linear(h, self.gate_up_weight)), self.down_weight)
+        return x + self.tp.all_reduce(down)
 
 
 class Transformer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None):
+        """``arch`` holds this rank's shapes (``TensorParallel.local_arch``) under TP."""
         super().__init__()
         self.arch = arch
+        self.tp = tp or TensorParallel()
         self.dtype = dtype
         self.device = device
         h = arch.hidden_size
         self.embed = nn.Parameter(
             torch.empty(arch.vocab_size, h, dtype=dtype, device=device), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, self.tp)
+                                    for _ in range(arch.num_layers))
         self.norm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
         self.lm_head: nn.Parameter | None = None
         if not arch.tie_word_embeddings:

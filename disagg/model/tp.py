@@ -1,0 +1,86 @@
+"""Tensor parallelism: which slice of every weight a rank holds, and the all-reduces.
+
+Attention heads and the MLP's intermediate dimension are split over the ranks (Megatron
+style): q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel (their
+partial outputs are summed with an all-reduce). Rank ``r`` holds query heads
+``[r*Hq/tp, (r+1)*Hq/tp)`` and the kv heads those use; when kv heads < tp each kv head is
+replicated on ``tp / Hkv`` consecutive ranks (``disagg.transfer_plan.shard_kv_heads`` and
+``KVLayoutDesc.rank_heads`` describe the same mapping). Embeddings, norms and the LM head are
+replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from disagg.model.config import ModelArch
+from disagg.transfer_plan import shard_kv_heads
+
+
+class TPError(ValueError):
+    """The model cannot be split over this many ranks."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed process group (None: the default group)
+
+    def check(self, arch: ModelArch) -> None:
+        if arch.num_heads % self.size:
+            raise TPError(f"--tp {self.size} does not divide the {arch.num_heads} attention heads")
+        if arch.intermediate_size % self.size:
+            raise TPError(f"--tp {self.size} does not divide the MLP size {arch.intermediate_size}")
+        try:
+            shard_kv_heads(arch.num_kv_heads, self.size)
+        except ValueError as e:
+            raise TPError(str(e)) from None
+
+    def local_arch(self, arch: ModelArch) -> ModelArch:
+        """The shapes this rank holds (heads, kv heads, intermediate size per rank)."""
+        self.check(arch)
+        kv, _ = shard_kv_heads(arch.num_kv_heads, self.size)
+        return dataclasses.replace(arch, num_heads=arch.num_heads // self.size, num_kv_heads=kv,
+                                   intermediate_size=arch.intermediate_size // self.size)
+
+    def kv_heads(self, arch: ModelArch) -> range:
+        """Global kv heads this rank holds (the mapping ``KVLayoutDesc.rank_heads`` describes)."""
+        per, replicas = shard_kv_heads(arch.num_kv_heads, self.size)
+        first = (self.rank // replicas) * per
+        return range(first, first + per)
+
+    def shard(self, kind: str, tensor: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor. ``kind``: q, k, v (weight or bias rows by
+        head), o (columns by q head), gate, up (rows), down (columns), or anything else
+        (replicated)."""
+        if self.size == 1:
+            return tensor
+        d = arch.head_dim
+        if kind == "q":
+            n = arch.num_heads // self.size
+            return tensor[self.rank * n * d:(self.rank + 1) * n * d]
+        if kind in ("k", "v"):
+            heads = self.kv_heads(arch)
+            return tensor[heads.start * d:heads.stop * d]
+        if kind == "o":
+            n = arch.num_heads // self.size
+            return tensor[:, self.rank * n * d:(self.rank + 1) * n * d]
+        i = arch.intermediate_size // self.size
+        if kind in ("gate", "up"):
+            return tensor[self.rank * i:(self.rank + 1) * i]
+        if kind == "down":
+            return tensor[:, self.rank * i:(self.rank + 1) * i]
+        return tensor
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel layer's partial outputs over the ranks (in place)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
