@@ -120,9 +120,6 @@ class NodeConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--devices needs at least one device")
         if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"--listen must be a ZeroMQ address like tcp://127.0.0.1:5555, got {self.listen!r}")
-        if self.role in ("prefill", "decode") and len(self.devices) > 1:
-            raise ConfigError(f"--role {self.role} runs with --tp 1 (one device) in this version; "
-                              "tensor parallelism serves --role mixed")
         if self.role == "decode" and not self.disagg.prefill_peers:
             raise ConfigError("--role decode needs at least one --prefill-peer")
         self.disagg.validate()

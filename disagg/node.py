@@ -32,6 +32,7 @@ from disagg.metrics import Metrics
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import Tokenizer
 from disagg.protocol import KVLayoutDesc
+from disagg.transfer_plan import shard_kv_heads
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +116,14 @@ class Node:
         assert self.executors is not None
         info = self.executors.ready[0].kv
         dtype = getattr(torch, info.dtype)
+        tp = len(self.cfg.devices)
+        per_rank, replicas = shard_kv_heads(arch.num_kv_heads, tp)
         return KVLayoutDesc(
             num_layers=arch.num_layers, num_pages=self.executors.num_pages,
-            num_kv_heads=arch.num_kv_heads, page_size=self.cfg.cache.page_size,
+            num_kv_heads=per_rank, page_size=self.cfg.cache.page_size,
             head_dim=arch.head_dim, dtype=info.dtype,
-            element_size=torch.empty((), dtype=dtype).element_size(), hidden_size=arch.hidden_size)
+            element_size=torch.empty((), dtype=dtype).element_size(), hidden_size=arch.hidden_size,
+            tp_size=tp, kv_replicas=replicas)
 
     def _transfer(self) -> TransferEngine:
         d = self.cfg.disagg
@@ -128,12 +132,12 @@ class Node:
                                        timeout_s=d.prefill_timeout_s, device=device).start()
         return self.transfer
 
-    def _kv_tensor(self) -> torch.Tensor:
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        """Every rank's KV cache, mapped into this process (one transfer engine drives all)."""
         assert self.executors is not None
-        view = self.executors.kv_views[0]
-        if view is None:
-            raise RuntimeError("the executor's KV memory is not mapped into the main process")
-        return view[0]
+        if any(view is None for view in self.executors.kv_views):
+            raise RuntimeError("an executor's KV memory is not mapped into the main process")
+        return [view[0] for view in self.executors.kv_views]
 
     async def _start_prefill(self, cfg: NodeConfig, arch: ModelArch, sched_args: tuple,
                              actors: list) -> None:
@@ -150,8 +154,8 @@ class Node:
         self.scheduler = PrefillScheduler(cfg.role, None, *sched_args)
         self.scheduler.mbox = s_sock
         self.messenger = PrefillMessenger(
-            cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensor(),
-            self.counter, vocab_size=arch.vocab_size, kv_fd=self.executors.kv_fds[0])
+            cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensors(),
+            self.counter, vocab_size=arch.vocab_size, kv_fds=self.executors.kv_fds)
         self.address = self.messenger.address
         self.messenger.metrics = self.metrics
         actors.append(("messenger", self.messenger.run))
@@ -169,10 +173,10 @@ class Node:
         self.scheduler.mbox = s_sock
         self.messenger = DecodeMessenger(
             d.prefill_peers, self.ctx, m_sock, self._transfer(), self._layout(arch),
-            self._kv_tensor(), max_slots=2 * cfg.scheduler.max_running,
+            self._kv_tensors(), max_slots=2 * cfg.scheduler.max_running,
             timeout_s=d.prefill_timeout_s, heartbeat_s=d.heartbeat_s,
             peer_timeout_s=d.peer_timeout_s, on_failure=d.on_prefill_failure,
-            kv_fd=self.executors.kv_fds[0] if self.executors else None)
+            kv_fds=self.executors.kv_fds if self.executors else None)
         self.messenger.metrics = self.metrics
         actors.append(("messenger", self.messenger.run))
 

@@ -316,10 +316,11 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     prompt_ids: list[int]  # the prompt WITHOUT its last token (SEED.md 26)
     dst_pages: list[int]  # decoder page ids, in block-table order; len = pages for prompt_ids
     dst_layout: KVLayoutDesc
-    dst_kv: bytes  # encoded fabric MemoryDescriptor of the decoder's KV region
+    dst_kv: bytes  # encoded MemoryDescriptor of the decoder's (lead rank's) KV region
     dst_ctx: bytes  # encoded MemoryDescriptor of the decoder's context buffer
     ctx_offset: int  # byte offset of this request's context slot in dst_ctx
     timeout_s: float  # the prefiller gives up (and frees its pages) after this long
+    dst_kv_ranks: list[bytes] = []  # one descriptor per decoder rank when its tp_size > 1
     deadline_unix: float = 0.0  # wall clock (time.time()) after which the prefiller posts no
     # write of this request, whenever it received it (0 = none); the decoder keeps the pages
     # fenced until then when it cannot get an acknowledgement

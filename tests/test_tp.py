@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from disagg.config import ConfigError, NodeConfig
 from disagg.model.config import ModelArch
 from disagg.model.tp import TensorParallel, TPError
 from disagg.protocol import KVLayoutDesc
@@ -57,9 +58,47 @@ def test_unsplittable_models_are_refused():
         TensorParallel(0, 4).local_arch(arch(heads=12, kv=6, inter=48))
 
 
-def test_disagg_roles_refuse_tp():
-    with pytest.raises(ConfigError, match="--tp 1"):
-        NodeConfig(role="prefill", devices=["cpu", "cpu"]).validate()
+@pytest.mark.fabric
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (2, 2), (1, 4)])
+def test_sharded_transfers_prefill_decode(p_tp, d_tp, tmp_path):
+    """Prefiller and decoder with different TP: pages rebuilt from head ranges, split across
+    ranks, or replicated (TP 4 > 2 kv heads); token-exact, pools full after."""
+    from disagg.client import Client
+    from disagg.protocol import SamplingParams
+
+    path = make_tiny_model("llama", tmp_path / "llama")
+    p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    common = ["--model", str(path), "--page-size", "4", "--num-pages", "64", "--threads", "1"]
+    p = NodeProcess(["--role", "prefill", "--listen", p_addr, "--tp", str(p_tp),
+                     "--max-batch-tokens", "5", *common], tmp_path / "p.log")
+    d = NodeProcess(["--role", "decode", "--listen", d_addr, "--tp", str(d_tp), "--prefill-peer",
+                     p_addr, "--heartbeat", "0.2", *common], tmp_path / "d.log")
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        c = Client(d_addr)
+        try:
+            deadline = time.monotonic() + 30
+            while c.stats().prefill_peers_alive == 0:
+                assert time.monotonic() < deadline, "prefiller never seen"
+                time.sleep(0.1)
+            for n in (2, 6, 14):
+                prompt = list(range(11, 11 + n))
+                ids = [t for m in c.generate(prompt_token_ids=prompt, sampling=SamplingParams(
+                    max_tokens=5, ignore_eos=True)) for t in getattr(m, "token_ids", [])]
+                assert ids == hf_greedy(path, prompt, 5), f"prompt length {n}"
+            s = c.stats()
+            assert s.kv_units_received > 0 and s.pages_free == s.pages_total
+        finally:
+            c.close()
+        c = Client(p_addr)
+        try:
+            s = c.stats()
+            assert s.pages_free == s.pages_total and s.kv_writes_sent > 0
+        finally:
+            c.close()
+    finally:
+        assert p.stop() == [] and d.stop() == []
 
 
 @pytest.mark.parametrize("kind, tp", [("qwen2", 2), ("llama", 4)])  # tp 4 > 2 kv heads: replicas

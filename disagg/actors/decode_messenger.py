@@ -50,7 +50,7 @@ from disagg.protocol import (
     RemoteReleased,
     ToMessenger,
 )
-from disagg.transfer_plan import expected_units, incompatibility, make_key
+from disagg.transfer_plan import incompatibility, make_key, request_units
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class Peer:
     queued_tokens: int = 0  # from its last Pong
     sent_tokens: int = 0  # tokens we sent since that Pong
     incompatible: str | None = None
+    layout: KVLayoutDesc | None = None  # from its last Pong: sizes the expected units
     monitor: Any = None  # zmq monitor socket: connection events of ``sock``
     epoch: int = 0  # connections to this address that went down (a dead process's did)
     down_at: float = 0.0  # when the last one went down (monotonic)
@@ -101,14 +102,14 @@ class DecodeMessenger:
         sched_sock: zmq.asyncio.Socket,
         transfer: TransferEngine,
         layout: KVLayoutDesc,
-        kv: torch.Tensor,
+        kvs: list[torch.Tensor],  # every rank's KV cache, mapped into this process
         max_slots: int = 256,
         timeout_s: float = 60.0,
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
         on_failure: str = "error",
         max_tries: int = 2,
-        kv_fd: int | None = None,  # the KV allocation's fd (cuMem on CUDA), for cuda-ipc peers
+        kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
     ):
         self.peers = []
         for address in peers:
@@ -121,7 +122,9 @@ class DecodeMessenger:
         self.sched = sched_sock
         self.transfer = transfer
         self.layout = layout
-        self.kv_region = transfer.register(kv.view(torch.uint8).view(-1), fd=kv_fd)
+        fds = list(kv_fds or [None] * len(kvs))
+        self.kv_regions = [transfer.register(kv.view(torch.uint8).view(-1), fd=fd)
+                           for kv, fd in zip(kvs, fds, strict=True)]  # one per rank
         self.ctx_buf = transfer.context_buffer(max_slots, layout.context_bytes)
         self.ctx_region = transfer.register(self.ctx_buf.view(-1))
         self.ctx_free = list(range(max_slots - 1, -1, -1))
@@ -208,6 +211,7 @@ class DecodeMessenger:
                     if why and why != peer.incompatible:
                         log.error("prefiller %s refused: %s", peer.address, why)
                     peer.incompatible = why
+                    peer.layout = pong.layout
                     peer.alive = peer.incompatible is None
                     await self._report_alive()
                 case PrefillFailed(request_id=rid, code=code, message=message):
@@ -244,7 +248,8 @@ class DecodeMessenger:
             return
         gen = next(self._gens)
         key = make_key(need.slot, gen)
-        units = expected_units(self.layout.num_layers, len(need.prompt_ids), self.layout.page_size)
+        assert peer.layout is not None  # alive means it answered a Ping
+        units = request_units(peer.layout, self.layout, len(need.prompt_ids))
         ctx_slot = self.ctx_free.pop()
         exp = self.transfer.expect(key, units, timeout=self.timeout_s)
         a = Attempt(need.slot, gen, need, peer, ctx_slot, exp,
@@ -256,7 +261,9 @@ class DecodeMessenger:
         req = PrefillRequest(
             request_id=a.request_id, key=key, prompt_ids=need.prompt_ids,
             dst_pages=need.dst_pages, dst_layout=self.layout,
-            dst_kv=self.kv_region.descriptor.encode(), dst_ctx=self.ctx_region.descriptor.encode(),
+            dst_kv=self.kv_regions[0].descriptor.encode(),
+            dst_kv_ranks=[r.descriptor.encode() for r in self.kv_regions],
+            dst_ctx=self.ctx_region.descriptor.encode(),
             ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s,
             deadline_unix=a.deadline_unix)
         await peer.sock.send(self._enc.encode(req))
@@ -274,7 +281,8 @@ class DecodeMessenger:
         if a.state != "waiting":
             return
         # fabric over host staging: its pages mirror -> GPU first (no-op otherwise)
-        await self.transfer.stage_in_pages(self.kv_region, self.layout, a.need.dst_pages)
+        for region in self.kv_regions:
+            await self.transfer.stage_in_pages(region, self.layout, a.need.dst_pages)
         if a.state != "waiting":
             return
         self.units_received += units

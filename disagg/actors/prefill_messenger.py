@@ -59,7 +59,7 @@ class Job:
     id: int
     peer: bytes  # decoder's ROUTER identity
     req: PrefillRequest
-    dst_kv: Any  # decoded MemoryDescriptor
+    dst_kv: list[Any]  # decoded MemoryDescriptor per decoder rank
     dst_ctx: Any
     deadline: float
     accepted_at: float
@@ -130,11 +130,11 @@ class PrefillMessenger:
         sched_sock: zmq.asyncio.Socket,
         transfer: TransferEngine,
         layout: KVLayoutDesc,
-        kv: torch.Tensor,
+        kvs: list[torch.Tensor],  # every rank's KV cache, mapped into this process
         counter: Any,
         vocab_size: int,
         max_jobs: int = 256,
-        kv_fd: int | None = None,  # the KV allocation's fd (cuMem on CUDA), for cuda-ipc peers
+        kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
     ):
         self.vocab_size = vocab_size
         self.sock = ctx.socket(zmq.ROUTER)
@@ -146,7 +146,9 @@ class PrefillMessenger:
         self.sched = sched_sock
         self.transfer = transfer
         self.layout = layout
-        self.kv_region = transfer.register(kv.view(torch.uint8).view(-1), fd=kv_fd)
+        fds = list(kv_fds or [None] * len(kvs))
+        self.kv_regions = [transfer.register(kv.view(torch.uint8).view(-1), fd=fd)
+                           for kv, fd in zip(kvs, fds, strict=True)]  # one per rank
         self.ctx_buf = transfer.context_buffer(max_jobs, layout.context_bytes)
         self.ctx_region = transfer.register(self.ctx_buf.view(-1))
         self.ctx_free = list(range(max_jobs - 1, -1, -1))
@@ -262,12 +264,16 @@ class PrefillMessenger:
 
     async def _accept(self, peer: bytes, req: PrefillRequest) -> None:
         why = self.validate(req)
-        dst_kv = dst_ctx = None
+        dst_kv: list[Any] = []
+        dst_ctx = None
         if why is None:
             try:
-                dst_kv = self.transfer.decode_descriptor(req.dst_kv)
+                dst_kv = [self.transfer.decode_descriptor(d)
+                          for d in req.dst_kv_ranks or [req.dst_kv]]
                 dst_ctx = self.transfer.decode_descriptor(req.dst_ctx)
-                if dst_kv.length < req.dst_layout.total_bytes:
+                if len(dst_kv) != req.dst_layout.tp_size:
+                    why = f"{len(dst_kv)} KV descriptors for tp_size {req.dst_layout.tp_size}"
+                elif any(d.length < req.dst_layout.total_bytes for d in dst_kv):
                     why = "KV descriptor smaller than the advertised layout"
                 elif not 0 <= req.ctx_offset <= dst_ctx.length - self.layout.context_bytes:
                     why = "context offset outside the context buffer"
@@ -337,8 +343,13 @@ class PrefillMessenger:
                     continue
                 src = [chunk.pages[i] for i in idx]
                 dst = [job.req.dst_pages[i] for i in idx]
-                writes = plan_layer_writes(self.layout, job.req.dst_layout, src, dst, layer)
-                self._post(job, self.kv_region, job.dst_kv, writes)
+                writes = plan_layer_writes(self.layout, job.req.dst_layout, src, dst, layer,
+                                           seed=job.req.key)
+                by_pair: dict[tuple[int, int], list[Write]] = {}
+                for w in writes:  # every source rank sends in parallel
+                    by_pair.setdefault((w.src_rank, w.dst_rank), []).append(w)
+                for (sr, dr), ws in by_pair.items():
+                    self._post(job, self.kv_regions[sr], job.dst_kv[dr], ws)
         step.next_layer = max(step.next_layer, layers_done)
 
     def _step_done(self, done: StepDone, hidden: bytes | None) -> None:
