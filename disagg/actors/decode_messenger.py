@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from disagg import security
+from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.transfer import TransferEngine
 from disagg.protocol import (
     AbortAck,
@@ -94,7 +95,7 @@ class Attempt:
         return f"{self.slot}.{self.generation}"
 
 
-class DecodeMessenger:
+class DecodeMessenger(MessengerBase):
     def __init__(
         self,
         peers: list[str],
@@ -119,15 +120,7 @@ class DecodeMessenger:
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(address)
             self.peers.append(Peer(address, sock, monitor=monitor))
-        self.sched = sched_sock
-        self.transfer = transfer
-        self.layout = layout
-        fds = list(kv_fds or [None] * len(kvs))
-        self.kv_regions = [transfer.register(kv.view(torch.uint8).view(-1), fd=fd)
-                           for kv, fd in zip(kvs, fds, strict=True)]  # one per rank
-        self.ctx_buf = transfer.context_buffer(max_slots, layout.context_bytes)
-        self.ctx_region = transfer.register(self.ctx_buf.view(-1))
-        self.ctx_free = list(range(max_slots - 1, -1, -1))
+        super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_slots)
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
@@ -137,14 +130,10 @@ class DecodeMessenger:
         self.completed: dict[str, int] = {}  # request id -> slot, KV landed, PrefillDone due
         self._gens = itertools.count(1)
         self._ping = itertools.count()
-        self._enc = msgspec.msgpack.Encoder()
         self._peer_dec = msgspec.msgpack.Decoder(PeerReply)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
-        self._tasks: set[asyncio.Task[None]] = set()
         self._alive_reported = -1
         self.units_received = 0
-        self.bad_frames = 0
-        self.metrics: Any = None  # disagg.metrics.Metrics, set by the node
 
     # ------------------------------------------------------------------ loop
 
@@ -398,14 +387,6 @@ class DecodeMessenger:
                               kv_units_received=self.units_received,
                               prefill_peers_alive=sum(p.alive for p in self.peers))
 
-    async def _to_scheduler(self, msg: Any) -> None:
-        await self.sched.send(self._enc.encode(msg))
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def _connection_events(self, peer: Peer) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
@@ -419,8 +400,7 @@ class DecodeMessenger:
                 peer.down_at = time.monotonic()
 
     def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+        self._cancel_tasks()
         for p in self.peers:
             p.sock.disable_monitor()
             p.monitor.close()

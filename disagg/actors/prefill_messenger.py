@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,8 @@ import zmq
 import zmq.asyncio
 
 from disagg import security
+from disagg.actors.layer_poller import LayerPoller
+from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.transfer import TransferEngine
 from disagg.protocol import (
     AbortAck,
@@ -51,7 +52,6 @@ from disagg.transfer_plan import Write, incompatibility, pages_to_send, plan_lay
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.0002  # counter poll period while a step runs; idle waits block on an event
 
 
 @dataclass
@@ -80,49 +80,7 @@ class Step:
     next_layer: int = 0  # layers [0, next_layer) handed to the engine
 
 
-class LayerPoller:
-    """A dedicated thread that follows the layer counter of the running step (SEED.md 13)."""
-
-    def __init__(self, counter: Any, num_layers: int, loop: asyncio.AbstractEventLoop,
-                 on_layers: Any):
-        self.counter = counter
-        self.num_layers = num_layers
-        self.loop = loop
-        self.on_layers = on_layers  # called in the loop with (step_id, layers_done, seen_at)
-        self._step: tuple[int, int] | None = None  # (step_id, counter base)
-        self._event = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="layer-poller", daemon=True)
-        self._thread.start()
-
-    def follow(self, step_id: int, base: int) -> None:
-        self._step = (step_id, base)
-        self._event.set()
-
-    def stop(self) -> None:
-        self._stop = True
-        self._event.set()
-        self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        seen: tuple[int, int] = (-1, 0)
-        while not self._stop:
-            step = self._step
-            if step is None or seen == (step[0], self.num_layers):
-                self._event.wait(0.5)  # idle: block, never spin
-                self._event.clear()
-                continue
-            step_id, base = step
-            done = max(0, min(self.num_layers, self.counter.read() - base))
-            if done != seen[1] or step_id != seen[0]:
-                if done > 0:
-                    self.loop.call_soon_threadsafe(self.on_layers, step_id, done,
-                                                   time.monotonic())
-                seen = (step_id, done)
-            time.sleep(POLL_S)
-
-
-class PrefillMessenger:
+class PrefillMessenger(MessengerBase):
     def __init__(
         self,
         listen: str,
@@ -143,15 +101,7 @@ class PrefillMessenger:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         self.sock.bind(listen)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.sched = sched_sock
-        self.transfer = transfer
-        self.layout = layout
-        fds = list(kv_fds or [None] * len(kvs))
-        self.kv_regions = [transfer.register(kv.view(torch.uint8).view(-1), fd=fd)
-                           for kv, fd in zip(kvs, fds, strict=True)]  # one per rank
-        self.ctx_buf = transfer.context_buffer(max_jobs, layout.context_bytes)
-        self.ctx_region = transfer.register(self.ctx_buf.view(-1))
-        self.ctx_free = list(range(max_jobs - 1, -1, -1))
+        super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_jobs)
         self.ctx_of: dict[int, int] = {}
         self.counter = counter
         self.jobs: dict[int, Job] = {}
@@ -159,13 +109,9 @@ class PrefillMessenger:
         self.steps: dict[int, Step] = {}
         self.queued_tokens = 0
         self._ids = itertools.count(1)
-        self._enc = msgspec.msgpack.Encoder()
         self._peer_dec = msgspec.msgpack.Decoder(PeerRequest)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.bad_frames = 0
         self.layerwise_steps = 0
-        self.metrics: Any = None  # disagg.metrics.Metrics, set by the node
         self.poller: LayerPoller | None = None
 
     # ------------------------------------------------------------------ loop
@@ -451,18 +397,9 @@ class PrefillMessenger:
         except zmq.ZMQError as e:
             log.debug("could not reply to a decoder: %s", e)
 
-    async def _to_scheduler(self, msg: Any) -> None:
-        await self.sched.send(self._enc.encode(msg))
-
     def _send_soon(self, msg: Any) -> None:
         self._spawn(self._to_scheduler(msg))
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+        self._cancel_tasks()
         self.sock.close()

@@ -1,0 +1,48 @@
+"""What both KV messengers share: memory registrations, the scheduler link, owned tasks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import torch
+import zmq.asyncio
+
+from disagg.actors.transfer import TransferEngine
+from disagg.protocol import KVLayoutDesc
+
+
+class MessengerBase:
+    """Registers every rank's KV cache (mapped into this process) and a context buffer of
+    ``ctx_slots`` rows with the transfer engine, once; talks to the scheduler over
+    ``sched_sock``; keeps a reference to every task it starts (cancelled by ``close``)."""
+
+    def __init__(self, sched_sock: zmq.asyncio.Socket, transfer: TransferEngine,
+                 layout: KVLayoutDesc, kvs: list[torch.Tensor],
+                 kv_fds: list[int | None] | None, ctx_slots: int):
+        self.sched = sched_sock
+        self.transfer = transfer
+        self.layout = layout
+        fds = list(kv_fds or [None] * len(kvs))
+        self.kv_regions = [transfer.register(kv.view(torch.uint8).view(-1), fd=fd)
+                           for kv, fd in zip(kvs, fds, strict=True)]  # one per rank
+        self.ctx_buf = transfer.context_buffer(ctx_slots, layout.context_bytes)
+        self.ctx_region = transfer.register(self.ctx_buf.view(-1))
+        self.ctx_free = list(range(ctx_slots - 1, -1, -1))
+        self.metrics: Any = None  # disagg.metrics.Metrics, set by the node
+        self.bad_frames = 0
+        self._enc = msgspec.msgpack.Encoder()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def _to_scheduler(self, msg: Any) -> None:
+        await self.sched.send(self._enc.encode(msg))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _cancel_tasks(self) -> None:
+        for t in self._tasks:
+            t.cancel()
