@@ -427,9 +427,11 @@ class CancelJob(msgspec.Struct, tag="cancel_job", array_like=True, frozen=True):
 
 
 class ReleaseJob(msgspec.Struct, tag="release_job", array_like=True, frozen=True):
-    """No write reads ``job``'s pages any more: free them."""
+    """No write reads ``job``'s pages any more: free them. ``outcome``: finished (every write
+    completed), aborted (the decoder's AbortPrefill) or errored (writes failed, deadline)."""
 
     job: int
+    outcome: str = "finished"
 
 
 class NeedPrefill(msgspec.Struct, tag="need_prefill", array_like=True, frozen=True):

@@ -362,7 +362,9 @@ class PrefillMessenger(MessengerBase):
         self.jobs.pop(job.id, None)
         self.by_peer.pop((job.peer, job.req.request_id), None)
         self.ctx_free.append(self.ctx_of.pop(job.id))
-        await self._to_scheduler(ReleaseJob(job.id))
+        outcome = ("finished" if isinstance(reply, PrefillDone)
+                   else "aborted" if isinstance(reply, AbortAck) else "errored")
+        await self._to_scheduler(ReleaseJob(job.id, outcome))
         await self._to_scheduler(self.stats())
 
     @staticmethod

@@ -56,14 +56,19 @@ class PrefillScheduler(SchedulerActor):
                 if cancelled is not None and cancelled.status is not Status.FINISHED:
                     self.held[job] = self.sched.detach(cancelled)
                     self.counters.aborted += 1
-            case ReleaseJob(job=job):
+            case ReleaseJob(job=job, outcome=outcome):
                 done = self.jobs.pop(job, None)
                 pages = self.held.pop(job, None)
                 if done is not None:
                     self.job_of.pop(done.slot, None)
-                    if done.status is Status.HELD:
+                    if done.status is Status.HELD:  # computed; its writes done or failed
                         pages = self.sched.detach(done)
-                        self.counters.finished += 1
+                        if outcome == "finished":
+                            self.counters.finished += 1
+                        elif outcome == "aborted":
+                            self.counters.aborted += 1
+                        else:
+                            self.counters.errored += 1
                 if pages:
                     self.sched.free_pages(pages)
             case StatsQuery(peer=peer):
