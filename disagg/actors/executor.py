@@ -255,7 +255,6 @@ class ExecutorGroup:
     """Spawns and drives one executor process per device; rank 0's result is authoritative."""
 
     def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
-        self.hidden: bytes | None = None  # the latest step's hidden-state frame, if any
         self.bad_frames = 0
         self.cfg = cfg
         self.control = f"ipc://{run_dir}/executors.sock"
@@ -329,6 +328,7 @@ class ExecutorGroup:
             await self.sock.send_multipart([ident, payload])
         deadline = time.monotonic() + self.cfg.step_timeout_s
         results: dict[bytes, StepResult] = {}
+        hidden: bytes | None = None
         while len(results) < len(self._identities):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -341,10 +341,10 @@ class ExecutorGroup:
                         and ident in self._identities):
                     results[ident] = msg
                     if ident == self._identities[0]:
-                        self.hidden = frames[2] if len(frames) > 2 else None
+                        hidden = frames[2] if len(frames) > 2 else None
             else:
                 self._check_alive()
-        return results[self._identities[0]], self.hidden
+        return results[self._identities[0]], hidden
 
     def _decode(self, frames: list[bytes]) -> tuple[bytes, ExecutorReply | None]:
         """(identity, message) of a frame from an executor; a malformed one is counted and
@@ -381,14 +381,6 @@ class ExecutorGroup:
                 os.close(fd)
         self.kv_fds.clear()
         self.sock.close()
-
-    def kill(self) -> None:
-        """Last-resort synchronous cleanup (atexit / signal paths)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait()
 
 
 if __name__ == "__main__":

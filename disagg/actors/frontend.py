@@ -21,6 +21,20 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 << 20
 
+_CLIENT_DEC = msgspec.msgpack.Decoder(ClientMessage)
+
+
+def decode_client_frames(frames: list[bytes]) -> tuple[bytes, ClientMessage | str]:
+    """(identity, message) of a ROUTER's multipart client frame, or (identity, why it is not
+    one) for the ``bad_frame`` error. Shared by every socket that speaks the client protocol."""
+    identity, body = frames[0], frames[1:]
+    if len(body) != 1:
+        return identity, f"expected one message frame, got {len(body)}"
+    try:
+        return identity, _CLIENT_DEC.decode(body[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return identity, f"could not decode the frame: {e}"
+
 
 class FrontendActor:
     def __init__(self, listen: str, scheduler: zmq.asyncio.Socket, ctx: zmq.asyncio.Context):
@@ -34,7 +48,6 @@ class FrontendActor:
         self.scheduler = scheduler
         self.bad_frames = 0
         self._enc = msgspec.msgpack.Encoder()
-        self._client_dec = msgspec.msgpack.Decoder(ClientMessage)
         self._reply_dec = msgspec.msgpack.Decoder(ToClient)
 
     async def run(self) -> None:
@@ -56,14 +69,9 @@ class FrontendActor:
                 frames = await self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            identity, body = frames[0], frames[1:]
-            if len(body) != 1:
-                await self._reject(identity, f"expected one message frame, got {len(body)}")
-                continue
-            try:
-                msg = self._client_dec.decode(body[0])
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                await self._reject(identity, f"could not decode the frame: {e}")
+            identity, msg = decode_client_frames(frames)
+            if isinstance(msg, str):
+                await self._reject(identity, msg)
                 continue
             await self.scheduler.send(self._enc.encode(FromClient(identity, msg)))
 

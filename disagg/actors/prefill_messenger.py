@@ -48,7 +48,13 @@ from disagg.protocol import (
     StepDone,
     ToMessenger,
 )
-from disagg.transfer_plan import Write, incompatibility, pages_to_send, plan_layer_writes
+from disagg.transfer_plan import (
+    Write,
+    context_write,
+    incompatibility,
+    pages_to_send,
+    plan_layer_writes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +326,7 @@ class PrefillMessenger(MessengerBase):
             slot = self.ctx_of[job_id]
             self.ctx_buf[slot] = torch.frombuffer(bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]),
                                                   dtype=torch.uint8)
-            w = Write(slot * row_bytes, job.req.ctx_offset, row_bytes, 1)
+            w = context_write(slot * row_bytes, job.req.ctx_offset, row_bytes)
             self._post(job, self.ctx_region, job.dst_ctx, [w])
             job.computed = True
             job.computed_at = time.monotonic()

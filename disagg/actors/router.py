@@ -28,11 +28,11 @@ import zmq
 import zmq.asyncio
 
 from disagg import security
+from disagg.actors.frontend import decode_client_frames
 from disagg.client import RequestError
 from disagg.metrics import Metrics, RequestTimer
 from disagg.protocol import (
     Abort,
-    ClientMessage,
     Error,
     Finished,
     GenerateRequest,
@@ -87,7 +87,6 @@ class Router:
         self._ids = itertools.count()
         self._enc = msgspec.msgpack.Encoder()
         self._reply_dec = msgspec.msgpack.Decoder(NodeReply)
-        self._client_dec = msgspec.msgpack.Decoder(ClientMessage)
         self._tasks: list[asyncio.Task[None]] = []
         self._any_alive = asyncio.Event()
         self.peer_up = _peer_gauge(self.metrics)
@@ -307,15 +306,9 @@ class Router:
         ``Error`` and never stops the loop."""
         assert self.front is not None
         while True:
-            frames = await self.front.recv_multipart()
-            identity, body = frames[0], frames[1:]
-            if len(body) != 1:
-                await self._reject(identity, f"expected one message frame, got {len(body)}")
-                continue
-            try:
-                msg = self._client_dec.decode(body[0])
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                await self._reject(identity, f"could not decode the frame: {e}")
+            identity, msg = decode_client_frames(await self.front.recv_multipart())
+            if isinstance(msg, str):
+                await self._reject(identity, msg)
                 continue
             match msg:
                 case GenerateRequest() as req:

@@ -68,7 +68,6 @@ class TransferEngine:
         self.timeout_s = timeout_s
         self.writes_sent = 0
         self.bytes_sent = 0
-        self.units_received = 0
         self._mirrors: list[Any] = []
 
     def start(self) -> TransferEngine:
