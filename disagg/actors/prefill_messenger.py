@@ -186,8 +186,11 @@ class PrefillMessenger(MessengerBase):
                 case StepDone() as d:
                     self._step_done(d, frames[1] if len(frames) > 1 else None)
                 case StatsReply(peer=peer, stats=stats):
+                    # this messenger's fields as they are now: the copy the scheduler holds
+                    # may predate a job's end it already freed the pages of
                     await self._reply(peer, msgspec.structs.replace(
-                        stats, bad_frames=self.bad_frames))
+                        stats, bad_frames=self.bad_frames,
+                        **msgspec.structs.asdict(self.stats())))
 
     # ------------------------------------------------------------------ requests
 
@@ -370,8 +373,8 @@ class PrefillMessenger(MessengerBase):
         self.ctx_free.append(self.ctx_of.pop(job.id))
         outcome = ("finished" if isinstance(reply, PrefillDone)
                    else "aborted" if isinstance(reply, AbortAck) else "errored")
+        await self._to_scheduler(self.stats())  # before the pages free: no stale snapshot
         await self._to_scheduler(ReleaseJob(job.id, outcome))
-        await self._to_scheduler(self.stats())
 
     @staticmethod
     def _done(job: Job) -> PrefillDone:
