@@ -50,9 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from disagg.fabric.counter import ImmCounter
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
-from disagg.fabric.engine import EngineClosed, Expectation, LocalRegion, TransferTimeout, _settle
+from disagg.fabric.engine import EngineClosed, LocalRegion, _settle
+from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
 
 log = logging.getLogger("disagg.fabric")
 
@@ -173,9 +173,7 @@ class CudaIpcEngine:
         self._exports: dict[int, int] = {}  # region id -> our dup of its cuMem fd
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._wake_r, self._wake_w = os.pipe()
-        self._counter = ImmCounter(weight_bits=weight_bits)
-        self._expectations: dict[int, Expectation] = {}
-        self._lock = threading.Lock()
+        self._expectations = ExpectationTable(weight_bits)
         self._inbox: collections.deque[_Job] = collections.deque()
         self._pending: collections.deque[_Job] = collections.deque()
         self._opened: dict[tuple[bytes, bytes], _Mapping] = {}
@@ -311,24 +309,12 @@ class CudaIpcEngine:
     def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
         if self._loop is None:
             raise RuntimeError("engine not started")
-        fut: asyncio.Future[None] = self._loop.create_future()
         t = self.default_timeout if timeout is None else timeout
-        e = Expectation(imm, count, fut, self, time.monotonic() + t)
-        with self._lock:
-            if self._counter.expect(imm, count):
-                fut.set_result(None)
-                return e
-            self._expectations[imm] = e
-        return e
+        return self._expectations.expect(imm, count, self._loop.create_future(),
+                                         time.monotonic() + t)
 
-    def _cancel_expectation(self, e: Expectation) -> bool:
-        with self._lock:
-            if self._expectations.get(e.imm) is not e:
-                return False
-            del self._expectations[e.imm]
-            self._counter.cancel(e.imm)
-        e.future.cancel()
-        return True
+    def pending_expectations(self) -> int:
+        return len(self._expectations)
 
     def _emit(self, events: list[Any]) -> None:
         """The one door into asyncio."""
@@ -559,9 +545,7 @@ class CudaIpcEngine:
         finally:
             err = EngineClosed("cuda-ipc engine closed")
             events += [(j.future, err) for j in list(self._pending) + list(self._inbox)]
-            with self._lock:
-                events += [(e.future, err) for e in self._expectations.values()]
-                self._expectations.clear()
+            events += self._expectations.fail_all(err)
             self._emit(events)
 
     def _serve_fds(self) -> None:
@@ -601,23 +585,13 @@ class CudaIpcEngine:
                 continue
             imm, n = _IMM.unpack(data)
             self.stats["arrived"] += n
-            with self._lock:
-                key, units = self._counter.split(imm, n)
-                if self._counter.arrive(key, units):
-                    e = self._expectations.pop(key, None)
-                    if e is not None:
-                        events.append((e.future, None))
+            self._expectations.arrive({imm: n}, events)
 
     def _expire(self, events: list[Any]) -> None:
         now = time.monotonic()
         for job in [j for j in self._pending if j.deadline <= now and not j.future.done()]:
             events.append((job.future, TransferTimeout("cuda-ipc batch passed its deadline")))
-        with self._lock:
-            for e in [e for e in self._expectations.values() if e.deadline <= now]:
-                del self._expectations[e.imm]
-                self._counter.cancel(e.imm)
-                events.append((e.future, TransferTimeout(
-                    f"expectation imm {e.imm:#x} passed its deadline")))
+        self._expectations.expire(now, events)
 
 
 class _RingFull(Exception):

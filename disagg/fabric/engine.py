@@ -26,14 +26,17 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from disagg.fabric import lib as fl
-from disagg.fabric.counter import ImmCounter
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
+from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
+
+__all__ = ["EngineClosed", "Expectation", "FabricEngine", "LocalRegion", "TransferTimeout",
+           "discover"]
 
 log = logging.getLogger("disagg.fabric")
 
@@ -42,10 +45,6 @@ U64_MAX = (1 << 64) - 1
 
 class EngineClosed(RuntimeError):
     """The engine stopped while the operation was pending."""
-
-
-class TransferTimeout(TimeoutError):
-    """A batch or an expectation passed its deadline (a peer may have died)."""
 
 
 def discover(provider: str | None = "tcp", node: str | None = "127.0.0.1") -> fl.FabricInfo:
@@ -91,23 +90,6 @@ class _Batch:
     finished: bool = False
 
 
-@dataclass(eq=False)
-class Expectation:
-    """A pending ``expect``: await it, or ``cancel()`` it to free the immediate value."""
-
-    imm: int
-    count: int
-    future: asyncio.Future[None]
-    _engine: Any = field(repr=False)
-    deadline: float = float("inf")
-
-    def cancel(self) -> bool:
-        return bool(self._engine._cancel_expectation(self))
-
-    def __await__(self) -> Any:
-        return self.future.__await__()
-
-
 class FabricEngine:
     """One libfabric RDM endpoint with its CQ, AV and progress thread."""
 
@@ -149,9 +131,7 @@ class FabricEngine:
 
         self._regions: dict[int, LocalRegion] = {}
         self._region_ids = itertools.count(1)
-        self._counter = ImmCounter(weight_bits=weight_bits)
-        self._expectations: dict[int, Expectation] = {}
-        self._lock = threading.Lock()  # guards _counter/_expectations between loop and thread
+        self._expectations = ExpectationTable(weight_bits)
         self._inbox: collections.deque[Any] = collections.deque()
         self._sending: collections.deque[_Batch] = collections.deque()
         self._active: set[_Batch] = set()
@@ -323,30 +303,14 @@ class FabricEngine:
         """Resolve when ``count`` writes carrying ``imm`` have landed here (any order)."""
         if self._loop is None:
             raise RuntimeError("engine not started")
-        fut: asyncio.Future[None] = self._loop.create_future()
         t = self.default_timeout if timeout is None else timeout
-        e = Expectation(imm, count, fut, self, time.monotonic() + t)
-        with self._lock:
-            if self._counter.expect(imm, count):
-                fut.set_result(None)
-                return e
-            self._expectations[imm] = e
+        e = self._expectations.expect(imm, count, self._loop.create_future(),
+                                      time.monotonic() + t)
         self._wake()  # the deadline may be earlier than the thread's current wait
         return e
 
-    def _cancel_expectation(self, e: Expectation) -> bool:
-        with self._lock:
-            if self._expectations.get(e.imm) is not e:
-                return False
-            del self._expectations[e.imm]
-            self._counter.cancel(e.imm)
-        if not e.future.done():
-            e.future.cancel()
-        return True
-
     def pending_expectations(self) -> int:
-        with self._lock:
-            return len(self._expectations)
+        return len(self._expectations)
 
     # ---- the progress thread -----------------------------------------------------------------
 
@@ -406,7 +370,7 @@ class FabricEngine:
             # they still owe: with writes in flight, wake up every millisecond regardless.
             ready = poller.poll(1 if self._active else 200)
         else:
-            if self._active or self._expectations:
+            if self._active or len(self._expectations):
                 sleep = min(sleep, 5e-5)  # work is expected soon: keep latency low
             ready = poller.poll(0) if sleep == 0 else []
             if not ready:
@@ -518,16 +482,8 @@ class FabricEngine:
 
     def _arrive(self, imms: list[int], events: list[Any]) -> None:
         self.stats["arrived"] += len(imms)
-        if not imms:
-            return
-        counts = collections.Counter(imms)
-        with self._lock:
-            for imm, c in counts.items():
-                key, units = self._counter.split(imm, c)
-                if self._counter.arrive(key, units):
-                    e = self._expectations.pop(key, None)
-                    if e is not None:
-                        events.append((e.future, None))
+        if imms:
+            self._expectations.arrive(imms, events)
 
     def _read_error(self, events: list[Any]) -> None:
         ctx, err, flags, text = self.cq.readerr()
@@ -553,25 +509,13 @@ class FabricEngine:
             self._finish(b, TransferTimeout(
                 f"write batch (imm {b.imm:#x}): {b.remaining} of {b.src.shape[0]} writes "
                 f"unfinished at the deadline (peer gone?)"), events)
-        if self._expectations:
-            with self._lock:
-                late = [e for e in self._expectations.values() if e.deadline <= now]
-                for e in late:
-                    del self._expectations[e.imm]
-                    got = self._counter.progress(e.imm)
-                    self._counter.cancel(e.imm)
-                    events.append((e.future, TransferTimeout(
-                        f"expectation imm {e.imm:#x}: {got[0] if got else '?'} of {e.count} "
-                        f"writes landed before the deadline")))
+        self._expectations.expire(now, events)
 
     def _fail_all(self, exc: BaseException) -> list[Any]:
         out: list[Any] = [(b.future, exc) for b in self._active]
         out += [(b.future, exc) for b in self._inbox if isinstance(b, _Batch)]
         self._active.clear()
-        with self._lock:
-            out += [(e.future, exc) for e in self._expectations.values()]
-            self._expectations.clear()
-        return out
+        return out + self._expectations.fail_all(exc)
 
 
 def _settle(events: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:

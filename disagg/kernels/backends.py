@@ -62,8 +62,9 @@ class TritonBackend:
         return out
 
 
-class FlashInferBackend:
-    """FlashInfer's paged wrappers with ``kv_layout="HND"`` (optional; only when importable).
+class FlashInferBackend(TritonBackend):
+    """FlashInfer's paged wrappers with ``kv_layout="HND"`` (optional; only when importable);
+    KV appends are the Triton backend's.
 
     Planning reads the block tables on the host (a device sync) once per step: the plan is
     cached for the ``AttentionMetadata`` object it was made for, which every layer shares.
@@ -88,18 +89,6 @@ class FlashInferBackend:
             self._workspace, kv_layout="HND"
         )
         self._planned: tuple[AttentionMetadata, tuple[Any, ...]] | None = None
-
-    def append_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        from disagg.kernels.append import append_kv
-
-        append_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def _plan(
         self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, scale: float

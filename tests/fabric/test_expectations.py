@@ -1,0 +1,81 @@
+"""The expectation table both transfer backends share (pure: no engine, no threads)."""
+
+import asyncio
+
+import pytest
+
+from disagg.fabric.expectations import ExpectationTable, TransferTimeout
+
+
+def settle(events):
+    for fut, exc in events:
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def test_met_by_arrivals_in_any_order(loop):
+    t = ExpectationTable()
+    e = t.expect(7, 3, loop.create_future(), deadline=10.0)
+    events = []
+    t.arrive([7, 9], events)
+    assert events == [] and len(t) == 1
+    t.arrive({7: 2}, events)
+    assert [f for f, _ in events] == [e.future] and len(t) == 0
+    settle(events)
+    assert e.future.result() is None
+
+
+def test_early_arrivals_resolve_at_expect(loop):
+    t = ExpectationTable()
+    t.arrive([5, 5], [])
+    e = t.expect(5, 2, loop.create_future(), deadline=10.0)
+    assert e.future.done() and len(t) == 0
+    assert not e.cancel()  # already met: nothing to cancel
+
+
+def test_weighted_immediates_count_units(loop):
+    t = ExpectationTable(weight_bits=4)
+    e = t.expect(3, 5, loop.create_future(), deadline=10.0)
+    events = []
+    t.arrive([(3 << 4) | 2], events)
+    assert not events
+    t.arrive([(3 << 4) | 3], events)
+    assert [f for f, _ in events] == [e.future]
+
+
+def test_cancel_frees_the_immediate(loop):
+    t = ExpectationTable()
+    e = t.expect(1, 2, loop.create_future(), deadline=10.0)
+    t.arrive([1], [])
+    assert e.cancel() and e.future.cancelled() and len(t) == 0
+    assert not e.cancel()
+    # a new expectation on the same value starts from zero
+    e2 = t.expect(1, 2, loop.create_future(), deadline=10.0)
+    events = []
+    t.arrive([1], events)
+    assert not events
+    t.arrive([1], events)
+    assert [f for f, _ in events] == [e2.future]
+
+
+def test_expire_and_fail_all(loop):
+    t = ExpectationTable()
+    late = t.expect(1, 4, loop.create_future(), deadline=1.0)
+    t.arrive([1], [])
+    live = t.expect(2, 1, loop.create_future(), deadline=5.0)
+    events = []
+    t.expire(2.0, events)
+    assert len(events) == 1 and events[0][0] is late.future
+    assert isinstance(events[0][1], TransferTimeout) and "1 of 4" in str(events[0][1])
+    assert not late.cancel() and len(t) == 1
+    err = RuntimeError("closed")
+    assert t.fail_all(err) == [(live.future, err)] and len(t) == 0
