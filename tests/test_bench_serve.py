@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from tinymodels import TINY, NodeProcess, free_port, make_tiny_model
+import nodes
+from tinymodels import TINY, free_port, make_tiny_model
 
 NUM = 16
 IN_LEN = 12
@@ -21,14 +22,10 @@ OUT_LEN = 6
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     path = make_tiny_model("llama", tmp_path_factory.mktemp("bench") / "llama")
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    proc = NodeProcess(["--role", "mixed", "--model", str(path), "--listen", addr,
-                        "--page-size", "4", "--num-pages", "256", "--max-model-len", "96",
-                        "--max-batch-tokens", "64", "--threads", "1"],
-                       tmp_path_factory.mktemp("log") / "node.log")
-    proc.wait_ready()
-    yield addr
-    assert proc.stop() == [], "executor processes outlived the node"
+    addr, proc = nodes.node("mixed", path, tmp_path_factory.mktemp("log"), "--num-pages", "256",
+                            "--max-model-len", "96", "--max-batch-tokens", "64")
+    with nodes.running([proc]):
+        yield addr
 
 
 def bench(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:

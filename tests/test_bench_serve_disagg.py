@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from test_disagg import stats, wait_for
 
-from tinymodels import TINY, NodeProcess, add_word_tokenizer, free_port, make_tiny_model
+from nodes import node, running, wait_for
+from tinymodels import TINY, add_word_tokenizer, free_port, make_tiny_model
 
 pytestmark = pytest.mark.fabric
 
@@ -21,23 +21,14 @@ def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench-pair")
     path = make_tiny_model("llama", tmp / "llama")
     add_word_tokenizer(path)  # text deltas: the HTTP stream has one event per token
-    p_addr = f"tcp://127.0.0.1:{free_port()}"
-    d_addr = f"tcp://127.0.0.1:{free_port()}"
     http = f"127.0.0.1:{free_port()}"
     p_metrics, d_metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    common = ["--model", str(path), "--page-size", "4", "--num-pages", "256", "--threads", "1"]
-    p = NodeProcess(["--role", "prefill", "--listen", p_addr, "--max-batch-tokens", "16",
-                     "--metrics-listen", p_metrics, *common], tmp / "prefill.log")
-    d = NodeProcess(["--role", "decode", "--listen", d_addr, "--prefill-peer", p_addr,
-                     "--heartbeat", "0.2", "--http-listen", http, "--metrics-listen", d_metrics,
-                     *common], tmp / "decode.log")
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
+    p_addr, p = node("prefill", path, tmp, "--num-pages", "256", "--max-batch-tokens", "16",
+                     "--metrics-listen", p_metrics)
+    d_addr, d = node("decode", path, tmp, "--num-pages", "256", "--prefill-peer", p_addr,
+                     "--heartbeat", "0.2", "--http-listen", http, "--metrics-listen", d_metrics)
+    with running([p, d], [d_addr]):
         yield d_addr, f"http://{http}", f"http://{p_metrics}", f"http://{d_metrics}"
-    finally:
-        assert p.stop() == [] and d.stop() == []
 
 
 def bench(out, *args: str) -> dict:

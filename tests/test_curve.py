@@ -8,12 +8,12 @@ import sys
 import msgspec
 import pytest
 import zmq
-from test_disagg import wait_for
 
 from disagg.client import Client
 from disagg.protocol import SamplingParams
 from disagg.security import load
-from tinymodels import NodeProcess, free_port, hf_greedy, make_tiny_model
+from nodes import node, running, wait_for
+from tinymodels import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.fabric
 
@@ -26,18 +26,11 @@ def secured(tmp_path_factory):
                          capture_output=True, text=True)
     assert "wrote CURVE keys" in out.stdout
     model = make_tiny_model("llama", tmp / "llama")
-    p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    common = ["--model", str(model), "--page-size", "4", "--num-pages", "64", "--threads", "1",
-              "--curve-keys", str(keys)]
-    p = NodeProcess(["--role", "prefill", "--listen", p_addr, *common], tmp / "p.log")
-    d = NodeProcess(["--role", "decode", "--listen", d_addr, "--prefill-peer", p_addr,
-                     "--heartbeat", "0.2", *common], tmp / "d.log")
-    try:
-        p.wait_ready()
-        d.wait_ready()
+    curve = ["--num-pages", "64", "--curve-keys", str(keys)]
+    p_addr, p = node("prefill", model, tmp, *curve)
+    d_addr, d = node("decode", model, tmp, "--prefill-peer", p_addr, "--heartbeat", "0.2", *curve)
+    with running([p, d]):  # Stats need the keys: the tests wait for the prefiller themselves
         yield load(keys), p_addr, d_addr, model
-    finally:
-        assert p.stop() == [] and d.stop() == []
 
 
 def test_client_with_keys_is_served_over_curve(secured):

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
 from disagg.client import AsyncClient, Client
 from disagg.llm import LLM
 from disagg.model.loader import load_model
-from disagg.protocol import Finished, SamplingParams, Stats
-from tinymodels import NodeProcess, free_port, hf_greedy, make_tiny_model
+from disagg.protocol import Finished, SamplingParams
+from nodes import PAGE, node, pools_full, prompt, running, stats, tokens, wait_for
+from tinymodels import free_port, hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.fabric
 
-PAGE = 4
 LENGTHS = [1, 2, PAGE - 1, PAGE, PAGE + 1, 6 * PAGE - 1]
 NEW = 6
 
@@ -23,43 +22,6 @@ NEW = 6
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("disagg") / "llama")
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    rng = random.Random(n * 1000 + salt)
-    return [rng.randrange(3, 300) for _ in range(n)]
-
-
-def node(role: str, model_dir, tmp_path, *extra: str, env=None) -> tuple[str, NodeProcess]:
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    args = ["--role", role, "--model", str(model_dir), "--listen", addr, "--page-size", str(PAGE),
-            "--threads", "1", *extra]
-    proc = NodeProcess(args, tmp_path / f"{role}-{addr.rsplit(':', 1)[1]}.log", env=env)
-    return addr, proc
-
-
-def stats(addr: str) -> Stats:
-    c = Client(addr)
-    try:
-        return c.stats(timeout=10)
-    finally:
-        c.close()
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not reached in {timeout}s")
-
-
-def pools_full(addr: str) -> bool:
-    s = stats(addr)
-    return s.pages_free == s.pages_total and s.running == s.waiting == s.waiting_for_kv == 0
 
 
 @pytest.fixture(scope="module", params=["tcp", "shm"])
@@ -71,16 +33,8 @@ def cluster(request, model_dir, tmp_path_factory):
                      *fabric)
     decoders = [node("decode", model_dir, tmp, "--num-pages", "128", "--prefill-peer", p_addr,
                      "--heartbeat", "0.2", *fabric) for _ in range(2)]
-    procs = [p] + [d for _, d in decoders]
-    try:
-        for proc in procs:
-            proc.wait_ready()
-        for addr, _ in decoders:
-            wait_for(lambda a=addr: stats(a).prefill_peers_alive == 1, what="prefiller seen")
+    with running([p] + [d for _, d in decoders], [a for a, _ in decoders]):
         yield p_addr, [a for a, _ in decoders]
-    finally:
-        for proc in procs:
-            assert proc.stop() == []
 
 
 def greedy(n: int = NEW) -> SamplingParams:
@@ -169,23 +123,12 @@ def test_short_prompts_prefill_locally_and_no_prefiller_means_local(cluster, mod
                      "--local-prefill-max-tokens", "8", "--heartbeat", "0.2", *fabric)
     lone_addr, lone = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
                            dead, "--heartbeat", "0.2", *fabric)
-    try:
-        d.wait_ready()
-        lone.wait_ready()
-        wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
+    with running([d, lone], [d_addr]):
         for addr, n, remote in [(d_addr, 9, False), (d_addr, 10, True), (lone_addr, 20, False)]:
             before = stats(addr).kv_units_received
-            c = Client(addr)
-            try:
-                ids = [t for m in c.generate(prompt_token_ids=prompt(n), sampling=greedy())
-                       for t in getattr(m, "token_ids", [])]
-            finally:
-                c.close()
-            assert ids == hf_greedy(model_dir, prompt(n), NEW)
+            assert tokens(addr, prompt(n), NEW) == hf_greedy(model_dir, prompt(n), NEW)
             assert (stats(addr).kv_units_received > before) == remote, (addr, n)
         assert stats(lone_addr).prefill_peers_alive == 0
-    finally:
-        assert d.stop() == [] and lone.stop() == []
 
 
 def test_decoder_with_another_transport_refuses_the_prefiller(cluster, model_dir, tmp_path, request):
@@ -193,18 +136,8 @@ def test_decoder_with_another_transport_refuses_the_prefiller(cluster, model_dir
     other = "shm" if request.node.callspec.params["cluster"] == "tcp" else "tcp"
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer", p_addr,
                      "--heartbeat", "0.2", "--fabric-provider", other)
-    try:
-        d.wait_ready()
-        c = Client(d_addr)
-        try:  # served, but prefilled locally: the prefiller is never counted as alive
-            ids = [t for m in c.generate(prompt_token_ids=prompt(9), sampling=greedy())
-                   for t in getattr(m, "token_ids", [])]
-        finally:
-            c.close()
-        assert ids == hf_greedy(model_dir, prompt(9), NEW)
+    with running([d]):  # served, but prefilled locally: the prefiller is never counted alive
+        assert tokens(d_addr, prompt(9), NEW) == hf_greedy(model_dir, prompt(9), NEW)
         s = stats(d_addr)
         assert s.prefill_peers_alive == 0 and s.kv_units_received == 0
-    finally:
-        assert d.stop() == []
     assert "transport mismatch" in d.log_path.read_text()
-

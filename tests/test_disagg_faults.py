@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 
 import pytest
-from test_disagg import node, pools_full, prompt, stats, wait_for
 
-from disagg.client import AsyncClient, Client, RequestError
-from disagg.protocol import SamplingParams, TokenChunk
+from disagg.client import AsyncClient
+from disagg.protocol import SamplingParams
+from nodes import Req, node, pools_full, prompt, running, stats, wait_for
 from tinymodels import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.fabric
@@ -30,36 +29,6 @@ def ref(model_dir):
     return hf_greedy(model_dir, prompt(LONG), 4)
 
 
-class Background:
-    """Run one request in a thread; keep its tokens or its error."""
-
-    def __init__(self, addr: str, ids: list[int], max_tokens: int = 4, timeout: float = 60):
-        self.tokens: list[int] = []
-        self.error: RequestError | TimeoutError | None = None
-        self.reason: str | None = None
-        self.thread = threading.Thread(target=self._run, args=(addr, ids, max_tokens, timeout))
-        self.thread.start()
-
-    def _run(self, addr: str, ids: list[int], max_tokens: int, timeout: float) -> None:
-        client = Client(addr)
-        try:
-            for msg in client.generate(prompt_token_ids=ids, timeout=timeout,
-                                       sampling=SamplingParams(max_tokens=max_tokens,
-                                                               ignore_eos=True)):
-                if isinstance(msg, TokenChunk):
-                    self.tokens += msg.token_ids
-                else:
-                    self.reason = msg.reason
-        except (RequestError, TimeoutError) as e:
-            self.error = e
-        finally:
-            client.close()
-
-    def join(self) -> None:
-        self.thread.join(timeout=60)
-        assert not self.thread.is_alive(), "request did not end"
-
-
 def prefilling(p_addr: str) -> bool:
     s = stats(p_addr)
     return s.running > 0 and s.kv_writes_sent > 0
@@ -75,16 +44,8 @@ def trio(model_dir, tmp_path_factory):
                  "--on-prefill-failure", "error", *FAST_FAILURE)
     d_loc = node("decode", model_dir, tmp, "--num-pages", "64", "--prefill-peer", p_addr,
                  "--on-prefill-failure", "local", *FAST_FAILURE)
-    procs = [p, d_err[1], d_loc[1]]
-    try:
-        for proc in procs:
-            proc.wait_ready()
-        for addr in (d_err[0], d_loc[0]):
-            wait_for(lambda a=addr: stats(a).prefill_peers_alive == 1, what="prefiller seen")
+    with running([p, d_err[1], d_loc[1]], [d_err[0], d_loc[0]]):
         yield (p_addr, p), d_err[0], d_loc[0]
-    finally:
-        for proc in procs:
-            assert proc.stop() == []
 
 
 def test_client_abort_during_prefill_frees_pages_on_both_sides(trio, ref):
@@ -121,7 +82,7 @@ def test_client_abort_during_prefill_frees_pages_on_both_sides(trio, ref):
 def test_layer_writes_start_before_the_step_ends(trio, ref):
     (p_addr, _), _, d_addr = trio
     before = stats(p_addr).layerwise_steps
-    req = Background(d_addr, prompt(LONG))
+    req = Req(d_addr, prompt(LONG))
     req.join()
     assert req.tokens == ref
     # with layers this slow, every prefill step shipped layer 0 while layer 1 still computed
@@ -130,14 +91,14 @@ def test_layer_writes_start_before_the_step_ends(trio, ref):
 
 def test_prefiller_killed_mid_prefill(trio, ref):
     (p_addr, p), d_err, d_loc = trio
-    err = Background(d_err, prompt(LONG))
-    loc = Background(d_loc, prompt(LONG))
+    err = Req(d_err, prompt(LONG))
+    loc = Req(d_loc, prompt(LONG))
     wait_for(lambda: prefilling(p_addr), what="prefill under way")
     p.proc.send_signal(signal.SIGKILL)
     err.join()
     loc.join()
-    assert isinstance(err.error, RequestError) and err.error.error.code == "prefill_failed"
-    assert loc.error is None and loc.tokens == ref  # prefilled locally instead
+    assert err.code == "prefill_failed"
+    assert loc.code is None and loc.tokens == ref  # prefilled locally instead
     for addr in (d_err, d_loc):
         wait_for(lambda a=addr: pools_full(a), what="decoder pool full")
         s = stats(addr)
@@ -150,21 +111,15 @@ def test_decoder_killed_prefiller_frees_pages(model_dir, tmp_path):
                      "4", "--prefill-timeout", "3", env=SLOW)
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer", p_addr,
                      "--heartbeat", "0.2")
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
-        req = Background(d_addr, prompt(LONG), timeout=3)  # its decoder dies: no answer
+    with running([p, d], [d_addr]):
+        req = Req(d_addr, prompt(LONG), timeout=3)  # its decoder dies: no answer
         wait_for(lambda: prefilling(p_addr), what="prefill under way")
         d.proc.send_signal(signal.SIGKILL)
-        req.join()
+        req.join(terminal=False)
         wait_for(lambda: pools_full(p_addr), timeout=30, what="prefiller pool full")
         s = stats(p_addr)
         assert s.started == s.finished + s.aborted + s.errored
         assert s.transfers_in_flight == 0
-    finally:
-        assert p.stop() == []
-        d.stop()
 
 
 def test_retry_on_another_prefiller(model_dir, tmp_path, ref):
@@ -173,18 +128,11 @@ def test_retry_on_another_prefiller(model_dir, tmp_path, ref):
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
                      prefillers[0][0], "--prefill-peer", prefillers[1][0],
                      "--on-prefill-failure", "retry", *FAST_FAILURE)
-    procs = [p for _, p in prefillers] + [d]
-    try:
-        for proc in procs:
-            proc.wait_ready()
-        wait_for(lambda: stats(d_addr).prefill_peers_alive == 2, what="both prefillers seen")
-        req = Background(d_addr, prompt(LONG))
+    with running([p for _, p in prefillers] + [d], [d_addr], prefillers=2):
+        req = Req(d_addr, prompt(LONG))
         wait_for(lambda: any(prefilling(a) for a, _ in prefillers), what="prefill under way")
         busy = next(p for a, p in prefillers if prefilling(a))
         busy.proc.send_signal(signal.SIGKILL)
         req.join()
-        assert req.error is None and req.tokens == ref  # finished on the other prefiller
+        assert req.code is None and req.tokens == ref  # finished on the other prefiller
         wait_for(lambda: pools_full(d_addr), what="decoder pool full")
-    finally:
-        for proc in procs:
-            proc.stop()

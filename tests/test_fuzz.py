@@ -14,10 +14,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_disagg import PAGE, pools_full, stats, wait_for
 
 from disagg.client import Client
 from disagg.protocol import ClientMessage, PeerRequest, SamplingParams, SeqChunk, StepPlan
+from nodes import PAGE, pools_full, stats, wait_for
 from tinymodels import TINY, NodeProcess, add_word_tokenizer, free_port, make_tiny_model
 
 VOCAB = TINY["vocab_size"]

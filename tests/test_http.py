@@ -2,52 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.actors.http import Gateway, start_http_gateway
+import nodes
 from disagg.client import Client
 from disagg.model.tokenizer import Tokenizer
-from tinymodels import NodeProcess, add_word_tokenizer, free_port, make_tiny_model
+from nodes import chat_model
+from tinymodels import make_tiny_model
 
 MODEL = "tiny-llama"
-PAGE = 4
 PAGES = 160
 MAX_LEN = 512
-CHAT_TEMPLATE = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
-                 "{% if add_generation_prompt %}w5{% endif %}")
-
-
-class LoopThread:
-    """An asyncio loop in a thread, so sync tests can drive async servers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
-def chat_model(path) -> None:
-    add_word_tokenizer(path)
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHAT_TEMPLATE, "bos_token": "w1", "eos_token": "w2"}))
 
 
 @pytest.fixture(scope="module")
@@ -59,39 +31,22 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(model_dir, tmp_path_factory):
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    proc = NodeProcess(["--role", "mixed", "--model", str(model_dir), "--listen", addr,
-                        "--page-size", str(PAGE), "--num-pages", str(PAGES),
-                        "--max-model-len", str(MAX_LEN), "--threads", "1"],
-                       tmp_path_factory.mktemp("log") / "node.log")
-    proc.wait_ready()
-    yield addr
-    assert proc.stop() == [], "executor processes outlived the node"
+    addr, proc = nodes.node("mixed", model_dir, tmp_path_factory.mktemp("log"), "--num-pages",
+                            str(PAGES), "--max-model-len", str(MAX_LEN))
+    with nodes.running([proc]):
+        yield addr
 
 
 @pytest.fixture(scope="module")
 def gateway(node, model_dir):
-    lt = LoopThread()
-    gw: Gateway = lt.run(start_http_gateway(node, "127.0.0.1:0", str(model_dir),
-                                            model_name=MODEL, stats_interval=0.2))
-    yield gw
-    lt.run(gw.stop())
-    lt.close()
+    with nodes.gateway(node, model_dir, MODEL) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")
 def oai(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
+    with nodes.openai_client(gateway.url) as client:
         yield client
-
-
-def node_stats(addr):
-    c = Client(addr)
-    try:
-        return c.stats()
-    finally:
-        c.close()
 
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -181,7 +136,7 @@ def test_stop_strings(oai):
 
 
 def test_client_disconnect_aborts_the_request(gateway, node):
-    before = node_stats(node)
+    before = nodes.stats(node)
     body = json.dumps({"model": MODEL, "prompt": "w5 w6", "max_tokens": MAX_LEN - 8,
                        "temperature": 0, "ignore_eos": True, "stream": True}).encode()
     sock = socket.create_connection((gateway.host, gateway.port), timeout=30)
@@ -194,7 +149,7 @@ def test_client_disconnect_aborts_the_request(gateway, node):
     sock.close()  # mid-stream
     deadline = time.monotonic() + 30
     while True:
-        s = node_stats(node)
+        s = nodes.stats(node)
         if s.aborted > before.aborted and s.running == 0 and s.waiting == 0:
             break
         assert time.monotonic() < deadline, f"the request was not aborted: {s}"

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
-import openai
 import pytest
-from test_http import LoopThread, chat_model
 
-from disagg.actors.http import start_http_gateway
-from disagg.client import Client
-from tinymodels import NodeProcess, free_port, make_tiny_model
+import nodes
+from nodes import chat_model, node, openai_client, running, stats, wait_for
+from tinymodels import make_tiny_model
 
 pytestmark = pytest.mark.fabric
 
 MODEL = "tiny-llama"
-PAGE = 4
 MAX_LEN = 512
 
 
@@ -29,55 +25,26 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def stats(addr):
-    c = Client(addr)
-    try:
-        return c.stats(timeout=10)
-    finally:
-        c.close()
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def pair(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("log")
-    p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    common = ["--model", str(model_dir), "--page-size", str(PAGE), "--threads", "1",
-              "--max-model-len", str(MAX_LEN), "--fabric-provider", "tcp"]
-    prefill = NodeProcess(["--role", "prefill", "--listen", p_addr, "--num-pages", "160",
-                           *common], tmp / "prefill.log")
-    decode = NodeProcess(["--role", "decode", "--listen", d_addr, "--num-pages", "160",
-                          "--prefill-peer", p_addr, "--heartbeat", "0.2",
-                          "--local-prefill-max-tokens", "0", *common], tmp / "decode.log")
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
+    common = ["--num-pages", "160", "--max-model-len", str(MAX_LEN), "--fabric-provider", "tcp"]
+    p_addr, prefill = node("prefill", model_dir, tmp, *common)
+    d_addr, decode = node("decode", model_dir, tmp, "--prefill-peer", p_addr, "--heartbeat", "0.2",
+                          "--local-prefill-max-tokens", "0", *common)
+    with running([prefill, decode], [d_addr]):
         yield p_addr, d_addr
-    finally:
-        assert decode.stop() == [] and prefill.stop() == []
 
 
 @pytest.fixture(scope="module")
 def gateway(pair, model_dir):
-    lt = LoopThread()
-    gw = lt.run(start_http_gateway(pair[1], "127.0.0.1:0", str(model_dir), model_name=MODEL,
-                                   stats_interval=0.2))
-    yield gw
-    lt.run(gw.stop())
-    lt.close()
+    with nodes.gateway(pair[1], model_dir, MODEL) as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")
 def oai(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
+    with openai_client(gateway.url) as client:
         yield client
 
 

@@ -8,12 +8,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_disagg import PAGE, node, pools_full, prompt, stats, wait_for
 
 from disagg.client import AsyncClient
 from disagg.llm import LLM
 from disagg.model.loader import load_model
 from disagg.protocol import SamplingParams
+from nodes import PAGE, node, pools_full, prompt, running, stats, wait_for
 from tinymodels import make_tiny_model, tree_rss_kb
 
 pytestmark = pytest.mark.fabric
@@ -32,16 +32,8 @@ def cluster(model_dir, tmp_path_factory):
     p_addr, p = node("prefill", model_dir, tmp, "--num-pages", "256", "--max-batch-tokens", "64")
     decoders = [node("decode", model_dir, tmp, "--num-pages", "512", "--prefill-peer", p_addr,
                      "--heartbeat", "0.2") for _ in range(2)]
-    procs = [p] + [d for _, d in decoders]
-    try:
-        for proc in procs:
-            proc.wait_ready()
-        for addr, _ in decoders:
-            wait_for(lambda a=addr: stats(a).prefill_peers_alive == 1, what="prefiller seen")
+    with running([p] + [d for _, d in decoders], [a for a, _ in decoders]):
         yield [(p_addr, p)] + decoders
-    finally:
-        for proc in procs:
-            assert proc.stop() == []
 
 
 def workload(n: int, salt: int) -> list[list[int]]:

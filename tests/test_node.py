@@ -8,11 +8,11 @@ import msgspec
 import pytest
 import zmq
 
+import nodes
 from disagg.client import Client, RequestError
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
 from tinymodels import NodeProcess, add_word_tokenizer, free_port, hf_greedy, make_tiny_model
 
-PAGE = 4
 PAGES = 48
 MAX_LEN = 64
 
@@ -26,14 +26,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(model_dir, tmp_path_factory):
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    proc = NodeProcess(["--role", "mixed", "--model", str(model_dir), "--listen", addr,
-                        "--page-size", str(PAGE), "--num-pages", str(PAGES),
-                        "--max-model-len", str(MAX_LEN), "--max-batch-tokens", "16",
-                        "--threads", "1"], tmp_path_factory.mktemp("log") / "node.log")
-    proc.wait_ready()
-    yield addr, proc
-    assert proc.stop() == [], "executor processes outlived the node"
+    addr, proc = nodes.node("mixed", model_dir, tmp_path_factory.mktemp("log"), "--num-pages",
+                            str(PAGES), "--max-model-len", str(MAX_LEN), "--max-batch-tokens", "16")
+    with nodes.running([proc]):
+        yield addr, proc
 
 
 @pytest.fixture

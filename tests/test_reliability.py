@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from test_disagg import PAGE, pools_full, prompt, stats, wait_for
 
-from disagg.client import AsyncClient, Client, RequestError
-from disagg.protocol import SamplingParams, TokenChunk
+import nodes
+from disagg.client import AsyncClient
+from disagg.protocol import TokenChunk
+from nodes import greedy, node, pools_full, prompt, running, stats, wait_for
 from tinymodels import NodeProcess, free_port, hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.fabric
@@ -32,18 +32,6 @@ FAST_FAILURE = ["--heartbeat", "0.2", "--peer-timeout", str(PEER_TIMEOUT),
 DEADLINE = PREFILL_TIMEOUT + PEER_TIMEOUT + 30.0
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
-
-
-def start(role: str, model_dir: Path, log: Path, addr: str | None = None, *extra: str,
-          env: dict[str, str] | None = None) -> tuple[str, NodeProcess]:
-    addr = addr or f"tcp://127.0.0.1:{free_port()}"
-    args = ["--role", role, "--model", str(model_dir), "--listen", addr, "--page-size", str(PAGE),
-            "--threads", "1", *extra]
-    return addr, NodeProcess(args, log, env=env)
-
-
 def consistent(addr: str) -> None:
     """Pool full, nothing live, counters add up."""
     wait_for(lambda: pools_full(addr), timeout=DEADLINE, what=f"full pool on {addr}")
@@ -52,46 +40,11 @@ def consistent(addr: str) -> None:
     assert s.transfers_in_flight == 0, s
 
 
-class Req:
-    """One request in a thread (sync client): its tokens, its terminal message, how long it
-    took; ``first`` is set on the first token."""
+class Req(nodes.Req):
+    """A request in a thread that must end within the fault matrix's deadline."""
 
     def __init__(self, addr: str, ids: list[int], max_tokens: int = 4, timeout: float = DEADLINE):
-        self.ids = ids
-        self.tokens: list[int] = []
-        self.reason: str | None = None
-        self.code: str | None = None
-        self.elapsed: float | None = None
-        self.first = threading.Event()
-        self._t0 = time.monotonic()
-        self.thread = threading.Thread(target=self._run, args=(addr, max_tokens, timeout),
-                                       daemon=True)
-        self.thread.start()
-
-    def _run(self, addr: str, max_tokens: int, timeout: float) -> None:
-        client = Client(addr)
-        try:
-            for msg in client.generate(prompt_token_ids=self.ids, timeout=timeout,
-                                       sampling=greedy(max_tokens)):
-                if isinstance(msg, TokenChunk):
-                    self.tokens += msg.token_ids
-                    self.first.set()
-                else:
-                    self.reason = msg.reason
-        except RequestError as e:
-            self.code = e.error.code
-        except TimeoutError:
-            self.code = "client_timeout"
-        finally:
-            self.elapsed = time.monotonic() - self._t0
-            client.close()
-
-    def join(self) -> Req:
-        self.thread.join(timeout=DEADLINE + 10)
-        assert not self.thread.is_alive(), "request never ended"
-        assert self.code != "client_timeout", "no terminal message within the deadline"
-        assert self.elapsed is not None and self.elapsed < DEADLINE
-        return self
+        super().__init__(addr, ids, max_tokens, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +73,12 @@ class Rig:
         self.p: NodeProcess | None = None
         self.starts = 0
         self.restart_prefiller(wait=False)
-        self.d_err, self.de = start("decode", model_dir, tmp / "d-err.log", None, "--num-pages",
-                                    "96", "--prefill-peer", self.p_addr, "--on-prefill-failure",
-                                    "error", *FAST_FAILURE)
-        self.d_loc, self.dl = start("decode", model_dir, tmp / "d-loc.log", None, "--num-pages",
-                                    "96", "--prefill-peer", self.p_addr, "--on-prefill-failure",
-                                    "local", *FAST_FAILURE)
+        self.d_err, self.de = node("decode", model_dir, tmp, "--num-pages", "96",
+                                   "--prefill-peer", self.p_addr, "--on-prefill-failure", "error",
+                                   *FAST_FAILURE)
+        self.d_loc, self.dl = node("decode", model_dir, tmp, "--num-pages", "96",
+                                   "--prefill-peer", self.p_addr, "--on-prefill-failure", "local",
+                                   *FAST_FAILURE)
         for proc in (self.p, self.de, self.dl):
             assert proc is not None
             proc.wait_ready()
@@ -140,8 +93,9 @@ class Rig:
         if self.p is not None:
             self.p.stop(signal.SIGKILL)
         self.starts += 1
-        _, self.p = start("prefill", self.model_dir, self.tmp / f"p-{self.starts}.log", self.p_addr,
-                          "--num-pages", "96", "--max-batch-tokens", "4", env=SLOW)
+        _, self.p = node("prefill", self.model_dir, self.tmp, "--num-pages", "96",
+                         "--max-batch-tokens", "4", addr=self.p_addr, env=SLOW,
+                         log=self.tmp / f"p-{self.starts}.log")
         if wait:
             self.p.wait_ready()
             self.wait_seen(1)
@@ -237,8 +191,8 @@ def test_prefiller_killed_after_transfer_while_decoding(fresh, model_dir):
 
 def test_decoder_killed_while_its_requests_wait_for_kv(fresh, model_dir, tmp_path):
     rig = fresh
-    d_addr, d = start("decode", model_dir, tmp_path / "doomed.log", None, "--num-pages", "96",
-                      "--prefill-peer", rig.p_addr, *FAST_FAILURE)
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "96",
+                     "--prefill-peer", rig.p_addr, *FAST_FAILURE)
     try:
         d.wait_ready()
         wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
@@ -310,13 +264,10 @@ def small_decoder(rig, tmp_path_factory):
     """A decoder whose pool holds one long prompt: a second one queues at the decoder."""
     rig.ensure_prefiller()
     tmp = tmp_path_factory.mktemp("small")
-    addr, d = start("decode", rig.model_dir, tmp / "small.log", None, "--num-pages", "24",
-                    "--prefill-peer", rig.p_addr, *FAST_FAILURE)
-    try:
-        d.wait_ready()
+    addr, d = node("decode", rig.model_dir, tmp, "--num-pages", "24",
+                   "--prefill-peer", rig.p_addr, *FAST_FAILURE)
+    with running([d]):
         yield addr
-    finally:
-        assert d.stop() == []
 
 
 def test_client_abort_in_every_phase(fresh, small_decoder, model_dir):

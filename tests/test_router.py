@@ -7,15 +7,14 @@ import signal
 import time
 
 import msgspec
-import openai
 import pytest
 import zmq
-from test_http import LoopThread, chat_model
 
 from disagg.actors.router import start_router
 from disagg.client import Client
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
-from tinymodels import NodeProcess, free_port, make_tiny_model
+from nodes import LoopThread, chat_model, node, openai_client, running, stats
+from tinymodels import free_port, make_tiny_model
 
 MODEL = "tiny-llama"
 MAX_LEN = 128
@@ -31,18 +30,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def nodes(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("log")
-    procs = {}
-    for name in ("a", "b"):
-        addr = f"tcp://127.0.0.1:{free_port()}"
-        procs[addr] = NodeProcess(["--role", "mixed", "--model", str(model_dir), "--listen", addr,
-                                   "--page-size", "4", "--num-pages", "48", "--max-model-len",
-                                   str(MAX_LEN), "--threads", "1"], logs / f"{name}.log")
-    for p in procs.values():
-        p.wait_ready()
-    yield procs
-    for p in procs.values():
-        if p.proc.poll() is None:
-            assert p.stop() == []
+    procs = dict(node("mixed", model_dir, logs, "--num-pages", "48", "--max-model-len",
+                      str(MAX_LEN)) for _ in range(2))
+    with running(list(procs.values())):
+        yield procs
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +61,8 @@ async def wait_all_live(r, timeout=30.0):
 
 @pytest.fixture(scope="module")
 def oai(router):
-    with openai.OpenAI(base_url=router[1].url + "/v1", api_key="unused", max_retries=0,
-                       timeout=60) as client:
+    with openai_client(router[1].url) as client:
         yield client
-
-
-def started(addr):
-    c = Client(addr)
-    try:
-        return c.stats()
-    finally:
-        c.close()
 
 
 def run(addr, **kw):
@@ -92,16 +74,16 @@ def run(addr, **kw):
 
 
 def test_requests_spread_over_both_nodes(router, nodes):
-    before = {a: started(a).started for a in nodes}
+    before = {a: stats(a).started for a in nodes}
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     for i in range(4):
         msgs = run(router[0].address, prompt=f"w{i + 5} w9", sampling=sp, request_id="same")
         assert isinstance(msgs[-1], Finished) and msgs[-1].request_id == "same"
         assert msgs[-1].usage.completion_tokens == 3
-    after = {a: started(a).started for a in nodes}
+    after = {a: stats(a).started for a in nodes}
     assert all(after[a] > before[a] for a in nodes), (before, after)
-    stats = started(router[0].address)
-    assert stats.role == "router" and stats.pages_total == 2 * 48
+    s = stats(router[0].address)
+    assert s.role == "router" and s.pages_total == 2 * 48
 
 
 def test_front_door_validates_and_forwards_aborts(router, nodes):
@@ -120,7 +102,7 @@ def test_front_door_validates_and_forwards_aborts(router, nodes):
         assert recv().code == "bad_frame"
         sock.send(msgspec.msgpack.encode({"type": "abort", "request_id": "ghost"}))
         assert recv().code == "unknown_request"
-        aborted = sum(started(a).aborted for a in nodes)
+        aborted = sum(stats(a).aborted for a in nodes)
         sock.send(msgspec.msgpack.encode({"type": "generate", "request_id": "long",
                                           "prompt": "w5 w6",
                                           "sampling": {"max_tokens": MAX_LEN - 4,
@@ -131,7 +113,7 @@ def test_front_door_validates_and_forwards_aborts(router, nodes):
         while not isinstance(msg := recv(), Finished):
             assert isinstance(msg, TokenChunk)
         assert msg.reason == "abort" and msg.request_id == "long"
-        assert sum(started(a).aborted for a in nodes) == aborted + 1
+        assert sum(stats(a).aborted for a in nodes) == aborted + 1
         sock.send(msgspec.msgpack.encode({"type": "generate", "request_id": "bad",
                                           "prompt_token_ids": [1],
                                           "sampling": {"max_tokens": 0}}))
@@ -162,7 +144,7 @@ def test_router_survives_a_killed_node(router, nodes, oai):
     for k in kids:
         os.kill(k, signal.SIGKILL)
     proc.stop()
-    before = started(survivor).started
+    before = stats(survivor).started
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     for i in range(4):  # the first ones may go to the dead node: resent once it is declared dead
         msgs = run(router[0].address, prompt=f"w{i + 5}", sampling=sp)
@@ -170,7 +152,7 @@ def test_router_survives_a_killed_node(router, nodes, oai):
         r = oai.completions.create(model=MODEL, prompt="w5", max_tokens=2, temperature=0,
                                    extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2
-    assert started(survivor).started >= before + 8
+    assert stats(survivor).started >= before + 8
     assert router[0].balancer.alive() == [survivor]
     import urllib.request
 

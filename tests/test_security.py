@@ -7,10 +7,10 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
-from test_disagg import node, stats, wait_for
 
 from disagg.cli.node import build_parser
 from disagg.config import NodeConfig
+from nodes import node, running
 from tinymodels import free_port, listening_tcp, make_tiny_model
 
 
@@ -28,10 +28,7 @@ def test_every_listener_of_a_running_pair_is_loopback(tmp_path):
     p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "32")
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "32", "--prefill-peer", p_addr,
                      "--heartbeat", "0.2", "--http-listen", f"127.0.0.1:{http_port}")
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        wait_for(lambda: stats(d_addr).prefill_peers_alive == 1, what="prefiller seen")
+    with running([p, d], [d_addr]):
         for proc, must in ((p, {p_addr}), (d, {d_addr, f"tcp://127.0.0.1:{http_port}"})):
             found = []
             for pid in [proc.proc.pid, *proc.children()]:
@@ -40,5 +37,3 @@ def test_every_listener_of_a_running_pair_is_loopback(tmp_path):
             for addr, port in found:
                 assert ipaddress.ip_address(addr).is_loopback, \
                     f"pid tree of {proc.log_path.name} listens on {addr}:{port}"
-    finally:
-        assert p.stop() == [] and d.stop() == []
