@@ -117,3 +117,36 @@ def test_cumem_fd_handed_over_to_a_peer_of_the_same_user():
 def test_staging_coalesces_touching_runs():
     assert coalesce([4096, 0, 8192, 20000], [4096, 4096, 100, 10]) == ([0, 20000], [8292, 10])
     assert coalesce([], []) == ([], [])
+
+
+@pytest.mark.fabric
+def test_cuda_ipc_receiver_counts_notes_and_expires_without_a_gpu():
+    """The receiving half of cuda-ipc is plain sockets and the shared expectation table: notes
+    ``(imm, runs)`` from a sender count weighted units; junk is counted, late ones time out."""
+    import asyncio
+    import socket
+
+    from disagg.fabric.cuda_ipc import _IMM, CudaIpcEngine
+    from disagg.fabric.expectations import TransferTimeout
+
+    engine = CudaIpcEngine(weight_bits=4)
+    loop = asyncio.new_event_loop()
+    engine._loop = loop  # no progress thread: the test drives its steps
+    met = engine.expect(5, 5, timeout=60)
+    late = engine.expect(6, 1, timeout=0)
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    out.sendto(_IMM.pack((5 << 4) | 2, 2), engine._name)  # two runs of two pages
+    out.sendto(b"junk", engine._name)
+    events: list = []
+    assert engine._read_notes(events) and events == []
+    out.sendto(_IMM.pack((5 << 4) | 1, 1), engine._name)
+    assert engine._read_notes(events)
+    assert events == [(met.future, None)] and engine.stats["bad_notes"] == 1
+    events.clear()
+    engine._expire(events)
+    assert len(events) == 1 and events[0][0] is late.future
+    assert isinstance(events[0][1], TransferTimeout)
+    assert engine.pending_expectations() == 0
+    out.close()
+    engine._release()
+    loop.close()
