@@ -218,12 +218,6 @@ def pages_to_send(start: int, end: int, total: int, page_size: int) -> range:
     return range(first, max(first, last))
 
 
-def expected_units(num_layers: int, prefill_tokens: int, page_size: int) -> int:
-    """Units the decoder waits for at equal sharding (TP 1): every page of every layer, plus
-    the context write. ``request_units`` is the general form."""
-    return num_layers * pages_needed(prefill_tokens, page_size) + CONTEXT_UNITS
-
-
 def request_units(src: KVLayoutDesc, dst: KVLayoutDesc, prefill_tokens: int) -> int:
     """Units the decoder (layout ``dst``) waits for from a prefiller advertising ``src``:
     every elementary run of every page of every layer on every destination rank, plus the

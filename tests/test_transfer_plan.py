@@ -13,13 +13,13 @@ from disagg.fabric.counter import ImmCounter
 from disagg.transfer_plan import (
     UNIT_BITS,
     KVLayoutDesc,
-    expected_units,
     incompatibility,
     make_imm,
     make_key,
     page_runs,
     pages_to_send,
     plan_layer_writes,
+    request_units,
 )
 
 
@@ -97,4 +97,4 @@ def test_chunked_layerwise_plan_writes_each_destination_byte_once(total, page_si
     expected = {dst_l.page_offset(layer, p) for layer in range(dst_l.num_layers) for p in dst_pages}
     assert set(written) == expected  # nothing outside the destination pages
     assert all(v == 1 for v in written.values())  # each exactly once
-    assert units + 1 == expected_units(dst_l.num_layers, total, page_size)  # + the context write
+    assert units + 1 == request_units(src_l, dst_l, total)  # + the context write
