@@ -82,6 +82,8 @@ class DisaggConfig(msgspec.Struct, frozen=True):
     prefill_peers: list[str] = []  # decode: prefill nodes' --listen addresses (--prefill-peer)
     transfer_backend: str = "fabric"  # fabric | cuda-ipc (--transfer-backend)
     fabric_provider: str = "tcp"  # tcp | shm | net | verbs | efa (--fabric-provider)
+    fabric_lanes: int = 1  # endpoints writes are striped over, NICs nearest first (--fabric-lanes)
+    fabric_stripe_bytes: int = 1 << 20  # with lanes > 1, runs cut to this (--fabric-stripe-bytes)
     local_prefill_max_tokens: int = 0  # decode: prefill prompts this short here (--local-prefill-max-tokens)
     on_prefill_failure: str = "error"  # error | retry | local (--on-prefill-failure)
     prefill_timeout_s: float = 60.0  # deadline for a remote prefill's KV (--prefill-timeout)
@@ -93,6 +95,12 @@ class DisaggConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--transfer-backend must be fabric or cuda-ipc, got {self.transfer_backend!r}")
         if self.on_prefill_failure not in ("error", "retry", "local"):
             raise ConfigError(f"--on-prefill-failure must be error, retry or local, got {self.on_prefill_failure!r}")
+        if not 1 <= self.fabric_lanes <= 16:
+            raise ConfigError(f"--fabric-lanes must be 1..16, got {self.fabric_lanes}")
+        if self.fabric_stripe_bytes < 1:
+            raise ConfigError("--fabric-stripe-bytes must be >= 1")
+        if self.fabric_lanes > 1 and self.transfer_backend != "fabric":
+            raise ConfigError("--fabric-lanes applies to --transfer-backend fabric only")
         if self.local_prefill_max_tokens < 0:
             raise ConfigError("--local-prefill-max-tokens must be >= 0")
         for name in ("prefill_timeout_s", "heartbeat_s", "peer_timeout_s"):

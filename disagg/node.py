@@ -129,7 +129,9 @@ class Node:
         d = self.cfg.disagg
         device = torch.device(self.cfg.devices[0])
         self.transfer = TransferEngine(d.transfer_backend, d.fabric_provider,
-                                       timeout_s=d.prefill_timeout_s, device=device).start()
+                                       timeout_s=d.prefill_timeout_s, device=device,
+                                       lanes=d.fabric_lanes,
+                                       stripe_bytes=d.fabric_stripe_bytes).start()
         return self.transfer
 
     def _kv_tensors(self) -> list[torch.Tensor]:

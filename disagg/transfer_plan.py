@@ -161,6 +161,24 @@ class Write:
     dst_rank: int = 0  # ... and this rank's KV buffer on the decoder
 
 
+def split_writes(writes: list[Write], max_bytes: int) -> list[Write]:
+    """Cut writes longer than ``max_bytes`` at unit boundaries (every unit of a write is the
+    same size), weights following the bytes, so that several lanes can share a long run. The
+    units of all pieces add up to the write's: what the receiver counts does not change."""
+    out: list[Write] = []
+    for w in writes:
+        unit = w.length // w.units
+        step = max(1, max_bytes // unit)
+        if w.units <= step:
+            out.append(w)
+            continue
+        for u0 in range(0, w.units, step):
+            u = min(step, w.units - u0)
+            out.append(Write(w.src_offset + u0 * unit, w.dst_offset + u0 * unit, u * unit, u,
+                             w.src_rank, w.dst_rank))
+    return out
+
+
 def page_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) of runs adjacent on both sides, in order."""
     runs: list[tuple[int, int, int]] = []

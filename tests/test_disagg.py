@@ -141,3 +141,22 @@ def test_decoder_with_another_transport_refuses_the_prefiller(cluster, model_dir
         s = stats(d_addr)
         assert s.prefill_peers_alive == 0 and s.kv_units_received == 0
     assert "transport mismatch" in d.log_path.read_text()
+
+
+def test_writes_striped_over_several_lanes(model_dir, tmp_path):
+    """A prefiller with two fabric lanes feeding a decoder with three, runs cut to single pages
+    (--fabric-stripe-bytes 1): token-exact, one write per page per layer plus the context."""
+    from tinymodels import TINY
+
+    p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "64", "--max-batch-tokens",
+                     "7", "--fabric-lanes", "2", "--fabric-stripe-bytes", "1")
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer", p_addr,
+                     "--heartbeat", "0.2", "--fabric-lanes", "3")
+    with running([p, d], [d_addr]):
+        for n in (PAGE + 1, 6 * PAGE - 1):
+            before = stats(p_addr).kv_writes_sent
+            assert tokens(d_addr, prompt(n), NEW) == hf_greedy(model_dir, prompt(n), NEW)
+            pages = -(-(n - 1) // PAGE)  # the prompt but its last token is prefilled remotely
+            assert stats(p_addr).kv_writes_sent - before == TINY["num_hidden_layers"] * pages + 1
+        for addr in (p_addr, d_addr):
+            wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")

@@ -31,9 +31,29 @@ import torch
 from disagg.fabric import decode_descriptor, make_backend
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.protocol import KVLayoutDesc
-from disagg.transfer_plan import UNIT_BITS, Write, make_imm, page_runs
+from disagg.transfer_plan import UNIT_BITS, Write, make_imm, page_runs, split_writes
 
 log = logging.getLogger(__name__)
+
+STRIPE_BYTES = 1 << 20  # with several fabric lanes, runs are cut to at most this
+
+
+def nearest_nics(device: torch.device) -> tuple[str, ...]:
+    """Names of the NICs nearest a CUDA device (sysfs), for lane placement; () if unknown."""
+    if device.type != "cuda":
+        return ()
+    try:
+        from disagg.fabric.topology import nearest_nic_names, read_topology
+
+        p = torch.cuda.get_device_properties(device)
+        ids = [getattr(p, f"pci_{k}_id") for k in ("domain", "bus", "device")]  # not in stubs
+        bdf = "{:04x}:{:02x}:{:02x}.0".format(*ids)
+        names = nearest_nic_names(read_topology("/"), bdf)
+        log.info("NICs nearest %s (%s): %s", device, bdf, ", ".join(names) or "none found")
+        return names
+    except Exception as e:  # noqa: BLE001 - placement is a preference, never a failure
+        log.warning("could not read the PCIe topology for %s: %s", device, e)
+        return ()
 
 
 @dataclass(eq=False)
@@ -54,14 +74,19 @@ class StagedRegion:
 
 class TransferEngine:
     def __init__(self, backend: str = "fabric", provider: str = "tcp", timeout_s: float = 30.0,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, lanes: int = 1,
+                 stripe_bytes: int = STRIPE_BYTES):
         kw: dict[str, Any] = {"weight_bits": UNIT_BITS, "default_timeout": timeout_s}
         self.device = device if device is not None else torch.device("cpu")
+        self.lanes = lanes
+        self.stripe_bytes = stripe_bytes
         if backend == "cuda-ipc":
             kw["device"] = (device.index or 0) if device is not None else 0
             self.engine = make_backend(backend, **kw)
         else:
-            self.engine = make_backend(backend, provider=provider, **kw)
+            nearest = nearest_nics(self.device) if lanes > 1 else ()
+            self.engine = make_backend(backend, provider=provider, lanes=lanes, nearest=nearest,
+                                       **kw)
         self.backend = backend
         # "backend/provider": what a peer's engine must match (carried in Pong)
         self.transport = f"{backend}/{self.engine.provider}"
@@ -108,12 +133,20 @@ class TransferEngine:
 
     @staticmethod
     def decode_descriptor(data: bytes) -> MemoryDescriptor:
-        return decode_descriptor(data)
+        """Decode and validate a peer's descriptor, lane list included (``OutOfRange``)."""
+        desc = decode_descriptor(data)
+        if desc.backend == "fabric":
+            from disagg.fabric.striped import lanes_of
+
+            lanes_of(desc)
+        return desc
 
     def write(self, src: Any, dst: MemoryDescriptor, writes: list[Write], key: int,
               timeout: float | None = None) -> list[asyncio.Future[None]]:
         """Post ``writes`` (one batch per distinct unit count: the immediate carries it).
         Raises ``OutOfRange`` before posting anything that falls outside ``dst``."""
+        if self.lanes > 1:  # long runs in pieces, so that every lane gets a share
+            writes = split_writes(writes, self.stripe_bytes)
         by_units: dict[int, list[Write]] = defaultdict(list)
         for w in writes:
             by_units[w.units].append(w)

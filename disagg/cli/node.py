@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transfer-backend", default=d.transfer_backend, choices=["fabric", "cuda-ipc"])
     ap.add_argument("--fabric-provider", default=d.fabric_provider,
                     help="libfabric provider: tcp, shm, net, verbs, efa")
+    ap.add_argument("--fabric-lanes", type=int, default=d.fabric_lanes,
+                    help="fabric endpoints to stripe KV writes over (one per NIC, nearest the "
+                         "GPU first; several on one NIC when there are fewer NICs)")
+    ap.add_argument("--fabric-stripe-bytes", type=int, default=d.fabric_stripe_bytes,
+                    help="with --fabric-lanes > 1: longer runs of pages are cut to this size "
+                         "so that every lane gets a share")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
                     help="decode role: prompts of at most this many tokens are prefilled locally")
     ap.add_argument("--on-prefill-failure", default=d.on_prefill_failure,
@@ -109,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                   max_running=args.max_running, max_model_len=args.max_model_len),
         disagg=DisaggConfig(
             prefill_peers=args.prefill_peers, transfer_backend=args.transfer_backend,
-            fabric_provider=args.fabric_provider,
+            fabric_provider=args.fabric_provider, fabric_lanes=args.fabric_lanes,
+            fabric_stripe_bytes=args.fabric_stripe_bytes,
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             on_prefill_failure=args.on_prefill_failure, prefill_timeout_s=args.prefill_timeout,
             heartbeat_s=args.heartbeat, peer_timeout_s=args.peer_timeout),

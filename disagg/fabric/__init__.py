@@ -31,8 +31,15 @@ __all__ = [
 BACKENDS = ("fabric", "cuda-ipc")
 
 
-def make_backend(name: str = "fabric", provider: str | None = "tcp", **kw: Any) -> Any:
-    """Build a transfer engine by ``--transfer-backend`` name (not started)."""
+def make_backend(name: str = "fabric", provider: str | None = "tcp", lanes: int = 1,
+                 nearest: tuple[str, ...] = (), **kw: Any) -> Any:
+    """Build a transfer engine by ``--transfer-backend`` name (not started). ``fabric`` with
+    ``lanes`` > 1 stripes writes over that many endpoints, on the interfaces named in
+    ``nearest`` first (see ``disagg.fabric.striped``)."""
+    if name == "fabric" and lanes > 1:
+        from disagg.fabric.striped import StripedEngine, discover_lanes
+
+        return StripedEngine(discover_lanes(provider, lanes, nearest), **kw)
     if name == "fabric":
         from disagg.fabric.engine import FabricEngine, discover
 

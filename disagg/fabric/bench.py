@@ -25,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from disagg.fabric.loopback import PeerConfig, _pin, bad_pages, receiver_main, seeded_pages
+from disagg.fabric.loopback import (
+    PeerConfig,
+    _pin,
+    bad_pages,
+    make_engine,
+    receiver_main,
+    seeded_pages,
+)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -45,6 +52,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--page-size", type=int, default=256 * 1024, help="bytes per write")
     ap.add_argument("--pages", type=int, default=1024, help="writes per round")
     ap.add_argument("--window", type=int, default=64, help="writes in flight at most")
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="fabric: endpoints the writes are striped over (both sides)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of each (median reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per round")
@@ -106,10 +115,9 @@ def _recv(conn: Any, timeout: float) -> Any:
 
 async def _engine_rounds(cfg: PeerConfig, rounds: int) -> list[float]:
     from disagg.fabric.descriptor import decode_descriptor
-    from disagg.fabric.engine import FabricEngine, discover
 
     conn, proc = _spawn(receiver_main, cfg)
-    engine = FabricEngine(discover(cfg.provider), max_inflight=cfg.window).start()
+    engine = make_engine(cfg, cfg.window).start()
     loop = asyncio.get_running_loop()
     try:
         desc = decode_descriptor((await loop.run_in_executor(None, _recv, conn, 60))[1])
@@ -355,13 +363,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = PeerConfig(
         provider=args.provider, page_size=args.page_size, pages=args.pages, seed=args.seed,
         imm=0x100, expected=args.pages, timeout=args.timeout, max_inflight=args.window,
-        cpu=1 if pin else None, window=args.window,
+        cpu=1 if pin else None, window=args.window, lanes=args.lanes,
     )
     if pin:
         _pin(0)
     result: dict[str, Any] = {
         "bench": "fabric", "backend": args.backend, "provider": args.provider,
         "page_size": args.page_size, "pages": args.pages, "window": args.window,
+        "lanes": args.lanes,
         "rounds": args.rounds, "pinned": pin, "verified": True,
         "host": f"{platform.machine()} {ncpu} cpus, {platform.system()} {platform.release()}",
         "date": time.strftime("%Y-%m-%d"),

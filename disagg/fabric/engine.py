@@ -102,7 +102,10 @@ class FabricEngine:
         default_timeout: float = 60.0,
         idle_sleep_max: float = 0.002,
         weight_bits: int = 0,
+        expectations: ExpectationTable | None = None,
     ) -> None:
+        """``expectations``: a table shared with other engines (the lanes of a
+        ``StripedEngine`` count arrivals on any of them towards one expectation)."""
         self.info = info
         self.fabric = fl.Fabric(info)
         self.domain = fl.Domain(self.fabric)
@@ -131,7 +134,8 @@ class FabricEngine:
 
         self._regions: dict[int, LocalRegion] = {}
         self._region_ids = itertools.count(1)
-        self._expectations = ExpectationTable(weight_bits)
+        self._expectations = (expectations if expectations is not None
+                              else ExpectationTable(weight_bits))
         self._inbox: collections.deque[Any] = collections.deque()
         self._sending: collections.deque[_Batch] = collections.deque()
         self._active: set[_Batch] = set()

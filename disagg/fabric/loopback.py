@@ -31,6 +31,14 @@ class PeerConfig:
     baseline: bool = False  # also run the plain C loop (bench)
     window: int = 64
     rounds: int = 1
+    lanes: int = 1  # fabric endpoints (StripedEngine when > 1)
+
+
+def make_engine(cfg: PeerConfig, max_inflight: int) -> Any:
+    """The fabric engine a bench or loopback peer uses: one endpoint, or ``cfg.lanes``."""
+    from disagg.fabric import make_backend
+
+    return make_backend("fabric", cfg.provider, lanes=cfg.lanes, max_inflight=max_inflight)
 
 
 def seeded_pages(seed: int, pages: int, page_size: int) -> np.ndarray:
@@ -69,9 +77,7 @@ def receiver_main(conn: Any, cfg: PeerConfig) -> None:
 
 
 async def _receiver(conn: Any, cfg: PeerConfig) -> None:
-    from disagg.fabric.engine import FabricEngine, discover
-
-    engine = FabricEngine(discover(cfg.provider), max_inflight=cfg.max_inflight).start()
+    engine = make_engine(cfg, cfg.max_inflight).start()
     buf = np.zeros((cfg.pages, cfg.page_size), dtype=np.uint8)
     region = engine.register(buf)
     conn.send(("desc", region.descriptor.encode()))
@@ -112,9 +118,7 @@ def sender_main(conn: Any, cfg: PeerConfig) -> None:
 
 async def _sender(conn: Any, cfg: PeerConfig) -> None:
     from disagg.fabric.descriptor import decode_descriptor
-    from disagg.fabric.engine import FabricEngine, discover
-
-    engine = FabricEngine(discover(cfg.provider), max_inflight=cfg.max_inflight).start()
+    engine = make_engine(cfg, cfg.max_inflight).start()
     src = seeded_pages(cfg.seed, cfg.pages, cfg.page_size)
     region = engine.register(src)
     loop = asyncio.get_running_loop()

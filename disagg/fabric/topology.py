@@ -10,6 +10,7 @@ same switch < same root complex < same NUMA node < across nodes (nvidia-smi's PI
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,3 +139,43 @@ def stripe(lengths: list[int], lanes: int) -> list[int]:
         load[lane] += n
         out.append(lane)
     return out
+
+
+def _bdf_key(bdf: str) -> str:
+    """'00000000:1B:00.0' (nvidia-smi, CUDA) and '0000:1b:00.0' (sysfs) name one device."""
+    parts = bdf.lower().split(":")
+    if len(parts) != 3:
+        return bdf.lower()
+    dom, bus, devfn = parts
+    return f"{int(dom, 16):04x}:{bus}:{devfn}"
+
+
+def nearest_nic_names(topo: Topology, gpu_bdf: str) -> tuple[str, ...]:
+    """Every name (RDMA device and netdev) of the NICs nearest the GPU at ``gpu_bdf``, nearest
+    first; empty if the GPU or the NICs are unknown."""
+    key = _bdf_key(gpu_bdf)
+    gpu = next((g for g in topo.gpus if _bdf_key(g.bdf) == key), None)
+    if gpu is None or not topo.nics:
+        return ()
+    ranked = sorted(topo.nics, key=lambda n: (pci_distance(gpu, n), n.bdf))
+    best = pci_distance(gpu, ranked[0])
+    return tuple(name for n in ranked if pci_distance(gpu, n) == best for name in n.names)
+
+
+MAX_LANES = 16
+
+
+def lane_domains(domains: Sequence[str], lanes: int, nearest: Sequence[str] = ()) -> list[int]:
+    """Which of the interfaces (``fi_info`` domain names, in discovery order) each lane uses:
+    distinct domains first, those named in ``nearest`` (best first) ahead of the rest, then
+    round robin when there are more lanes than domains. Pure."""
+    if lanes < 1 or lanes > MAX_LANES:
+        raise ValueError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
+    if not domains:
+        raise ValueError("no interface to put lanes on")
+    first: dict[str, int] = {}
+    for i, d in enumerate(domains):
+        first.setdefault(d, i)
+    rank = {name: r for r, name in enumerate(nearest)}
+    order = sorted(first, key=lambda d: (rank.get(d, len(rank)), first[d]))
+    return [first[order[i % len(order)]] for i in range(lanes)]

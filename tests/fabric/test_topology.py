@@ -5,7 +5,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from disagg.fabric.topology import pair_gpus, parse_cpulist, pci_distance, read_topology, stripe
+import pytest
+
+from disagg.fabric.topology import (
+    lane_domains,
+    nearest_nic_names,
+    pair_gpus,
+    parse_cpulist,
+    pci_distance,
+    read_topology,
+    stripe,
+)
 
 
 def make_dev(root: Path, chain: list[str], cls: str, vendor: str, numa: int, cpus: str) -> Path:
@@ -76,3 +86,34 @@ def test_cpulist_and_stripe() -> None:
     assert parse_cpulist("") == []
     assert stripe([4, 4, 4, 4], 2) == [0, 1, 0, 1]
     assert stripe([8, 1, 1, 1], 2) == [0, 1, 1, 1]
+
+
+def test_nearest_nic_names_take_cuda_bus_ids(tmp_path: Path) -> None:
+    fake_tree(tmp_path)
+    topo = read_topology(tmp_path)
+    assert nearest_nic_names(topo, "00000000:01:00.0") == ("mlx5_0", "ib0")  # CUDA's form
+    assert nearest_nic_names(topo, "0000:81:00.0") == ("mlx5_1", "mlx5_2")
+    assert nearest_nic_names(topo, "0000:99:00.0") == ()
+
+
+def test_lanes_spread_over_interfaces_nearest_first() -> None:
+    domains = ["eth0", "mlx5_0", "mlx5_0", "mlx5_1"]  # fi_getinfo order, one domain repeated
+    assert lane_domains(domains, 3) == [0, 1, 3]
+    assert lane_domains(domains, 2, nearest=("mlx5_1", "mlx5_0")) == [3, 1]
+    assert lane_domains(domains, 5, nearest=("mlx5_1",)) == [3, 0, 1, 3, 0]
+    assert lane_domains(["lo"], 3) == [0, 0, 0]  # one interface: several endpoints on it
+    for bad in (0, 17):
+        with pytest.raises(ValueError):
+            lane_domains(domains, bad)
+
+
+def test_lane_flags_validated() -> None:
+    from disagg.config import ConfigError, DisaggConfig
+
+    DisaggConfig(fabric_lanes=4).validate()
+    for bad, match in ((dict(fabric_lanes=0), "--fabric-lanes"),
+                       (dict(fabric_lanes=17), "--fabric-lanes"),
+                       (dict(fabric_lanes=2, transfer_backend="cuda-ipc"), "fabric only"),
+                       (dict(fabric_stripe_bytes=0), "--fabric-stripe-bytes")):
+        with pytest.raises(ConfigError, match=match):
+            DisaggConfig(**bad).validate()

@@ -1,0 +1,185 @@
+"""Several endpoints ("lanes") as one transfer engine: writes striped over NICs/endpoints.
+
+A node with several NICs (or a provider that gains from several endpoints on one) opens one
+:class:`FabricEngine` per lane, each with its own fabric, domain, endpoint, CQ and progress
+thread. Memory is registered with every lane; the region's descriptor is lane 0's, with the
+other lanes' ``(address, base, key)`` in its ``handle`` (``b"S"`` + msgpack), so a peer with a
+single lane still reads it as a plain descriptor. A batch is bounds-checked whole, then its
+writes are spread over ``min(local lanes, remote lanes)`` lanes, least-loaded by bytes
+(``topology.stripe``); lane ``i`` writes to the peer's lane ``i``. Every write still carries
+the batch's immediate, and the lanes share one :class:`ExpectationTable`, so a receiver counts
+arrivals on any lane towards the same expectation: striping changes nothing in what the peers
+count. Lanes pick interfaces nearest first (``lane_domains``; the node passes the NIC names
+``topology.pair_gpus`` found nearest its GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+from disagg.fabric import lib as fl
+from disagg.fabric.descriptor import (
+    MAX_ADDRESS_BYTES,
+    U64,
+    MemoryDescriptor,
+    OutOfRange,
+    check_writes,
+)
+from disagg.fabric.engine import FabricEngine, LocalRegion, buffer_address
+from disagg.fabric.expectations import Expectation, ExpectationTable
+from disagg.fabric.topology import MAX_LANES, lane_domains, stripe
+
+LANES_TAG = b"S"
+
+
+class Lane(msgspec.Struct, array_like=True, frozen=True):
+    """Where one more lane of a striped region is written: its endpoint, base and key."""
+
+    address: Annotated[bytes, msgspec.Meta(max_length=MAX_ADDRESS_BYTES)]
+    base: U64
+    key: U64
+
+
+_lanes_dec = msgspec.msgpack.Decoder(Annotated[list[Lane], msgspec.Meta(max_length=MAX_LANES - 1)])
+_lanes_enc = msgspec.msgpack.Encoder()
+
+
+def lanes_of(desc: MemoryDescriptor) -> list[MemoryDescriptor]:
+    """The per-lane descriptors of a region a peer advertised (``[desc]`` for one lane).
+    Raises ``OutOfRange`` on a malformed lane list."""
+    if desc.backend != "fabric" or not desc.handle.startswith(LANES_TAG):
+        return [desc]
+    try:
+        extra = _lanes_dec.decode(desc.handle[len(LANES_TAG):])
+        return [desc] + [msgspec.structs.replace(desc, address=ln.address, base=ln.base,
+                                                 key=ln.key, handle=b"") for ln in extra]
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise OutOfRange(f"bad lane list in a descriptor: {e}") from e
+
+
+def discover_lanes(provider: str | None, lanes: int, nearest: Sequence[str] = (),
+                   node: str | None = "127.0.0.1") -> list[fl.FabricInfo]:
+    infos = [i for i in fl.getinfo(provider, node) if i.cq_data_size >= 4]
+    if not infos:
+        raise fl.FabricError(f"fi_getinfo(provider={provider!r})", -fl.lib.FI_ENODATA)
+    return [infos[i] for i in lane_domains([i.domain for i in infos], lanes, nearest)]
+
+
+@dataclass(eq=False)
+class StripedRegion:
+    """A buffer registered with every lane; ``descriptor`` advertises them all."""
+
+    id: int
+    addr: int
+    length: int
+    descriptor: MemoryDescriptor
+    lanes: list[LocalRegion]
+    owner: Any = None
+
+
+class StripedEngine:
+    """``FabricEngine``'s interface over several lanes."""
+
+    backend = "fabric"
+
+    def __init__(self, infos: Sequence[fl.FabricInfo], weight_bits: int = 0,
+                 **kw: Any) -> None:
+        if not 1 <= len(infos) <= MAX_LANES:
+            raise ValueError(f"a striped engine takes 1..{MAX_LANES} lanes, got {len(infos)}")
+        self.expectations = ExpectationTable(weight_bits)
+        self.lanes: list[FabricEngine] = []
+        try:
+            for info in infos:
+                self.lanes.append(FabricEngine(info, weight_bits=weight_bits,
+                                               expectations=self.expectations, **kw))
+        except BaseException:
+            for lane in self.lanes:
+                lane.close_sync()
+            raise
+        self._ids = 0
+
+    @property
+    def provider(self) -> str:
+        return self.lanes[0].provider
+
+    @property
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for lane in self.lanes:
+            for k, v in lane.stats.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> StripedEngine:
+        loop = loop or asyncio.get_running_loop()
+        for lane in self.lanes:
+            lane.start(loop)
+        return self
+
+    async def close(self) -> None:
+        for lane in self.lanes:
+            await lane.close()
+
+    def close_sync(self) -> None:
+        for lane in self.lanes:
+            lane.close_sync()
+
+    # ---- memory ----------------------------------------------------------------------------
+
+    def register(self, buffer: Any) -> StripedRegion:
+        addr, length = buffer_address(buffer)
+        return self.register_address(addr, length, owner=buffer)
+
+    def register_address(self, addr: int, length: int, owner: Any = None) -> StripedRegion:
+        regions = [lane.register_address(addr, length, owner) for lane in self.lanes]
+        first = regions[0].descriptor
+        extra = [Lane(r.descriptor.address, r.descriptor.base, r.descriptor.key)
+                 for r in regions[1:]]
+        desc = (msgspec.structs.replace(first, handle=LANES_TAG + _lanes_enc.encode(extra))
+                if extra else first)
+        self._ids += 1
+        return StripedRegion(self._ids, addr, length, desc, regions, owner)
+
+    def deregister(self, region: StripedRegion) -> None:
+        for lane, r in zip(self.lanes, region.lanes, strict=True):
+            lane.deregister(r)
+
+    # ---- sending ---------------------------------------------------------------------------
+
+    def submit(self, src: StripedRegion, dst: MemoryDescriptor, src_offsets: Any,
+               dst_offsets: Any, lengths: Any, imm: int,
+               timeout: float | None = None) -> asyncio.Future[Any]:
+        """As ``FabricEngine.submit``; the writes are spread over the lanes both sides have."""
+        if not isinstance(src, StripedRegion):
+            raise OutOfRange("source region is not registered with this engine")
+        so, do, ln = check_writes(src.length, dst.length, src_offsets, dst_offsets, lengths)
+        remote = lanes_of(dst)
+        n = min(len(self.lanes), len(remote))
+        if n == 1 or so.shape[0] <= 1:
+            return self.lanes[0].submit(src.lanes[0], remote[0], so, do, ln, imm, timeout)
+        lane_of = np.asarray(stripe(ln.tolist(), n))
+        futs = []
+        for i in range(n):
+            m = lane_of == i
+            if m.any():
+                futs.append(self.lanes[i].submit(src.lanes[i], remote[i], so[m], do[m], ln[m],
+                                                 imm, timeout))
+        # done when every lane's batch is; fails with the first failure (gather still
+        # retrieves the others' results, so nothing is left unobserved)
+        return asyncio.gather(*futs)
+
+    # ---- receiving -------------------------------------------------------------------------
+
+    def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
+        """Resolve when ``count`` units carrying ``imm`` landed, on any lane."""
+        return self.lanes[0].expect(imm, count, timeout)
+
+    def pending_expectations(self) -> int:
+        return len(self.expectations)
+
