@@ -102,3 +102,18 @@ def test_bench_fabric_runs_verified(lanes: int) -> None:
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["verified"] and res["lanes"] == lanes and res["engine"]["gib_s"] > 0
     assert res["baseline_c"]["writes_s"] > 0 and res["ratio"] > 0
+
+
+def test_node_refuses_a_descriptor_with_a_bad_lane_list() -> None:
+    """What a prefiller does with a PrefillRequest's descriptors: validate the lanes too."""
+    from disagg.actors.transfer import TransferEngine
+    from disagg.fabric.descriptor import MemoryDescriptor
+
+    good = MemoryDescriptor("fabric", "tcp;ofi_rxm", b"\x02" * 16, 0, 4096, 1,
+                            handle=LANES_TAG + msgspec.msgpack.encode([[b"\x02" * 16, 0, 2]]))
+    assert len(lanes_of(TransferEngine.decode_descriptor(good.encode()))) == 2
+    for handle in (LANES_TAG + b"\xc1", LANES_TAG + msgspec.msgpack.encode([[b"a", -1, 0]]),
+                   LANES_TAG + msgspec.msgpack.encode([[b"a", (1 << 64) - 1, 0]])):
+        with pytest.raises(OutOfRange):
+            TransferEngine.decode_descriptor(
+                msgspec.structs.replace(good, handle=handle).encode())
