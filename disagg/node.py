@@ -28,6 +28,7 @@ from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor
 from disagg.actors.transfer import TransferEngine
 from disagg.config import NodeConfig
+from disagg.gc_tuning import freeze_startup_objects
 from disagg.metrics import Metrics
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import Tokenizer
@@ -100,6 +101,7 @@ class Node:
         assert self.scheduler is not None
         actors.append(("scheduler", self.scheduler.run))
         self._tasks = [asyncio.create_task(self._guard(run(), name)) for name, run in actors]
+        freeze_startup_objects(f"{cfg.role} node")
         log.info("ready: %s node serving %s on %s (%d pages of %d tokens)", cfg.role,
                  arch.architecture, self.address, self.executors.num_pages, cfg.cache.page_size)
 

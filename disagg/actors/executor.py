@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.config import NodeConfig
+from disagg.gc_tuning import freeze_startup_objects
 from disagg.model.tp import TensorParallel
 from disagg.protocol import (
     ExecutorCommand,
@@ -113,6 +114,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                 log.exception("CUDA graph capture failed; running decode eagerly")
                 runner.graphs = None
 
+    freeze_startup_objects(f"executor {rank}")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
