@@ -39,6 +39,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
+
 from disagg.cache import pages_needed
 from disagg.protocol import KVLayoutDesc
 
@@ -161,24 +163,6 @@ class Write:
     dst_rank: int = 0  # ... and this rank's KV buffer on the decoder
 
 
-def split_writes(writes: list[Write], max_bytes: int) -> list[Write]:
-    """Cut writes longer than ``max_bytes`` at unit boundaries (every unit of a write is the
-    same size), weights following the bytes, so that several lanes can share a long run. The
-    units of all pieces add up to the write's: what the receiver counts does not change."""
-    out: list[Write] = []
-    for w in writes:
-        unit = w.length // w.units
-        step = max(1, max_bytes // unit)
-        if w.units <= step:
-            out.append(w)
-            continue
-        for u0 in range(0, w.units, step):
-            u = min(step, w.units - u0)
-            out.append(Write(w.src_offset + u0 * unit, w.dst_offset + u0 * unit, u * unit, u,
-                             w.src_rank, w.dst_rank))
-    return out
-
-
 def page_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) of runs adjacent on both sides, in order."""
     runs: list[tuple[int, int, int]] = []
@@ -224,6 +208,68 @@ def plan_layer_writes(
                       1, pc.src_rank, pc.dst_rank)
                 for s, d in zip(src_pages, dst_pages, strict=True))
     return writes
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Writes as arrays (int64): what the transfer engine posts."""
+
+    src_offset: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+    units: np.ndarray
+
+    @staticmethod
+    def of(writes: list[Write]) -> Runs:
+        a = np.array([(w.src_offset, w.dst_offset, w.length, w.units) for w in writes],
+                     dtype=np.int64).reshape(-1, 4)
+        return Runs(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    def split(self, max_bytes: int) -> Runs:
+        """Cut runs longer than ``max_bytes`` at unit boundaries (the units of a run are the
+        same size), weights following the bytes, so that several lanes can share a long run.
+        The units of all pieces add up to the run's: what the receiver counts does not change."""
+        unit = self.length // self.units
+        step = np.maximum(1, max_bytes // unit)
+        pieces = -(-self.units // step)
+        if int(pieces.max(initial=1)) <= 1:
+            return self
+        run = np.repeat(np.arange(len(self)), pieces)
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        k = np.arange(run.shape[0]) - first  # piece index within its run
+        u0 = k * step[run]
+        u = np.minimum(step[run], self.units[run] - u0)
+        shift = u0 * unit[run]
+        return Runs(self.src_offset[run] + shift, self.dst_offset[run] + shift, u * unit[run], u)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The writes of one chunk's pages for every layer, planned once: offsets are linear in
+    the layer (``page_offset``), so layer ``l``'s writes are layer 0's shifted by ``l`` times
+    each side's layer stride. ``by_pair`` holds them per (source rank, destination rank)."""
+
+    by_pair: dict[tuple[int, int], Runs]
+    src_stride: int
+    dst_stride: int
+
+    def layer(self, pair: tuple[int, int], layer: int) -> Runs:
+        r = self.by_pair[pair]
+        return Runs(r.src_offset + layer * self.src_stride, r.dst_offset + layer * self.dst_stride,
+                    r.length, r.units)
+
+
+def plan_chunk(src: KVLayoutDesc, dst: KVLayoutDesc, src_pages: list[int], dst_pages: list[int],
+               seed: int = 0) -> ChunkPlan:
+    """``plan_layer_writes`` for every layer at the cost of one."""
+    by_pair: dict[tuple[int, int], list[Write]] = {}
+    for w in plan_layer_writes(src, dst, src_pages, dst_pages, 0, seed):
+        by_pair.setdefault((w.src_rank, w.dst_rank), []).append(w)
+    return ChunkPlan({k: Runs.of(v) for k, v in by_pair.items()},
+                     src.num_pages * src.page_bytes, dst.num_pages * dst.page_bytes)
 
 
 def pages_to_send(start: int, end: int, total: int, page_size: int) -> range:

@@ -13,6 +13,7 @@ from disagg.fabric.counter import ImmCounter
 from disagg.transfer_plan import (
     UNIT_BITS,
     KVLayoutDesc,
+    Runs,
     Write,
     incompatibility,
     make_imm,
@@ -21,7 +22,6 @@ from disagg.transfer_plan import (
     pages_to_send,
     plan_layer_writes,
     request_units,
-    split_writes,
 )
 
 
@@ -106,18 +106,20 @@ def test_chunked_layerwise_plan_writes_each_destination_byte_once(total, page_si
 @given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from([16, 48, 4096])), min_size=1,
                 max_size=8),
        st.integers(1, 1 << 16))
-def test_split_writes_keeps_bytes_and_units(runs, max_bytes):
+def test_split_runs_keeps_bytes_and_units(runs, max_bytes):
     writes, off = [], 0
     for units, unit in runs:
-        writes.append(Write(off, off + (1 << 30), units * unit, units, 1, 0))
+        writes.append(Write(off, off + (1 << 30), units * unit, units))
         off += units * unit
-    out = split_writes(writes, max_bytes)
-    assert sum(w.units for w in out) == sum(w.units for w in writes)  # what the receiver counts
-    covered = [(w.src_offset, w.dst_offset, w.length) for w in out]
-    flat = sorted(covered)
-    assert flat[0][0] == 0 and all(a[0] + a[2] == b[0] for a, b in zip(flat, flat[1:], strict=False))
-    assert sum(n for _, _, n in covered) == off and all(d == s + (1 << 30) for s, d, _ in covered)
-    for w in out:
-        unit = w.length // w.units
-        assert w.length == w.units * unit and (w.length <= max_bytes or w.units == 1)
-        assert (w.src_rank, w.dst_rank) == (1, 0)
+    r = Runs.of(writes)
+    out = r.split(max_bytes)
+    assert int(out.units.sum()) == int(r.units.sum())  # what the receiver counts
+    covered = sorted(zip(out.src_offset.tolist(), out.dst_offset.tolist(), out.length.tolist(),
+                         out.units.tolist(), strict=True))
+    assert covered[0][0] == 0 and all(a[0] + a[2] == b[0]
+                                      for a, b in zip(covered, covered[1:], strict=False))
+    assert sum(c[2] for c in covered) == off and all(d == s + (1 << 30) for s, d, _, _ in covered)
+    for s_, _, n, u in covered:
+        assert n % u == 0 and (n <= max_bytes or u == 1)
+        src_run = next(w for w in writes if w.src_offset <= s_ < w.src_offset + w.length)
+        assert n // u == src_run.length // src_run.units  # pieces keep their run's unit size

@@ -19,6 +19,7 @@ from disagg.transfer_plan import (
     make_imm,
     make_key,
     pages_to_send,
+    plan_chunk,
     plan_layer_writes,
     rank_heads,
     replica_assignment,
@@ -205,3 +206,31 @@ def test_layout_without_replica_field_decodes_as_unreplicated():
                dtype="int16", element_size=2, hidden_size=4, tp_size=1)
     lay = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=KVLayoutDesc)
     assert (lay.kv_replicas, lay.total_kv_heads, list(rank_heads(lay, 0))) == (1, 2, [0, 1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(lay=layouts(), n=st.integers(1, 12), seed=st.integers(0, 2**32), rnd=st.integers(0, 2**16))
+def test_chunk_plan_equals_planning_every_layer(lay, n, seed, rnd):
+    """What the prefiller posts (one plan per chunk, shifted per layer) is exactly
+    ``plan_layer_writes`` of each layer, per (source rank, destination rank)."""
+    heads, tp_s, tp_d, common = lay
+    rng = random.Random(rnd)
+    src = sharded(heads, tp_s, num_pages=n + rng.randint(0, 4), **common)
+    dst = sharded(heads, tp_d, num_pages=n + rng.randint(0, 4), **common)
+    src_pages = rng.sample(range(src.num_pages), n)
+    dst_pages = rng.sample(range(dst.num_pages), n)
+    if rng.random() < 0.5:
+        src_pages.sort()
+        dst_pages.sort()
+    plan = plan_chunk(src, dst, src_pages, dst_pages, seed)
+    for layer in range(src.num_layers):
+        want: dict[tuple[int, int], list] = {}
+        for w in plan_layer_writes(src, dst, src_pages, dst_pages, layer, seed):
+            want.setdefault((w.src_rank, w.dst_rank), []).append(
+                (w.src_offset, w.dst_offset, w.length, w.units))
+        assert set(want) == set(plan.by_pair)
+        for pair, ws in want.items():
+            r = plan.layer(pair, layer)
+            got = list(zip(r.src_offset.tolist(), r.dst_offset.tolist(), r.length.tolist(),
+                           r.units.tolist(), strict=True))
+            assert got == ws

@@ -49,11 +49,13 @@ from disagg.protocol import (
     ToMessenger,
 )
 from disagg.transfer_plan import (
+    ChunkPlan,
+    Runs,
     Write,
     context_write,
     incompatibility,
     pages_to_send,
-    plan_layer_writes,
+    plan_chunk,
 )
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class Job:
 class Step:
     announce: StepAnnounce
     next_layer: int = 0  # layers [0, next_layer) handed to the engine
+    plans: dict[int, ChunkPlan | None] = field(default_factory=dict)  # by chunk index, lazily
 
 
 class PrefillMessenger(MessengerBase):
@@ -288,24 +291,29 @@ class PrefillMessenger(MessengerBase):
         if step.next_layer == 0 and layers_done < self.layout.num_layers and step.announce.chunks:
             self.layerwise_steps += 1  # shipping starts while later layers still compute
         for layer in range(step.next_layer, layers_done):
-            for chunk in step.announce.chunks:
+            for i, chunk in enumerate(step.announce.chunks):
                 job = self.jobs.get(chunk.job)
                 if job is None or job.cancelled:
                     continue
-                idx = pages_to_send(chunk.start, chunk.start + chunk.count, chunk.total,
-                                    self.layout.page_size)
-                if not idx:
+                plan = self._plan(step, i, job)
+                if plan is None:
                     continue
-                src = [chunk.pages[i] for i in idx]
-                dst = [job.req.dst_pages[i] for i in idx]
-                writes = plan_layer_writes(self.layout, job.req.dst_layout, src, dst, layer,
-                                           seed=job.req.key)
-                by_pair: dict[tuple[int, int], list[Write]] = {}
-                for w in writes:  # every source rank sends in parallel
-                    by_pair.setdefault((w.src_rank, w.dst_rank), []).append(w)
-                for (sr, dr), ws in by_pair.items():
-                    self._post(job, self.kv_regions[sr], job.dst_kv[dr], ws)
+                for sr, dr in plan.by_pair:  # every source rank sends in parallel
+                    self._post(job, self.kv_regions[sr], job.dst_kv[dr],
+                               plan.layer((sr, dr), layer))
         step.next_layer = max(step.next_layer, layers_done)
+
+    def _plan(self, step: Step, i: int, job: Job) -> ChunkPlan | None:
+        """The writes of chunk ``i`` of ``step`` for every layer (planned at its first layer;
+        None when the chunk completes no page)."""
+        if i not in step.plans:
+            chunk = step.announce.chunks[i]
+            idx = pages_to_send(chunk.start, chunk.start + chunk.count, chunk.total,
+                                self.layout.page_size)
+            step.plans[i] = plan_chunk(
+                self.layout, job.req.dst_layout, [chunk.pages[j] for j in idx],
+                [job.req.dst_pages[j] for j in idx], seed=job.req.key) if idx else None
+        return step.plans[i]
 
     def _step_done(self, done: StepDone, hidden: bytes | None) -> None:
         step = self.steps.get(done.step_id)
@@ -336,17 +344,18 @@ class PrefillMessenger(MessengerBase):
             self._spawn(self._finish(job, None))
         self._send_soon(self.stats())
 
-    def _post(self, job: Job, src: Any, dst: Any, writes: list[Any]) -> None:
+    def _post(self, job: Job, src: Any, dst: Any, writes: Runs | list[Write]) -> None:
         left = job.deadline - time.monotonic()
         if left <= 0:  # past its deadline the decoder may have reused the pages: never write
             self._cancel(job, False, "timeout", "prefill did not finish within its deadline")
             return
         if job.first_post_at is None:
             job.first_post_at = time.monotonic()
-        job.writes += len(writes)
-        job.bytes += sum(w.length for w in writes)
+        runs = writes if isinstance(writes, Runs) else Runs.of(writes)
+        job.writes += len(runs)
+        job.bytes += int(runs.length.sum())
         try:
-            job.futures.extend(self.transfer.write(src, dst, writes, job.req.key,
+            job.futures.extend(self.transfer.write(src, dst, runs, job.req.key,
                                                    timeout=min(left, self.transfer.timeout_s)))
         except Exception as e:  # out of range: refuse, never write outside
             log.error("job %d: refused writes: %s", job.id, e)

@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from disagg.fabric import decode_descriptor, make_backend
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.protocol import KVLayoutDesc
-from disagg.transfer_plan import UNIT_BITS, Write, make_imm, page_runs, split_writes
+from disagg.transfer_plan import UNIT_BITS, Runs, Write, make_imm, page_runs
 
 log = logging.getLogger(__name__)
 
@@ -141,40 +141,37 @@ class TransferEngine:
             lanes_of(desc)
         return desc
 
-    def write(self, src: Any, dst: MemoryDescriptor, writes: list[Write], key: int,
+    def write(self, src: Any, dst: MemoryDescriptor, writes: list[Write] | Runs, key: int,
               timeout: float | None = None) -> list[asyncio.Future[None]]:
         """Post ``writes`` (one batch per distinct unit count: the immediate carries it).
         Raises ``OutOfRange`` before posting anything that falls outside ``dst``."""
+        runs = writes if isinstance(writes, Runs) else Runs.of(writes)
         if self.lanes > 1:  # long runs in pieces, so that every lane gets a share
-            writes = split_writes(writes, self.stripe_bytes)
-        by_units: dict[int, list[Write]] = defaultdict(list)
-        for w in writes:
-            by_units[w.units].append(w)
+            runs = runs.split(self.stripe_bytes)
+        groups = [(u, runs.units == u) for u in np.unique(runs.units).tolist()]
         futures: list[asyncio.Future[None]] = []
         if isinstance(src, StagedRegion):
             if dst.backend != "fabric":
                 raise OutOfRange(f"descriptor is for {dst.backend}, engine is fabric")
-            check_writes(src.length, dst.length, [w.src_offset for w in writes],
-                         [w.dst_offset for w in writes], [w.length for w in writes])
+            check_writes(src.length, dst.length, runs.src_offset, runs.dst_offset, runs.length)
             futures.append(asyncio.ensure_future(
-                self._staged_write(src, dst, writes, dict(by_units), key, timeout)))
+                self._staged_write(src, dst, runs, groups, key, timeout)))
         else:
-            for units, ws in by_units.items():
+            for units, m in groups:
                 futures.append(self.engine.submit(
-                    src, dst, [w.src_offset for w in ws], [w.dst_offset for w in ws],
-                    [w.length for w in ws], make_imm(key, units), timeout=timeout))
-        self.writes_sent += len(writes)
-        self.bytes_sent += sum(w.length for w in writes)
+                    src, dst, runs.src_offset[m], runs.dst_offset[m], runs.length[m],
+                    make_imm(key, units), timeout=timeout))
+        self.writes_sent += len(runs)
+        self.bytes_sent += int(runs.length.sum())
         return futures
 
-    async def _staged_write(self, src: StagedRegion, dst: MemoryDescriptor, writes: list[Write],
-                            by_units: dict[int, list[Write]], key: int,
+    async def _staged_write(self, src: StagedRegion, dst: MemoryDescriptor, runs: Runs,
+                            groups: list[tuple[int, np.ndarray]], key: int,
                             timeout: float | None) -> None:
-        await src.mirror.out([w.src_offset for w in writes], [w.length for w in writes])
+        await src.mirror.out(runs.src_offset.tolist(), runs.length.tolist())
         await asyncio.gather(*[self.engine.submit(
-            src.region, dst, [w.src_offset for w in ws], [w.dst_offset for w in ws],
-            [w.length for w in ws], make_imm(key, units), timeout=timeout)
-            for units, ws in by_units.items()])
+            src.region, dst, runs.src_offset[m], runs.dst_offset[m], runs.length[m],
+            make_imm(key, units), timeout=timeout) for units, m in groups])
 
     def expect(self, key: int, units: int, timeout: float) -> Any:
         """An awaitable that resolves when ``units`` units carrying ``key`` have landed."""
