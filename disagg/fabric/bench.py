@@ -220,7 +220,8 @@ async def _cuda_receiver_async(conn: Any, cfg: PeerConfig, total: int, memory: s
         mirror = HostMirror(buf)
         region = engine.register_address(int(mirror.host.data_ptr()), total, owner=mirror)
     else:
-        from disagg.fabric.cuda_ipc import CudaIpcEngine, CuMemBuffer
+        from disagg.fabric.cuda_ipc import CudaIpcEngine
+        from disagg.fabric.cuda_mem import CuMemBuffer
 
         engine = CudaIpcEngine(device=dev).start()
         if memory == "cumem":

@@ -50,23 +50,13 @@ from typing import Any
 
 import numpy as np
 
+from disagg.fabric.cuda_mem import check_rc, cu_result, driver, fetch_fd
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.fabric.engine import EngineClosed, LocalRegion, _settle
 from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
 
 log = logging.getLogger("disagg.fabric")
 
-_CDEF = """
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
-typedef struct { char reserved[64]; } CUipcMemHandle;
-CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr);
-CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int flags);
-CUresult cuIpcCloseMemHandle(CUdeviceptr dptr);
-CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr);
-CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream);
-CUresult cuGetErrorString(CUresult error, const char **pStr);
-"""
 _IMM = struct.Struct("<QQ")  # (imm, count) per notification datagram
 _CUMEM = struct.Struct("<QQQ")  # region id, mapping size, offset of byte 0 of the region
 _PREFIX = b"\0disagg-cuda-ipc-"
@@ -74,41 +64,6 @@ COPY_MODES = ("auto", "kernel", "ce", "loop")
 KERNEL_MAX_MEAN_RUN = 4 << 20  # auto: kernel for batches whose mean run is shorter
 RING_ENTRIES = 1 << 19  # int64 entries of the tile-table ring (4 MiB pinned + 4 MiB device)
 _GRANULE = 2 << 20
-_drv: Any = None
-_ffi: Any = None
-
-
-def _driver() -> tuple[Any, Any]:
-    global _drv, _ffi
-    if _drv is None:
-        import cffi
-
-        _ffi = cffi.FFI()
-        _ffi.cdef(_CDEF)
-        _drv = _ffi.dlopen("libcuda.so.1")
-    return _ffi, _drv
-
-
-def _check(what: str, rc: int) -> None:
-    if rc != 0:
-        ffi, drv = _driver()
-        s = ffi.new("const char **")
-        drv.cuGetErrorString(rc, s)
-        text = ffi.string(s[0]).decode() if s[0] != ffi.NULL else "?"
-        raise RuntimeError(f"{what}: CUDA error {rc}: {text}")
-
-
-def _cu(result: Any) -> Any:
-    """Unwrap a ``cuda.bindings.driver`` result tuple, raising on an error."""
-    from cuda.bindings import driver as cu
-
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise RuntimeError(f"CUDA driver call failed: {name.decode() if name else err}")
-    return rest[0] if len(rest) == 1 else (tuple(rest) if rest else None)
-
-
 @dataclass(eq=False)
 class _Mapping:
     ptr: int  # where the peer region's byte 0 is in this process
@@ -130,20 +85,6 @@ class _Job:
     deadline: float
     event: Any = None
     span: tuple[int, int] | None = None  # ring entries the kernel's tile table uses
-
-
-def fetch_fd(address: bytes, rid: int, timeout: float = 10.0) -> int:
-    """Ask the receiver at ``address`` (its notification socket) for region ``rid``'s fd."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(address + b".fd")
-        s.sendall(struct.pack("<Q", rid))
-        msg, fds, _flags, _addr = socket.recv_fds(s, 16, 1)
-    if msg != b"ok" or not fds:
-        for fd in fds:
-            os.close(fd)
-        raise ConnectionError(f"cuda-ipc peer refused region {rid}: {msg!r}")
-    return fds[0]
 
 
 class CudaIpcEngine:
@@ -212,14 +153,14 @@ class CudaIpcEngine:
         for m in self._opened.values():
             try:
                 if m.kind == "L":
-                    _ffi_, drv = _driver()
+                    _ffi_, drv = driver()
                     drv.cuIpcCloseMemHandle(m.base)
                 else:
                     from cuda.bindings import driver as cu
 
-                    _cu(cu.cuMemUnmap(m.base, m.size))
-                    _cu(cu.cuMemAddressFree(m.base, m.size))
-                    _cu(cu.cuMemRelease(m.handle))
+                    cu_result(cu.cuMemUnmap(m.base, m.size))
+                    cu_result(cu.cuMemAddressFree(m.base, m.size))
+                    cu_result(cu.cuMemRelease(m.handle))
             except Exception as e:  # noqa: BLE001 - best effort at shutdown
                 log.debug("cuda-ipc: releasing a peer mapping failed: %s", e)
         self._opened.clear()
@@ -245,7 +186,7 @@ class CudaIpcEngine:
             return self._register(tensor, fd)
 
     def _register(self, tensor: Any, fd: int | None) -> LocalRegion:
-        ffi, drv = _driver()
+        ffi, drv = driver()
         ptr = int(tensor.data_ptr())
         length = int(tensor.numel() * tensor.element_size())
         rid = next(self._ids)
@@ -333,11 +274,11 @@ class CudaIpcEngine:
         return m.ptr
 
     def _map_legacy(self, handle: bytes) -> _Mapping:
-        ffi, drv = _driver()
+        ffi, drv = driver()
         h = ffi.new("CUipcMemHandle *")
         ffi.memmove(h, handle[1:65], 64)
         out = ffi.new("CUdeviceptr *")
-        _check("cuIpcOpenMemHandle", drv.cuIpcOpenMemHandle_v2(out, h[0], 1))
+        check_rc("cuIpcOpenMemHandle", drv.cuIpcOpenMemHandle_v2(out, h[0], 1))
         base = int(out[0])
         return _Mapping(base + struct.unpack("<Q", handle[65:73])[0], base, 0, "L")
 
@@ -347,17 +288,17 @@ class CudaIpcEngine:
         rid, size, off = _CUMEM.unpack(handle[1:])
         fd = fetch_fd(address, rid)
         try:
-            h = _cu(cu.cuMemImportFromShareableHandle(
+            h = cu_result(cu.cuMemImportFromShareableHandle(
                 fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         finally:
             os.close(fd)
-        ptr = _cu(cu.cuMemAddressReserve(size, 0, 0, 0))
-        _cu(cu.cuMemMap(ptr, size, 0, h, 0))
+        ptr = cu_result(cu.cuMemAddressReserve(size, 0, 0, 0))
+        cu_result(cu.cuMemMap(ptr, size, 0, h, 0))
         access = cu.CUmemAccessDesc()
         access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = self.device
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        _cu(cu.cuMemSetAccess(ptr, size, [access], 1))
+        cu_result(cu.cuMemSetAccess(ptr, size, [access], 1))
         self.stats["cumem_imports"] += 1
         return _Mapping(int(ptr) + off, int(ptr), size, "M", h)
 
@@ -370,7 +311,7 @@ class CudaIpcEngine:
         try:
             from disagg.fabric import lib as fl
 
-            ffi, drv = _driver()
+            ffi, drv = driver()
             self._ce_fn = fl.ffi.cast("void *", int(ffi.cast("uintptr_t", drv.cuMemcpyAsync)))
             self._ce_lib = fl
         except Exception as e:  # noqa: BLE001 - no cffi module: Python loop instead
@@ -413,10 +354,10 @@ class CudaIpcEngine:
             self._issue_ce(job, dst, stream)
             self.stats["ce_batches"] += 1
             return
-        ffi, drv = _driver()
+        ffi, drv = driver()
         s = ffi.cast("void *", stream.cuda_stream)
         for a, b, n in zip(job.src.tolist(), dst.tolist(), job.lens.tolist(), strict=True):
-            _check("cuMemcpyAsync", drv.cuMemcpyAsync(b, a, n, s))
+            check_rc("cuMemcpyAsync", drv.cuMemcpyAsync(b, a, n, s))
         self.stats["loop_batches"] += 1
 
     def _issue_ce(self, job: _Job, dst: np.ndarray, stream: Any) -> None:
@@ -442,7 +383,7 @@ class CudaIpcEngine:
                 self._ce_fn, d.shape[0], fl.ffi.cast("uint64_t *", d.ctypes.data),
                 fl.ffi.cast("uint64_t *", a.ctypes.data), fl.ffi.cast("uint64_t *", ln.ctypes.data),
                 fl.ffi.cast("void *", s.cuda_stream))
-            _check("cuMemcpyAsync", rc)
+            check_rc("cuMemcpyAsync", rc)
         for s in targets[1:]:
             ev = self.torch.cuda.Event()
             ev.record(s)
@@ -596,47 +537,3 @@ class CudaIpcEngine:
 
 class _RingFull(Exception):
     """The batch's tile table is larger than the ring: use the copy engine."""
-
-
-class CuMemBuffer:
-    """A cuMem allocation with a POSIX-fd exportable handle, mapped here (tests and bench: the
-    same kind of memory as the node's KV cache). ``tensor`` is uint8; ``fd`` is exportable."""
-
-    def __init__(self, nbytes: int, device: int) -> None:
-        import torch
-        from cuda.bindings import driver as cu
-
-        torch.zeros(1, device=f"cuda:{device}")  # the primary context, current here
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device
-        prop.requestedHandleTypes = (
-            cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        gran = _cu(cu.cuMemGetAllocationGranularity(
-            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
-        self.size = -(-nbytes // gran) * gran
-        self.handle = _cu(cu.cuMemCreate(self.size, prop, 0))
-        self.ptr = int(_cu(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
-        _cu(cu.cuMemMap(self.ptr, self.size, 0, self.handle, 0))
-        access = cu.CUmemAccessDesc()
-        access.location = prop.location
-        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        _cu(cu.cuMemSetAccess(self.ptr, self.size, [access], 1))
-        self.fd = int(_cu(cu.cuMemExportToShareableHandle(
-            self.handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
-
-        class _Iface:
-            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                        "data": (self.ptr, False), "version": 3}
-
-        self.tensor = torch.as_tensor(_Iface(), device=f"cuda:{device}")
-
-    def close(self) -> None:
-        from cuda.bindings import driver as cu
-
-        del self.tensor
-        os.close(self.fd)
-        _cu(cu.cuMemUnmap(self.ptr, self.size))
-        _cu(cu.cuMemAddressFree(self.ptr, self.size))
-        _cu(cu.cuMemRelease(self.handle))

@@ -80,7 +80,8 @@ def test_compiled_copy_loop_calls_the_driver_per_run():
 
 @pytest.mark.fabric
 def test_cumem_fd_handed_over_to_a_peer_of_the_same_user():
-    from disagg.fabric.cuda_ipc import CudaIpcEngine, fetch_fd
+    from disagg.fabric.cuda_ipc import CudaIpcEngine
+    from disagg.fabric.cuda_mem import fetch_fd
 
     engine = CudaIpcEngine()
     fd = os.memfd_create("kv-standin")
