@@ -233,8 +233,7 @@ class DecodeMessenger(MessengerBase):
         peer = self.pick()
         if peer is None or not self.ctx_free:
             why = "no prefiller is alive" if peer is None else "no free context slot"
-            await self._to_scheduler(self.stats())
-            await self._to_scheduler(RemoteFailed(need.slot, "no_prefiller", why))
+            await self._pages_back(RemoteFailed(need.slot, "no_prefiller", why))
             return
         gen = next(self._gens)
         key = make_key(need.slot, gen)
@@ -326,18 +325,14 @@ class DecodeMessenger(MessengerBase):
             a.expectation.cancel()
         fenced = a.state == "fenced"  # its failure was reported already
         self._forget(a)
-        # stats go out before a message that frees pages, so that nobody sees the pages back
-        # while the stats still count the attempt
         if fenced or a.cancelled:
-            await self._to_scheduler(self.stats())
-            await self._to_scheduler(self._released(a))
+            await self._pages_back(self._released(a))
         elif a.tries < self.max_tries and self.pick() is not None:
             log.warning("prefill of slot %d failed (%s: %s); retrying", a.slot, *failure)
             await self._start(a.need, a.tries + 1)
             await self._to_scheduler(self.stats())
         else:
-            await self._to_scheduler(self.stats())
-            await self._to_scheduler(RemoteFailed(a.slot, failure[0], failure[1]))
+            await self._pages_back(RemoteFailed(a.slot, failure[0], failure[1]))
 
     @staticmethod
     def _released(a: Attempt) -> RemoteReleased:
@@ -374,8 +369,7 @@ class DecodeMessenger(MessengerBase):
                 # the connection it was sent on went down (the process is gone: a stopped
                 # one keeps its connections), so nothing of it can land any more
                 self._forget(a)
-                await self._to_scheduler(self.stats())
-                await self._to_scheduler(self._released(a))
+                await self._pages_back(self._released(a))
         await self._report_alive()
 
     async def _report_alive(self) -> None:

@@ -10,7 +10,7 @@ import torch
 import zmq.asyncio
 
 from disagg.actors.transfer import TransferEngine
-from disagg.protocol import KVLayoutDesc
+from disagg.protocol import KVLayoutDesc, MessengerStats
 
 
 class MessengerBase:
@@ -37,6 +37,16 @@ class MessengerBase:
 
     async def _to_scheduler(self, msg: Any) -> None:
         await self.sched.send(self._enc.encode(msg))
+
+    def stats(self) -> MessengerStats:
+        raise NotImplementedError
+
+    async def _pages_back(self, msg: Any) -> None:
+        """Send a message that gives pages back to the scheduler, after this messenger's
+        stats as they are now: the scheduler answers Stats from the last snapshot it got, so
+        nobody may see the pages free while the snapshot still counts the transfer."""
+        await self._to_scheduler(self.stats())
+        await self._to_scheduler(msg)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

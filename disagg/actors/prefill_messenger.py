@@ -51,7 +51,6 @@ from disagg.protocol import (
 from disagg.transfer_plan import (
     ChunkPlan,
     Runs,
-    Write,
     context_write,
     incompatibility,
     pages_to_send,
@@ -338,20 +337,19 @@ class PrefillMessenger(MessengerBase):
             self.ctx_buf[slot] = torch.frombuffer(bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]),
                                                   dtype=torch.uint8)
             w = context_write(slot * row_bytes, job.req.ctx_offset, row_bytes)
-            self._post(job, self.ctx_region, job.dst_ctx, [w])
+            self._post(job, self.ctx_region, job.dst_ctx, Runs.of([w]))
             job.computed = True
             job.computed_at = time.monotonic()
             self._spawn(self._finish(job, None))
         self._send_soon(self.stats())
 
-    def _post(self, job: Job, src: Any, dst: Any, writes: Runs | list[Write]) -> None:
+    def _post(self, job: Job, src: Any, dst: Any, runs: Runs) -> None:
         left = job.deadline - time.monotonic()
         if left <= 0:  # past its deadline the decoder may have reused the pages: never write
             self._cancel(job, False, "timeout", "prefill did not finish within its deadline")
             return
         if job.first_post_at is None:
             job.first_post_at = time.monotonic()
-        runs = writes if isinstance(writes, Runs) else Runs.of(writes)
         job.writes += len(runs)
         job.bytes += int(runs.length.sum())
         try:
@@ -382,8 +380,7 @@ class PrefillMessenger(MessengerBase):
         self.ctx_free.append(self.ctx_of.pop(job.id))
         outcome = ("finished" if isinstance(reply, PrefillDone)
                    else "aborted" if isinstance(reply, AbortAck) else "errored")
-        await self._to_scheduler(self.stats())  # before the pages free: no stale snapshot
-        await self._to_scheduler(ReleaseJob(job.id, outcome))
+        await self._pages_back(ReleaseJob(job.id, outcome))
 
     @staticmethod
     def _done(job: Job) -> PrefillDone:

@@ -16,6 +16,7 @@ count. Lanes pick interfaces nearest first (``lane_domains``; the node passes th
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -50,9 +51,11 @@ _lanes_dec = msgspec.msgpack.Decoder(Annotated[list[Lane], msgspec.Meta(max_leng
 _lanes_enc = msgspec.msgpack.Encoder()
 
 
+@functools.lru_cache(maxsize=1024)
 def lanes_of(desc: MemoryDescriptor) -> list[MemoryDescriptor]:
     """The per-lane descriptors of a region a peer advertised (``[desc]`` for one lane).
-    Raises ``OutOfRange`` on a malformed lane list."""
+    Raises ``OutOfRange`` on a malformed lane list. Cached: a sender posts to the same few
+    descriptors every layer (do not modify the returned list)."""
     if desc.backend != "fabric" or not desc.handle.startswith(LANES_TAG):
         return [desc]
     try:
