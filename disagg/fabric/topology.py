@@ -9,6 +9,7 @@ same switch < same root complex < same NUMA node < across nodes (nvidia-smi's PI
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -129,14 +130,17 @@ def pair_gpus(topo: Topology) -> list[Affinity]:
 
 
 def stripe(lengths: list[int], lanes: int) -> list[int]:
-    """Assign writes to ``lanes`` NICs/endpoints, greedy least-loaded by bytes (pure, stable)."""
+    """Assign writes to ``lanes`` NICs/endpoints, greedy least-loaded by bytes, ties to the
+    lowest lane (pure, stable). Equal lengths (the usual page runs) make it round robin."""
     if lanes <= 0:
         raise ValueError("need at least one lane")
-    load = [0] * lanes
+    if not lengths or min(lengths) == max(lengths):
+        return [i % lanes for i in range(len(lengths))]
+    heap = [(0, i) for i in range(lanes)]  # (bytes so far, lane): a valid heap as it is
     out = []
     for n in lengths:
-        lane = min(range(lanes), key=lambda i: (load[i], i))
-        load[lane] += n
+        load, lane = heap[0]
+        heapq.heapreplace(heap, (load + n, lane))
         out.append(lane)
     return out
 

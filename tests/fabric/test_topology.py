@@ -117,3 +117,21 @@ def test_lane_flags_validated() -> None:
                        (dict(fabric_stripe_bytes=0), "--fabric-stripe-bytes")):
         with pytest.raises(ConfigError, match=match):
             DisaggConfig(**bad).validate()
+
+
+def test_stripe_is_greedy_least_loaded_lowest_lane_first() -> None:
+    import random
+
+    def greedy(lengths: list[int], lanes: int) -> list[int]:
+        load, out = [0] * lanes, []
+        for n in lengths:
+            lane = min(range(lanes), key=lambda i: (load[i], i))
+            load[lane] += n
+            out.append(lane)
+        return out
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        lengths = [rng.choice([1, 2, 3, 8, 100]) for _ in range(rng.randint(0, 30))]
+        lanes = rng.randint(1, 5)
+        assert stripe(lengths, lanes) == greedy(lengths, lanes), (lengths, lanes)
