@@ -16,7 +16,7 @@ import numpy as np
 from disagg.actors.transfer import TransferEngine
 from disagg.fabric.descriptor import check_writes
 from disagg.protocol import KVLayoutDesc
-from disagg.transfer_plan import plan_chunk, plan_layer_writes
+from disagg.transfer_plan import Runs, plan_chunk, plan_layer_writes
 
 L = KVLayoutDesc(num_layers=36, num_pages=20000, num_kv_heads=8, page_size=16, head_dim=128,
                  dtype="bfloat16", element_size=2, hidden_size=4096)
@@ -43,7 +43,8 @@ def main() -> None:
         dst = random.sample(range(L.num_pages), n)
         t0 = time.perf_counter()
         for layer in range(L.num_layers):
-            te.write(Region(), Region(), plan_layer_writes(L, L, src, dst, layer, seed=3), 5)
+            te.write(Region(), Region(), Runs.of(plan_layer_writes(L, L, src, dst, layer, seed=3)),
+                     5)
         per_layer = (time.perf_counter() - t0) / L.num_layers
         t0 = time.perf_counter()
         plan = plan_chunk(L, L, src, dst, seed=3)

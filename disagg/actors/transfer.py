@@ -31,7 +31,7 @@ import torch
 from disagg.fabric import decode_descriptor, make_backend
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.protocol import KVLayoutDesc
-from disagg.transfer_plan import UNIT_BITS, Runs, Write, make_imm, page_runs
+from disagg.transfer_plan import UNIT_BITS, Runs, make_imm, page_runs
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +141,10 @@ class TransferEngine:
             lanes_of(desc)
         return desc
 
-    def write(self, src: Any, dst: MemoryDescriptor, writes: list[Write] | Runs, key: int,
+    def write(self, src: Any, dst: MemoryDescriptor, runs: Runs, key: int,
               timeout: float | None = None) -> list[asyncio.Future[None]]:
-        """Post ``writes`` (one batch per distinct unit count: the immediate carries it).
+        """Post ``runs`` (one batch per distinct unit count: the immediate carries it).
         Raises ``OutOfRange`` before posting anything that falls outside ``dst``."""
-        runs = writes if isinstance(writes, Runs) else Runs.of(writes)
         if self.lanes > 1:  # long runs in pieces, so that every lane gets a share
             runs = runs.split(self.stripe_bytes)
         groups = [(u, runs.units == u) for u in np.unique(runs.units).tolist()]
