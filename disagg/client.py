@@ -59,7 +59,8 @@ class AsyncClient:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(NodeReply)
         self._queues: dict[str | None, asyncio.Queue[Any]] = {}
-        self._stats: asyncio.Queue[Stats] = asyncio.Queue()
+        self._stats: asyncio.Queue[Stats | Error] = asyncio.Queue()
+        self._stats_waiting = 0
         self._reader: asyncio.Task[None] | None = None
 
     def _ensure_reader(self) -> None:
@@ -74,6 +75,10 @@ class AsyncClient:
                 continue
             q = self._queues.get(msg.request_id)
             if q is None and isinstance(msg, Error) and msg.request_id is None:
+                if msg.code == "overloaded":  # a Stats or Abort frame of ours was refused
+                    if self._stats_waiting:
+                        self._stats.put_nowait(msg)
+                    continue
                 for q in self._queues.values():  # a frame-level error: tell everyone waiting
                     q.put_nowait(msg)
                 continue
@@ -132,10 +137,16 @@ class AsyncClient:
     async def stats(self, timeout: float = 10.0) -> Stats:
         self._ensure_reader()
         await self.sock.send(self._enc.encode(StatsRequest()))
+        self._stats_waiting += 1
         try:
-            return await asyncio.wait_for(self._stats.get(), timeout)
+            msg = await asyncio.wait_for(self._stats.get(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no Stats reply in {timeout}s") from None
+        finally:
+            self._stats_waiting -= 1
+        if isinstance(msg, Error):
+            raise RequestError(msg)
+        return msg
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -39,12 +39,21 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     max_batch_tokens: int = 2048  # tokens per step, decode + prefill chunks (--max-batch-tokens)
     max_running: int = 256  # sequences per step (--max-running)
     max_model_len: int = 0  # 0 = the model's max_position_embeddings (--max-model-len)
+    max_requests_per_client: int = 4096  # live requests per client connection (--max-requests-per-client)
+    max_queued_requests: int = 16384  # admitted, not started, all clients (--max-queued-requests)
+    queue_timeout_s: float = 600.0  # a request not started within this ends with timeout (--queue-timeout)
+    max_frames_per_client: int = 8192  # client frames being handled at once (--max-frames-per-client)
 
     def validate(self) -> None:
         if self.max_batch_tokens < 1:
             raise ConfigError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.max_running < 1:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
+        for name in ("max_requests_per_client", "max_queued_requests", "max_frames_per_client"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not self.queue_timeout_s > 0:
+            raise ConfigError("--queue-timeout must be > 0")
         if self.max_model_len < 0:
             raise ConfigError(f"--max-model-len must be >= 0, got {self.max_model_len}")
 
@@ -54,7 +63,7 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (--dtype)
     device: str = "cpu"  # one torch device per executor (--devices)
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (--attention-backend)
-    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (--threads)
+    threads: int = 0  # torch intra-op threads; 0 = torch's default / executors (--threads)
     seed: int = 0  # seed for --random-weights
     # weights drawn from `seed` on the device; --model then needs only config.json
     random_weights: bool = False  # (--random-weights)
@@ -106,6 +115,22 @@ class DisaggConfig(msgspec.Struct, frozen=True):
         for name in ("prefill_timeout_s", "heartbeat_s", "peer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
+
+
+def check_devices(devices: list[str], cuda_devices: int) -> None:
+    """Every ``cuda:N`` device exists on a machine with ``cuda_devices`` CUDA devices."""
+    for d in devices:
+        if not d.startswith("cuda"):
+            continue
+        index = d.partition(":")[2] or "0"
+        if not index.isdigit():
+            raise ConfigError(f"--devices entries must be 'cpu' or 'cuda:N', got {d!r}")
+        if cuda_devices == 0:
+            raise ConfigError(f"--devices {d}: no CUDA device is available here "
+                              "(use --devices cpu)")
+        if int(index) >= cuda_devices:
+            raise ConfigError(f"--devices {d}: only {cuda_devices} CUDA device(s) here "
+                              f"(cuda:0 to cuda:{cuda_devices - 1})")
 
 
 class NodeConfig(msgspec.Struct, frozen=True):

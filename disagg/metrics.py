@@ -4,7 +4,7 @@
 feeds what:
 
 - the gateway (or any client-side observer): one ``RequestTimer`` per request -> request counters
-  by outcome, TTFT / TPOT / ITL / end-to-end histograms, token counters; ``observe_error(code)``;
+  by outcome, TTFT / TPOT / ITL / end-to-end histograms, token counters; ``observe_error(code, type)``;
 - a Stats poller: ``update_stats(stats, node)`` -> queue depths, page pool usage, the node's own
   counters (preemptions, started/finished/aborted/errored/rejected), exposed from the last
   snapshot so they stay monotonic per node process;
@@ -116,7 +116,10 @@ class Metrics:
         self.requests = Counter("disagg_requests", "Requests ended, by outcome "
                                 "(stop, length, abort, error).", ["outcome"], registry=r)
         self.errors = Counter("disagg_request_errors", "Requests refused or failed, by error "
-                              "code (node codes and HTTP error codes).", ["code"], registry=r)
+                              "code (a node's code, or the gateway's own such as "
+                              "model_not_found; none when the error has no code) and type (the "
+                              "OpenAI error type answered; none on the client protocol).",
+                              ["code", "type"], registry=r)
         self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens of ended requests.",
                                      registry=r)
         self.generation_tokens = Counter("disagg_generation_tokens",
@@ -159,8 +162,9 @@ class Metrics:
     def start_request(self, now: float | None = None) -> RequestTimer:
         return RequestTimer(self, time.monotonic() if now is None else now)
 
-    def observe_error(self, code: str) -> None:
-        self.errors.labels(code).inc()
+    def observe_error(self, code: str | None, type: str | None = None) -> None:
+        """One error: its machine code and its OpenAI type, each ``none`` when absent."""
+        self.errors.labels(code or "none", type or "none").inc()
 
     def update_stats(self, stats: Stats, node: str = "local") -> None:
         self._stats.last[node] = stats
@@ -215,16 +219,17 @@ class RequestTimer:
         self.m.generation_tokens.inc(n)
 
     def finish(self, outcome: str, prompt_tokens: int = 0, error_code: str | None = None,
-               now: float | None = None) -> None:
-        """End the request once: ``outcome`` in stop | length | abort | error."""
+               now: float | None = None, error_type: str | None = None) -> None:
+        """End the request once: ``outcome`` in stop | length | abort | error (an error with a
+        code or a type also counts in ``disagg_request_errors``)."""
         if self.done:
             return
         self.done = True
         t = time.monotonic() if now is None else now
         self.m.in_flight.dec()
         self.m.requests.labels(outcome).inc()
-        if error_code is not None:
-            self.m.observe_error(error_code)
+        if error_code is not None or error_type is not None:
+            self.m.observe_error(error_code, error_type)
         self.m.prompt_tokens.inc(prompt_tokens)
         self.m.e2e.observe(t - self.start)
         if self.first is not None and self.last is not None and self.tokens > 1:

@@ -4,7 +4,11 @@
 
     node = Node(NodeConfig(listen="tcp://127.0.0.1:5555"))
     await node.start()          # returns once the node accepts requests
-    await node.wait()           # until node.stop() or a fatal error
+    await node.wait()           # until node.stop() or a fatal error (an executor died)
+    await node.stop()
+
+A Node runs once; ``disagg.supervisor.Supervisor`` starts a new one on the same addresses when
+one fails.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import zmq.asyncio
 from disagg import security
 from disagg.actors.executor import ExecutorGroup
 from disagg.actors.frontend import FrontendActor
-from disagg.actors.scheduler import SchedulerActor
+from disagg.actors.scheduler import Limits, SchedulerActor
 from disagg.actors.transfer import TransferEngine
 from disagg.config import NodeConfig
 from disagg.gc_tuning import freeze_startup_objects
@@ -36,6 +40,8 @@ from disagg.protocol import KVLayoutDesc
 from disagg.transfer_plan import shard_kv_heads
 
 log = logging.getLogger(__name__)
+
+FLUSH_MS = 1000  # at most this long on stop for the last replies to reach connected clients
 
 
 def resolve_model(cfg: NodeConfig) -> NodeConfig:
@@ -51,7 +57,7 @@ def resolve_model(cfg: NodeConfig) -> NodeConfig:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig):
+    def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
         cfg.validate()
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
@@ -61,8 +67,11 @@ class Node:
         self.messenger: Any = None  # PrefillMessenger | DecodeMessenger
         self.transfer: TransferEngine | None = None
         self.counter: Any = None
-        self.metrics = Metrics()  # fed by the messengers; served by --metrics-listen / the gateway
+        # fed by the messengers; served by --metrics-listen / the gateway (shared by restarts)
+        self.metrics = metrics if metrics is not None else Metrics()
         self.address: str | None = None
+        self.summary = ""  # what serves where, once started
+        self.failure: str | None = None  # which actor failed and why
         self._tasks: list[asyncio.Task[None]] = []
         self._run_dir: str | None = None
         self._done = asyncio.Event()
@@ -85,8 +94,10 @@ class Node:
             raise
         s = cfg.scheduler
         sched_args = (self.executors, arch, tokenizer, cfg.cache.page_size, s.max_batch_tokens,
-                      s.max_running, s.max_model_len or arch.max_position_embeddings)
-        actors: list[tuple[str, Any]] = []  # (name, the actor's run method)
+                      s.max_running, s.max_model_len or arch.max_position_embeddings,
+                      Limits(s.max_requests_per_client, s.max_queued_requests,
+                             s.queue_timeout_s))
+        actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
             await self._start_prefill(cfg, arch, sched_args, actors)
         else:
@@ -95,22 +106,30 @@ class Node:
                 await self._start_decode(cfg, arch, sched_sock, sched_args, actors)
             else:
                 self.scheduler = SchedulerActor(cfg.role, sched_sock, *sched_args)
-            self.frontend = FrontendActor(cfg.listen, front_sock, self.ctx)
+            self.frontend = FrontendActor(cfg.listen, front_sock, self.ctx,
+                                          max_inflight=s.max_frames_per_client)
             self.address = self.frontend.address
             actors.append(("frontend", self.frontend.run))
         assert self.scheduler is not None
         actors.append(("scheduler", self.scheduler.run))
         self._tasks = [asyncio.create_task(self._guard(run(), name)) for name, run in actors]
         freeze_startup_objects(f"{cfg.role} node")
-        log.info("ready: %s node serving %s on %s (%d pages of %d tokens)", cfg.role,
-                 arch.architecture, self.address, self.executors.num_pages, cfg.cache.page_size)
+        self.summary = (f"{cfg.role} node serving {arch.architecture} on {self.address} "
+                        f"({self.executors.num_pages} pages of {cfg.cache.page_size} tokens)")
+        log.info("started: %s", self.summary)
 
     def _pair(self, name: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
-        """Two ends of an inproc PAIR link between actors."""
+        """Two ends of an inproc PAIR link between actors, unbounded both ways: a send never
+        waits, so two actors sending to each other can never wait on each other. What bounds
+        the queues is upstream: frames in flight per client (frontend), one Stats query in
+        flight per peer and the job limit (prefill messenger)."""
         addr = f"inproc://{name}-{id(self)}"
         a = self.ctx.socket(zmq.PAIR)
-        a.bind(addr)
         b = self.ctx.socket(zmq.PAIR)
+        for sock in (a, b):
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        a.bind(addr)
         b.connect(addr)
         return a, b
 
@@ -191,7 +210,9 @@ class Node:
             raise
         except BaseException as e:
             log.error("%s actor stopped: %s", name, e)
-            self._error = e
+            if self._error is None:
+                self._error = e
+                self.failure = f"{name} failure: {e}"
             self._done.set()
 
     async def wait(self) -> None:
@@ -201,11 +222,15 @@ class Node:
             raise self._error
 
     async def stop(self) -> None:
-        """Fail every live request, stop the actors and every executor process."""
+        """Fail every live request (``internal`` naming the failure after one, else
+        ``shutting_down``), stop the actors and every executor process, release the KV
+        memory, its registrations, the sockets and the run directory."""
+        code, message = (("internal", self.failure) if self.failure is not None
+                         else ("shutting_down", "the node is shutting down"))
         if self.scheduler is not None:
             self.scheduler.stop()
             with contextlib.suppress(Exception):
-                await self.scheduler.fail_all("shutting_down", "the node is shutting down")
+                await self.scheduler.fail_all(code, message)
                 if self.frontend is not None:  # flush the final replies to clients
                     await asyncio.wait_for(self.frontend._from_scheduler(), 1.0)
         for t in self._tasks:
@@ -217,7 +242,8 @@ class Node:
         self._done.set()
 
     async def _cleanup(self) -> None:
-        if self.frontend is not None:
+        if self.frontend is not None:  # the final replies go out before the socket goes
+            self.frontend.sock.setsockopt(zmq.LINGER, FLUSH_MS)  # (ctx.destroy waits for it)
             self.frontend.close()
         if self.messenger is not None:
             self.messenger.close()

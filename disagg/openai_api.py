@@ -37,23 +37,35 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
-# Node error codes (client protocol) -> HTTP status.
+# Node error codes (client protocol) -> HTTP status. ``overloaded`` (this client is over its
+# bounds on the node; retry later) is 429 as OpenAI's rate limits; ``prefill_failed`` (the
+# prefill node this request went to failed) is 502, an upstream failure; the node stopping or
+# unreachable is 503; a deadline that passed (the node's or the gateway's) is 504.
 NODE_ERROR_STATUS = {
     "bad_request": 400,
     "bad_frame": 400,
     "duplicate_request": 409,
     "unknown_request": 404,
+    "overloaded": 429,
+    "internal": 500,
+    "prefill_failed": 502,
     "shutting_down": 503,
     "unavailable": 503,
     "timeout": 504,
-    "internal": 500,
 }
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
 def node_error(code: str, message: str) -> ApiError:
+    """A node's ``Error`` as the HTTP error to answer (unknown codes: 500)."""
     status = NODE_ERROR_STATUS.get(code, 500)
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return ApiError(status, message, kind, code=code)
+    return ApiError(status, message, error_type(status), code=code)
 
 
 # ------------------------------------------------------------------ request bodies
@@ -73,8 +85,8 @@ class _Common(msgspec.Struct):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)
-    n: int = 1
-    stream: bool = False
+    n: int | None = None  # null = 1 (OpenAI allows null for n, stream, echo)
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM)
     min_tokens: int = 0  # extension (vLLM)
@@ -86,7 +98,7 @@ class _Common(msgspec.Struct):
 
 class CompletionBody(_Common):
     prompt: str | list[Any] | None = None
-    echo: bool = False
+    echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -95,6 +107,9 @@ class CompletionBody(_Common):
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(msgspec.Struct):
@@ -122,6 +137,8 @@ def decode_body(data: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, f"invalid request: {e}", param=_param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
 
 
 def _param_of(msg: str) -> str | None:
@@ -189,7 +206,7 @@ def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
     if tok is None:
         raise ApiError(400, "this model has no tokenizer, so chat is unavailable; "
                        "use /v1/completions with token ids", param="messages")
-    messages = [{"role": m.role, "content": _message_text(m, i)}
+    messages = [{"role": _message_role(m, i), "content": _message_text(m, i)}
                 for i, m in enumerate(body.messages)]
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
@@ -215,7 +232,7 @@ def check_model(requested: str | None, model_name: str) -> None:
 
 
 def _refuse_unsupported(body: _Common) -> None:
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise ApiError(400, f"n must be 1, got {body.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(body, name)
@@ -223,6 +240,13 @@ def _refuse_unsupported(body: _Common) -> None:
             raise ApiError(400, f"{name} is not supported (must be 0)", param=name)
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _message_role(m: ChatMessage, i: int) -> str:
+    if m.role not in CHAT_ROLES:
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                       f"got {m.role!r}", param=f"messages[{i}].role")
+    return m.role
 
 
 def _message_text(m: ChatMessage, i: int) -> str:
@@ -305,7 +329,7 @@ def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
     problem = sampling.validate()
     if problem is not None:
         raise ApiError(400, problem, param=problem.split()[0])
-    return Prepared(ids, sampling, stop, body.stream,
+    return Prepared(ids, sampling, stop, bool(body.stream),
                     body.stream_options is not None and body.stream_options.include_usage)
 
 

@@ -22,38 +22,62 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 PROTOCOL_VERSION = 1
 
 # ------------------------------------------------------------------ client -> node
 
 
+MAX_TOKENS_LIMIT = 2**31 - 1  # sanity bound on max_tokens (the context limit stops earlier)
+MIN_TEMPERATURE = 1e-5  # below this (except 0) float32 logits / temperature overflow
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def as_float32(x: float) -> float:
+    """``x`` as the sampling kernels see it (float32): rounds, underflows to 0, overflows to inf."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How to pick tokens. ``temperature == 0`` is greedy."""
 
-    max_tokens: int = 16  # number of output tokens, >= 1
-    temperature: float = 0.0  # 0 = greedy
+    max_tokens: int = 16  # number of output tokens, in [1, MAX_TOKENS_LIMIT]
+    temperature: float = 0.0  # 0 = greedy, else in [MIN_TEMPERATURE, 100]
     top_k: int = 0  # 0 = disabled
-    top_p: float = 1.0  # 1 = disabled
+    top_p: float = 1.0  # 1 = disabled; > 0 in float32
     seed: int | None = None  # per-request seed; same seed -> same tokens, alone or batched
     stop_token_ids: list[int] = []  # finish (reason "stop") when one of these is sampled
     ignore_eos: bool = False  # keep going past the model's EOS tokens
     min_tokens: int = 0  # EOS/stop tokens are ignored before this many outputs
 
     def validate(self) -> str | None:
-        """Return a message naming the first bad field, or None."""
-        if self.max_tokens <= 0:
-            return f"max_tokens must be >= 1, got {self.max_tokens}"
-        if not 0.0 <= self.temperature <= 100.0:
-            return f"temperature must be in [0, 100], got {self.temperature}"
+        """Return a message naming the first bad field, or None.
+
+        Floats are checked as the sampler sees them (float32): a tiny positive temperature
+        (1/T overflows) or a top_p that rounds to 0 is refused, not passed on. Token ids are
+        checked against the vocabulary by the node (``prepare_prompt``)."""
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            return f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}"
+        t = self.temperature  # 0 or >= MIN_TEMPERATURE: 1/T and logits/T stay finite in float32
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0):
+            return (f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], "
+                    f"got {self.temperature}")
         if self.top_k < 0:
             return f"top_k must be >= 0, got {self.top_k}"
-        if not 0.0 < self.top_p <= 1.0:
-            return f"top_p must be in (0, 1], got {self.top_p}"
+        if not 0.0 < as_float32(self.top_p) <= 1.0 or self.top_p > 1.0:
+            return f"top_p must be in (0, 1] (and above 0 in float32), got {self.top_p}"
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             return f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return f"seed must be in [0, 2**63), got {self.seed}"
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            return (f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries, "
+                    f"got {len(self.stop_token_ids)}")
+        bad = next((tid for tid in self.stop_token_ids if tid < 0), None)
+        if bad is not None:
+            return f"stop_token_ids must be token ids >= 0, got {bad}"
         return None
 
 
@@ -64,7 +88,14 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     prompt: str | None = None  # text, tokenized by the node (no chat template applied)
     prompt_token_ids: list[int] | None = None  # token ids, each in [0, vocab_size)
     sampling: SamplingParams = SamplingParams()
-    v: int = PROTOCOL_VERSION
+    v: int = PROTOCOL_VERSION  # must be PROTOCOL_VERSION
+
+    def validate(self) -> str | None:
+        """The protocol version, then the sampling parameters: a message naming the first bad
+        field, or None (the prompt is checked by the node, which knows the vocabulary)."""
+        if self.v != PROTOCOL_VERSION:
+            return f"v must be {PROTOCOL_VERSION} (the protocol version of this node), got {self.v}"
+        return self.sampling.validate()
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -120,7 +151,9 @@ class Finished(msgspec.Struct, tag="finished", frozen=True):
 class Error(msgspec.Struct, tag="error", frozen=True):
     """A request (or a frame) was refused or failed. Terminal for ``request_id`` if set."""
 
-    code: str  # machine-readable: bad_frame, bad_request, duplicate_request, unknown_request, internal
+    # machine-readable: bad_frame, bad_request, duplicate_request, unknown_request, overloaded,
+    # timeout, prefill_failed, unavailable, shutting_down, internal
+    code: str
     message: str  # human-readable reason naming the field
     request_id: str | None = None
     v: int = PROTOCOL_VERSION
@@ -237,10 +270,24 @@ class FromClient(msgspec.Struct, tag="from_client", array_like=True, frozen=True
 
 
 class ToClient(msgspec.Struct, tag="to_client", array_like=True, frozen=True):
-    """A reply for the frontend to route to ``identity``."""
+    """A reply for the frontend to route to ``identity`` (None: nothing to send), and how many
+    of that client's frames the scheduler finished handling with it (the frontend's count of
+    the client's frames in flight)."""
 
     identity: bytes
-    msg: NodeReply
+    msg: NodeReply | None
+    frames: int = 0
+
+
+class ClientGone(msgspec.Struct, tag="client_gone", array_like=True, frozen=True):
+    """The frontend's word that a client disconnected or stopped reading its replies: end
+    its live requests (``reason`` says which, for the log)."""
+
+    identity: bytes
+    reason: str
+
+
+SchedulerInbox = FromClient | ClientGone  # what the scheduler reads from the frontend
 
 
 # ------------------------------------------------------------------ decode node <-> prefill node
@@ -319,11 +366,13 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     dst_kv: bytes  # encoded MemoryDescriptor of the decoder's (lead rank's) KV region
     dst_ctx: bytes  # encoded MemoryDescriptor of the decoder's context buffer
     ctx_offset: int  # byte offset of this request's context slot in dst_ctx
-    timeout_s: float  # the prefiller gives up (and frees its pages) after this long
+    timeout_s: float  # idle timeout: the prefiller gives up (and frees its pages) after this
+    # long without progress (disagg.deadlines)
     dst_kv_ranks: list[bytes] = []  # one descriptor per decoder rank when its tp_size > 1
-    deadline_unix: float = 0.0  # wall clock (time.time()) after which the prefiller posts no
-    # write of this request, whenever it received it (0 = none); the decoder keeps the pages
-    # fenced until then when it cannot get an acknowledgement
+    deadline_unix: float = 0.0  # absolute cap, wall clock (time.time()), after which the
+    # prefiller posts no write of this request, whenever it received it, progress or not
+    # (0 = the rule's cap from reading it: ``prefill_cap_s``); the decoder keeps the pages
+    # fenced until then (plus a grace) when it cannot get an acknowledgement
     v: int = PROTOCOL_VERSION
 
 
@@ -360,6 +409,14 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     tail_s: float = 0.0  # last step done -> last write completed at the source
 
 
+class PrefillProgress(msgspec.Struct, tag="prefill_progress", frozen=True):
+    """The prefiller is making progress with the request or the queue it waits in (a step or
+    layer computed): the decoder pushes the attempt's idle deadline forward. Sent at most every
+    quarter of ``timeout_s`` per request."""
+
+    request_id: str
+
+
 class PrefillFailed(msgspec.Struct, tag="prefill_failed", frozen=True):
     """The prefill was refused or failed; no write of it will land any more."""
 
@@ -374,7 +431,7 @@ class AbortAck(msgspec.Struct, tag="abort_ack", frozen=True):
     request_id: str
 
 
-PeerReply = Pong | PrefillDone | PrefillFailed | AbortAck | Stats
+PeerReply = Pong | PrefillDone | PrefillFailed | AbortAck | PrefillProgress | Stats
 
 
 # ------------------------------------------------------------------ scheduler <-> messenger (inproc)

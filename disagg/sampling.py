@@ -37,12 +37,26 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def usable_or_greedy(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``probs`` when it is a distribution ``torch.multinomial`` accepts (finite, positive sum),
+    else a one-hot on ``logits``' argmax: the greedy limit of a row whose temperature or top-p
+    is too small for float32 (or whose logits are not finite). Stays on the device (no sync),
+    so a bad row can neither raise on the host nor trip a device-side assert."""
+    ok = torch.isfinite(probs).all() & (probs.sum() > 0)
+    onehot = torch.zeros_like(probs).scatter_(0, logits.argmax().reshape(1), 1.0)
+    return torch.where(ok, probs, onehot)
+
+
 def sample(logits: torch.Tensor, chunks: Sequence[SeqChunk],
            argmax: torch.Tensor | None = None) -> list[int]:
     """One token per row of ``logits [N, V]`` (float32); row i belongs to ``chunks[i]``.
 
     Greedy rows cost one device-to-host copy for the whole batch (``argmax``, the rows' argmax
-    already computed on the device, or computed here); only sampled rows work row by row."""
+    already computed on the device, or computed here); only sampled rows work row by row.
+
+    A row cannot fail the batch: one whose probabilities are not a distribution (non-finite,
+    or nothing left after top-k/top-p) is sampled greedily instead (``usable_or_greedy``),
+    which is what its parameters tend to; the other rows draw exactly what they would alone."""
     greedy = (logits.argmax(dim=-1) if argmax is None else argmax).tolist()
     out: list[int] = []
     for i, c in enumerate(chunks):
@@ -50,7 +64,7 @@ def sample(logits: torch.Tensor, chunks: Sequence[SeqChunk],
             out.append(int(greedy[i]))
             continue
         row = filter_logits(logits[i] / c.temperature, c.top_k, c.top_p)
-        probs = torch.softmax(row, dim=-1)
+        probs = usable_or_greedy(torch.softmax(row, dim=-1), logits[i])
         gen = torch.Generator(device=logits.device).manual_seed(draw_seed(c.seed, c.output_index))
         out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     return out

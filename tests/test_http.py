@@ -186,7 +186,7 @@ def test_metrics_parse_and_move(oai, gateway):
     assert m1["disagg_e2e_request_latency_seconds_count"] > m0["disagg_e2e_request_latency_seconds_count"]
     assert m1["disagg_time_per_output_token_seconds_count"] > m0["disagg_time_per_output_token_seconds_count"]
     assert m1["disagg_inter_token_latency_seconds_count"] >= m0["disagg_inter_token_latency_seconds_count"] + 3
-    assert m1["disagg_request_errors_total,code=model_not_found"] >= 1
+    assert m1["disagg_request_errors_total,code=model_not_found,type=invalid_request_error"] >= 1
     # the node's own counters arrive with the Stats poll
     deadline = time.monotonic() + 10
     key = "disagg_node_requests_total,node=" + gateway.stats_label + ",state=finished"
@@ -241,12 +241,32 @@ def _j(**kw: Any) -> bytes:
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400, "text"),
     ("/v1/nowhere", b"{}", 404, "no route"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "nested too deeply"),
+    ("/v1/completions", _j(temperature=1e-45), 400, "temperature"),
+    ("/v1/completions", _j(top_p=1e-300), 400, "top_p"),
+    # refused by the node (it knows the vocabulary): its bad_request is a 400
+    ("/v1/completions", _j(stop_token_ids=[5, 100000]), 400, "stop_token_ids"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [
+        {"role": "wizard", "content": "w1"}]}).encode(), 400, "messages[0].role"),
 ])
 def test_bad_input_gets_4xx(gateway, path, body, status, needle):
     code, payload = raw_post(gateway.url, path, body)
     assert code == status, payload
     err = payload["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_null_n_stream_echo_mean_the_defaults(gateway):
+    code, payload = raw_post(gateway.url, "/v1/completions", _j(n=None, stream=None, echo=None,
+                                                                temperature=0))
+    assert code == 200, payload
+    assert payload["choices"][0]["finish_reason"] in ("length", "stop")
+    body = json.dumps({"model": MODEL, "messages": [{"role": "developer", "content": "w1"},
+                                                    {"role": "user", "content": "w2"}],
+                       "max_tokens": 2, "n": None, "stream": None}).encode()
+    code, payload = raw_post(gateway.url, "/v1/chat/completions", body)
+    assert code == 200 and payload["object"] == "chat.completion", payload
 
 
 def test_wrong_method_and_typed_errors(gateway, oai):

@@ -38,14 +38,14 @@ def test_request_timer_feeds_histograms():
 def test_errors_stats_and_transfers():
     m = Metrics()
     m.start_request().finish("error", error_code="bad_request")
-    m.observe_error("model_not_found")
+    m.observe_error("model_not_found", "invalid_request_error")
     m.update_stats(Stats("decode", 100, 25, 16, 3, 4, 10, 5, 1, 0, 2, 0, 6), node="n1")
     m.observe_transfer("sent", 4096, writes=2, latency_s=0.002)
     m.observe_transfer("received", 1024)
     m.observe_layer_lag(0.0005)
     s = samples(m)
-    assert s["disagg_request_errors_total,code=bad_request"] == 1
-    assert s["disagg_request_errors_total,code=model_not_found"] == 1
+    assert s["disagg_request_errors_total,code=bad_request,type=none"] == 1
+    assert s["disagg_request_errors_total,code=model_not_found,type=invalid_request_error"] == 1
     assert s["disagg_kv_page_usage_ratio,node=n1"] == 0.75
     assert s["disagg_num_requests_running,node=n1"] == 3
     assert s["disagg_num_requests_waiting,node=n1"] == 4
@@ -63,7 +63,27 @@ def test_errors_stats_and_transfers():
 def test_two_instances_do_not_collide():
     a, b = Metrics(), Metrics()
     a.observe_error("x")
-    assert samples(b).get("disagg_request_errors_total,code=x") is None
+    assert samples(b).get("disagg_request_errors_total,code=x,type=none") is None
+    assert samples(a)["disagg_request_errors_total,code=x,type=none"] == 1
+
+
+def test_error_codes_and_types_are_separate_labels():
+    m = Metrics()
+    m.observe_error(None, "invalid_request_error")  # e.g. bad JSON: a type, no code
+    m.observe_error("bad_request", "invalid_request_error")
+    m.observe_error("timeout", "server_error")
+    t = m.start_request()
+    t.finish("error", 3, "unavailable", error_type="server_error")
+    m.start_request().finish("error", 1, None, error_type="server_error")
+    m.start_request().finish("abort", 1)  # not an error
+    s = {k: v for k, v in samples(m).items() if k.startswith("disagg_request_errors_total")}
+    assert s == {
+        "disagg_request_errors_total,code=none,type=invalid_request_error": 1,
+        "disagg_request_errors_total,code=bad_request,type=invalid_request_error": 1,
+        "disagg_request_errors_total,code=timeout,type=server_error": 1,
+        "disagg_request_errors_total,code=unavailable,type=server_error": 1,
+        "disagg_request_errors_total,code=none,type=server_error": 1,
+    }
 
 
 def test_disaggregation_fields_of_stats():

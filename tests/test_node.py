@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import signal
+import socket
+import subprocess
+import sys
 
 import msgspec
 import pytest
 import zmq
 
 import nodes
+from disagg.actors.executor import cpu_threads
 from disagg.client import Client, RequestError
+from disagg.config import ConfigError, check_devices
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
 from tinymodels import NodeProcess, add_word_tokenizer, free_port, hf_greedy, make_tiny_model
 
@@ -159,3 +164,49 @@ def test_sigint_stops_every_child(model_dir, tmp_path):
     assert kids, "the node should have an executor child"
     assert proc.stop(signal.SIGINT) == []
     assert proc.proc.returncode == 0
+
+
+def test_ready_is_logged_once_the_http_gateway_and_metrics_accept(model_dir, tmp_path):
+    http, metrics = free_port(), free_port()
+    log = tmp_path / "n.log"
+    proc = NodeProcess(["--model", str(model_dir), "--listen", f"tcp://127.0.0.1:{free_port()}",
+                        "--num-pages", "8", "--threads", "1", "--http-listen",
+                        f"127.0.0.1:{http}", "--metrics-listen", f"127.0.0.1:{metrics}"], log)
+    try:
+        proc.wait_ready()  # the first line with 'ready' in it
+        for port in (http, metrics):  # accepts at once: no retry
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        lines = log.read_text().splitlines()
+        ready = next(i for i, line in enumerate(lines) if "ready:" in line)
+        assert any("HTTP gateway ready on" in line for line in lines[:ready])
+    finally:
+        assert proc.stop() == []
+
+
+def test_cuda_device_without_cuda_is_a_one_line_error(model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    out = subprocess.run([sys.executable, "-m", "disagg", "--model", str(model_dir),
+                          "--devices", "cuda:0", "--listen", "tcp://127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "disagg-node: --devices cuda:0: no CUDA device is available here (use --devices cpu)"]
+
+
+def test_check_devices():
+    check_devices(["cpu", "cpu"], 0)
+    check_devices(["cuda:0", "cuda:1"], 2)
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        check_devices(["cuda:0"], 0)
+    with pytest.raises(ConfigError, match=r"cuda:2: only 2 CUDA device\(s\)"):
+        check_devices(["cuda:2"], 2)
+
+
+def test_default_threads_share_the_cores_among_executors():
+    assert cpu_threads(0, 1, 8) == 8  # one executor: torch's default
+    assert cpu_threads(0, 2, 8) == 4  # --tp 2 on the CPU: half each, not 2 x 8
+    assert cpu_threads(0, 4, 2) == 1
+    assert cpu_threads(3, 2, 8) == 3  # --threads wins

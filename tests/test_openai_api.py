@@ -9,11 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from disagg.openai_api import (
+    CHAT_ROLES,
     ApiError,
     ChatBody,
     CompletionBody,
     StopMatcher,
     decode_body,
+    node_error,
     prepare_chat,
     prepare_completion,
     sse,
@@ -149,3 +151,64 @@ def test_stop_matcher_never_emits_what_a_stop_string_cuts(text, stops, cuts):
 def test_sse_framing():
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'
     assert sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_null_means_default_for_n_stream_echo():
+    body = {"prompt": "w1", "n": None, "stream": None, "echo": None}
+    p = prepare_completion(decode_body(json.dumps(body).encode(), CompletionBody), FakeTok(),
+                           "m", 64)
+    assert not p.stream and p.prompt_token_ids == [1]
+    c = chat(messages=[{"role": "user", "content": "w1"}], n=None, stream=None)
+    assert not c.stream
+    assert comp(prompt="w1", n=1, stream=True).stream
+
+
+def test_deeply_nested_json_is_a_400():
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ApiError, match="nested too deeply") as e:
+        decode_body(deep, CompletionBody)
+    assert e.value.status == 400 and e.value.type == "invalid_request_error"
+    with pytest.raises(ApiError) as e:
+        decode_body(b'{"messages": [{"role": "user", "content": "w1"}], "tools": '
+                    + b"[" * 100_000 + b"]" * 100_000 + b"}", ChatBody)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize("role", CHAT_ROLES)
+def test_chat_roles_accepted(role):
+    assert chat(messages=[{"role": role, "content": "w7"}]).prompt_token_ids == [7, 99]
+
+
+@pytest.mark.parametrize("role", ["wizard", "", "USER", "function"])
+def test_chat_unknown_role_names_the_message(role):
+    with pytest.raises(ApiError) as e:
+        chat(messages=[{"role": "user", "content": "w1"}, {"role": role, "content": "w2"}])
+    assert e.value.status == 400 and e.value.param == "messages[1].role", e.value.message
+    assert "messages[1].role" in e.value.message and repr(role) in e.value.message
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(temperature=1e-45), "temperature"),
+    (dict(top_p=1e-300), "top_p"),
+    (dict(stop_token_ids=[1] * 1025), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_sampling_values_the_sampler_cannot_use_are_400(kw, param):
+    with pytest.raises(ApiError) as e:
+        comp(prompt="w1", **kw)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize("code, status, kind", [
+    ("bad_request", 400, "invalid_request_error"),
+    ("overloaded", 429, "rate_limit_error"),
+    ("internal", 500, "server_error"),
+    ("prefill_failed", 502, "server_error"),
+    ("unavailable", 503, "server_error"),
+    ("shutting_down", 503, "server_error"),
+    ("timeout", 504, "server_error"),
+    ("something_new", 500, "server_error"),
+])
+def test_node_error_status(code, status, kind):
+    e = node_error(code, "why")
+    assert (e.status, e.type, e.code, e.message) == (status, kind, code, "why")

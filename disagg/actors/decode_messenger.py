@@ -10,6 +10,8 @@ Owns: the attempts (one per PrefillRequest sent), peer liveness and load, the co
 A request's pages are never reported free while a write into them may still land: after a
 timeout or a client abort the attempt drains (AbortPrefill -> AbortAck, or the prefiller's own
 PrefillDone/PrefillFailed, or the prefiller declared dead) before the scheduler hears of it.
+An attempt times out after ``--prefill-timeout`` without progress (KV units of its key landing,
+or the prefiller's ``PrefillProgress``), or at its absolute deadline (``disagg.deadlines``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import zmq.asyncio
 from disagg import security
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.transfer import TransferEngine
+from disagg.deadlines import DEADLINE_GRACE_S, ProgressDeadline, fence_expired, prefill_cap_s
 from disagg.protocol import (
     AbortAck,
     AbortPrefill,
@@ -45,6 +48,7 @@ from disagg.protocol import (
     Pong,
     PrefillDone,
     PrefillFailed,
+    PrefillProgress,
     PrefillRequest,
     PrefillTimings,
     RemoteFailed,
@@ -81,11 +85,13 @@ class Attempt:
     peer: Peer
     ctx_slot: int
     expectation: Any
-    deadline: float
+    clock: ProgressDeadline  # waiting: idle deadline pushed by progress, under the cap
     tries: int
     epoch: int = 0  # the peer's connection epoch when the request was sent
     started_at: float = 0.0
-    deadline_unix: float = 0.0  # wall clock after which the prefiller posts no write of it
+    deadline_unix: float = 0.0  # the cap, wall clock: the prefiller posts no write after it
+    deadline: float = 0.0  # draining: when to stop waiting for the acknowledgement
+    landed: int = 0  # units of its key seen landed (progress)
     state: str = "waiting"  # waiting (for KV) -> draining (no KV wanted; writes may land)
     cancelled: bool = False  # the request ended on the decode side
     failure: tuple[str, str] | None = None
@@ -219,6 +225,10 @@ class DecodeMessenger(MessengerBase):
                     a = self.attempts.get(rid)
                     if a is not None and a.state in ("draining", "fenced"):
                         await self._settled(a, a.failure or ("cancelled", "the request ended"))
+                case PrefillProgress(request_id=rid):
+                    a = self.attempts.get(rid)
+                    if a is not None and a.peer is peer:
+                        a.clock.progress(time.monotonic())
 
     # ------------------------------------------------------------------ attempts
 
@@ -240,10 +250,12 @@ class DecodeMessenger(MessengerBase):
         assert peer.layout is not None  # alive means it answered a Ping
         units = request_units(peer.layout, self.layout, len(need.prompt_ids))
         ctx_slot = self.ctx_free.pop()
-        exp = self.transfer.expect(key, units, timeout=self.timeout_s)
+        cap_s = prefill_cap_s(self.timeout_s, len(need.prompt_ids))
+        exp = self.transfer.expect(key, units, timeout=cap_s)  # the engine enforces the cap
+        now = time.monotonic()
         a = Attempt(need.slot, gen, need, peer, ctx_slot, exp,
-                    time.monotonic() + self.timeout_s, tries, epoch=peer.epoch,
-                    started_at=time.monotonic(), deadline_unix=time.time() + self.timeout_s)
+                    ProgressDeadline.start(now, self.timeout_s, cap_s), tries, epoch=peer.epoch,
+                    started_at=now, deadline_unix=time.time() + cap_s)
         self.attempts[a.request_id] = a
         self.by_slot[need.slot] = a
         peer.sent_tokens += len(need.prompt_ids)
@@ -263,9 +275,9 @@ class DecodeMessenger(MessengerBase):
             await a.expectation
         except asyncio.CancelledError:
             return  # cancelled by a drain; that path reports
-        except Exception as e:  # the expectation's deadline passed
+        except Exception as e:  # the expectation's deadline (the attempt's cap) passed
             if a.state == "waiting":
-                await self._drain(a, ("timeout", f"KV did not arrive within {self.timeout_s:.0f}s: {e}"))
+                await self._drain(a, ("timeout", f"{a.clock.why(time.monotonic())}: {e}"))
             return
         if a.state != "waiting":
             return
@@ -305,8 +317,8 @@ class DecodeMessenger(MessengerBase):
         """The prefiller does not answer: report the failure now, but keep the pages fenced
         until no write of the attempt can land: the prefiller acknowledges (it was only slow or
         stopped, and read our AbortPrefill when it resumed), or the connection the request went
-        out on goes down (the process is gone). A prefiller also posts nothing past the
-        attempt's absolute deadline, whenever it reads the request."""
+        out on goes down (the process is gone), or the attempt's absolute deadline passed (plus
+        a grace): a prefiller posts nothing past it, whenever it reads the request."""
         if a.state == "fenced":
             return
         a.state = "fenced"
@@ -364,13 +376,28 @@ class DecodeMessenger(MessengerBase):
                 await self._fence(a)
             elif a.state == "waiting" and dead:
                 await self._drain(a, ("prefiller_dead", f"prefiller {a.peer.address} died"))
-            elif (a.state == "fenced" and a.peer.epoch > a.epoch
-                  and now > a.peer.down_at + FENCE_GRACE_S):
-                # the connection it was sent on went down (the process is gone: a stopped
-                # one keeps its connections), so nothing of it can land any more
+            elif a.state == "waiting" and self._timed_out(a, now):
+                await self._drain(a, ("timeout", f"prefill of {len(a.need.prompt_ids)} tokens "
+                                                 f"on {a.peer.address}: {a.clock.why(now)}"))
+            elif a.state == "fenced" and (
+                    # the connection it was sent on went down (the process is gone: a stopped
+                    # one keeps its connections), or its absolute deadline passed: nothing of
+                    # it can land any more
+                    (a.peer.epoch > a.epoch and now > a.peer.down_at + FENCE_GRACE_S)
+                    or fence_expired(time.time(), a.deadline_unix, DEADLINE_GRACE_S)):
                 self._forget(a)
                 await self._pages_back(self._released(a))
         await self._report_alive()
+
+    @staticmethod
+    def _timed_out(a: Attempt, now: float) -> bool:
+        """Count units of its key that landed since the last look as progress; then whether
+        its idle deadline or its cap passed."""
+        landed = a.expectation.landed()
+        if landed is not None and landed > a.landed:
+            a.landed = landed
+            a.clock.progress(now)
+        return a.clock.expired(now)
 
     async def _report_alive(self) -> None:
         n = sum(p.alive for p in self.peers)

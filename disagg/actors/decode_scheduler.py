@@ -6,7 +6,9 @@ Sends: tokens to clients; ``NeedPrefill`` / ``CancelRemote`` to the messenger.
 Owns: the page pool. A prompt longer than ``--local-prefill-max-tokens`` gets un-evictable
 pages and waits out of decode scheduling until its KV has landed (SEED.md 8); then its last
 prompt token runs as an ordinary decode step (SEED.md 26). Short prompts, and every prompt
-while no prefiller is alive, are prefilled here in mixed steps.
+while no prefiller is alive, are prefilled here in mixed steps. Prompts waiting for pages (the
+remote queue) are served whenever pages return to the pool, and end with ``timeout`` if they
+wait past ``--queue-timeout``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,32 @@ class DecodeScheduler(SchedulerActor):
         self.remote_queue.append(seq)
         await self._pump()
 
+    def in_flight(self) -> int:
+        return super().in_flight() + len(self.sched.remote) + len(self.remote_queue)
+
+    async def pages_changed(self) -> None:
+        if self.remote_queue:
+            await self._pump()
+
+    def next_deadline(self) -> float | None:
+        heads = [d for d in (super().next_deadline(), self._remote_deadline()) if d is not None]
+        return min(heads) if heads else None
+
+    def _remote_deadline(self) -> float | None:
+        if not self.remote_queue:
+            return None
+        key = self.by_slot.get(self.remote_queue[0].slot)
+        live = self.live.get(key) if key is not None else None
+        return None if live is None else live.admitted_at + self.limits.queue_timeout_s
+
+    async def _expire(self, now: float) -> None:
+        await super()._expire(now)
+        while self.remote_queue:  # in admission order (a retry goes first: its clock is older)
+            deadline = self._remote_deadline()
+            if deadline is None or deadline > now:
+                break
+            await self._timeout(self.remote_queue[0])
+
     async def _pump(self) -> None:
         """Reserve pages for queued remote prefills, oldest first, while the pool allows."""
         while self.remote_queue and self.sched.reserve_remote(self.remote_queue[0]):
@@ -106,7 +134,8 @@ class DecodeScheduler(SchedulerActor):
                     self.seqs[slot] = seq
                     self.remote_queue.appendleft(seq)
                 else:
-                    await self._end(seq, Error("prefill_failed", f"{code}: {message}",
+                    await self._end(seq, Error("timeout" if code == "timeout" else
+                                               "prefill_failed", f"{code}: {message}",
                                                seq.request_id))
                 await self._pump()
             case PrefillTimings(slot=slot) as t:

@@ -6,14 +6,16 @@ Sends: ``ExecutorReady`` once (plus the KV memory fd over a unix socket, SCM_RIG
 Owns: the model (shard), the KV cache allocation, the layer counter.
 
 The main-process side is ``ExecutorGroup``: it spawns the processes, waits for their handshake,
-maps their KV memory, and runs steps with a deadline.
+maps their KV memory, watches them (a death raises at once) and runs steps with a deadline.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import mmap
 import os
 import signal
 import socket
@@ -63,8 +65,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
 
     parent = os.getppid()
     ecfg = cfg.executor
-    if ecfg.threads > 0:
-        torch.set_num_threads(ecfg.threads)
+    torch.set_num_threads(cpu_threads(ecfg.threads, len(cfg.devices), torch.get_num_threads()))
     device = torch.device(cfg.devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -158,6 +159,31 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         ctx.term()
 
 
+def cpu_threads(requested: int, executors: int, torch_default: int) -> int:
+    """Torch intra-op threads of one executor: ``--threads`` when given, else torch's default
+    (the cores this process may use) shared among the node's executors, so that ``--tp N`` on
+    the CPU does not run N times as many threads as there are cores."""
+    if requested > 0:
+        return requested
+    return max(1, torch_default // max(1, executors))
+
+
+def exit_reason(returncode: int) -> str:
+    """How a child process ended, from its ``Popen.returncode``: 'was killed by SIGKILL' or
+    'exited with code 1'."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def rendezvous_path(control: str) -> str:
+    """The file the tensor-parallel ranks meet in (next to the control socket)."""
+    return control.removeprefix("ipc://") + ".tp-rendezvous"
+
+
 def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
                          device: torch.device) -> TensorParallel:
     """One executor per device; with several, join them in a torch.distributed group (gloo on
@@ -171,7 +197,7 @@ def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
 
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
-        init_method="file://" + control.removeprefix("ipc://") + ".tp-rendezvous",
+        init_method="file://" + rendezvous_path(control),
         rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=cfg.startup_timeout_s))
     return TensorParallel(rank, size)
@@ -279,6 +305,8 @@ class ExecutorGroup:
 
     async def start(self) -> None:
         cfg_json = msgspec.json.encode(self.cfg).decode()
+        with contextlib.suppress(FileNotFoundError):  # a dead group's, in a reused --run-dir
+            os.unlink(rendezvous_path(self.control))
         for rank in range(len(self.cfg.devices)):
             parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             cmd = [sys.executable, "-m", "disagg.actors.executor", "--config", cfg_json,
@@ -320,7 +348,29 @@ class ExecutorGroup:
     def _check_alive(self) -> None:
         for rank, p in enumerate(self.procs):
             if p.poll() is not None:
-                raise ExecutorError(f"executor {rank} exited with code {p.returncode}")
+                raise ExecutorError(f"executor {rank} (pid {p.pid}) {exit_reason(p.returncode)}")
+
+    async def watch(self) -> None:
+        """Until an executor process exits, then raise ``ExecutorError`` naming it. Event-driven
+        (a pidfd per process), so a death is noticed at once, even on an idle node; where
+        pidfds are missing (not Linux >= 5.3) it looks twice a second."""
+        loop = asyncio.get_running_loop()
+        exited = asyncio.Event()
+        fds: list[int] = []
+        try:
+            with contextlib.suppress(AttributeError, OSError):  # no pidfds: poll instead
+                for p in self.procs:
+                    fds.append(os.pidfd_open(p.pid))
+                    loop.add_reader(fds[-1], exited.set)
+            poll_s = None if len(fds) == len(self.procs) else 0.5
+            while True:
+                self._check_alive()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(exited.wait(), poll_s)
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+                os.close(fd)
 
     async def step(self, plan: StepPlan) -> tuple[StepResult, bytes | None]:
         """Send ``plan`` to every rank and wait (bounded) for every reply. Returns the lead
@@ -382,6 +432,10 @@ class ExecutorGroup:
             if fd is not None:
                 os.close(fd)
         self.kv_fds.clear()
+        for view in self.kv_views:  # an mmap is unmapped with its last reference; a CUDA
+            if view is not None and not isinstance(view[1], mmap.mmap):  # import only by
+                view[1].close()  # close() (so: after the transfer engine let go of it)
+        self.kv_views.clear()
         self.sock.close()
 
 

@@ -1,9 +1,14 @@
 """Frontend actor: the client-protocol socket.
 
 Receives: client frames on a ROUTER socket (``--listen``); ``ToClient`` replies from the
-scheduler over ``inproc://``.
-Sends: decoded, well-formed ``FromClient`` messages to the scheduler; replies to clients.
-Owns: the listening socket and the count of frames that did not decode.
+scheduler over ``inproc://``; connection events of the socket (its monitor).
+Sends: decoded, well-formed ``FromClient`` messages to the scheduler, and ``ClientGone`` when a
+client disconnects or stops reading; replies to clients.
+Owns: the listening socket, the count of frames that did not decode, and the ``ClientBook``
+(each client's frames in flight, replies a slow reader has not taken, its connection).
+
+Nothing here waits on a client: replies that a client's connection will not take now wait in
+its backlog (bounded), and the link to the scheduler never blocks (``Node._pair``).
 """
 
 from __future__ import annotations
@@ -15,11 +20,25 @@ import zmq
 import zmq.asyncio
 
 from disagg import security
-from disagg.protocol import ClientMessage, Error, FromClient, Stats, ToClient
+from disagg.admission import ClientBook, Reply
+from disagg.protocol import (
+    Abort,
+    ClientGone,
+    ClientMessage,
+    Error,
+    Finished,
+    FromClient,
+    GenerateRequest,
+    NodeReply,
+    Stats,
+    ToClient,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 << 20
+READ_BATCH = 512  # client frames read per wake-up before replies get their turn
+FLUSH_MS = 20  # retry period for replies waiting on a slow reader
 
 _CLIENT_DEC = msgspec.msgpack.Decoder(ClientMessage)
 
@@ -37,41 +56,66 @@ def decode_client_frames(frames: list[bytes]) -> tuple[bytes, ClientMessage | st
 
 
 class FrontendActor:
-    def __init__(self, listen: str, scheduler: zmq.asyncio.Socket, ctx: zmq.asyncio.Context):
+    def __init__(self, listen: str, scheduler: zmq.asyncio.Socket, ctx: zmq.asyncio.Context,
+                 max_inflight: int = 8192, max_backlog: int = 4096):
         self.sock = ctx.socket(zmq.ROUTER)
         security.server(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # a full or unknown route raises instead of dropping the reply silently
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.bind(listen)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler = scheduler
+        self.book = ClientBook(max_inflight, max_backlog)
         self.bad_frames = 0
+        self.overloaded_frames = 0
         self._enc = msgspec.msgpack.Encoder()
         self._reply_dec = msgspec.msgpack.Decoder(ToClient)
 
     async def run(self) -> None:
-        """Loop: 1. wait for a client frame or a scheduler reply; 2. forward it. Never exits on
-        bad input."""
+        """Loop: 1. wait for a client frame, a scheduler reply or a connection event (or the
+        retry period while a slow reader has replies waiting); 2. handle them; 3. retry the
+        waiting replies. Never exits on bad input."""
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.scheduler, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while True:
-            events = dict(await poller.poll())
+            timeout = FLUSH_MS if self.book.backlog_size else None
+            events = dict(await poller.poll(timeout))
+            if self.monitor in events:  # first: a reused connection's fd is known gone
+                await self._connection_events()
             if self.sock in events:
                 await self._from_clients()
             if self.scheduler in events:
                 await self._from_scheduler()
+            if self.book.backlog_size:
+                await self.flush()
 
     async def _from_clients(self) -> None:
-        while True:
+        for _ in range(READ_BATCH):
             try:
-                frames = await self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = await self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity, msg = decode_client_frames(frames)
+            identity = frames[0].bytes
+            if self.book.is_stalled(identity):
+                continue  # it reads nothing: its requests were ended
+            identity, msg = decode_client_frames([f.bytes for f in frames])
             if isinstance(msg, str):
                 await self._reject(identity, msg)
+                continue
+            nbytes = len(frames[-1])
+            if not self.book.arrived(identity, _source_fd(frames[0]), nbytes):
+                self.overloaded_frames += 1
+                rid = msg.request_id if isinstance(msg, GenerateRequest) else None
+                what = f"abort of {msg.request_id!r}" if isinstance(msg, Abort) else "frame"
+                await self._deliver(identity, Error(
+                    "overloaded", f"{what} refused: too many frames of this client are still "
+                    f"being handled (at most {self.book.max_inflight} frames, "
+                    f"{self.book.max_inflight_bytes >> 20} MiB); retry later", rid))
                 continue
             await self.scheduler.send(self._enc.encode(FromClient(identity, msg)))
 
@@ -82,23 +126,85 @@ class FrontendActor:
             except zmq.Again:
                 return
             out = self._reply_dec.decode(data)
+            if out.frames:
+                self.book.handled(out.identity, out.frames)
             msg = out.msg
+            if msg is None:
+                continue
             if isinstance(msg, Stats):
                 msg = msgspec.structs.replace(msg, bad_frames=self.bad_frames)
-            await self._send(out.identity, msg)
+            await self._deliver(out.identity, msg)
 
     async def _reject(self, identity: bytes, message: str) -> None:
         self.bad_frames += 1
         log.debug("bad frame from %r: %s", identity, message)
-        await self._send(identity, Error("bad_frame", message))
+        await self._deliver(identity, Error("bad_frame", message))
 
-    async def _send(self, identity: bytes, msg: object) -> None:
-        try:
-            await self.sock.send_multipart([identity, self._enc.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # client gone or its queue full: drop, keep serving
-            log.debug("could not reply to %r: %s", identity, e)
+    async def _deliver(self, identity: bytes, msg: NodeReply) -> None:
+        """Send now, or keep it behind the client's waiting replies; a client whose waiting
+        replies pass the bound is stalled: the scheduler ends its requests."""
+        terminal = isinstance(msg, Finished) or (isinstance(msg, Error)
+                                                 and msg.request_id is not None)
+        reply = Reply(self._enc.encode(msg), terminal)
+        if not self.book.must_queue(identity):
+            try:
+                await self.sock.send_multipart([identity, reply.payload], zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:  # no route: the client is gone
+                log.debug("client %r unreachable: %s", identity, e)
+                await self._gone(identity, "disconnected")
+                return
+        if self.book.queue(identity, reply):
+            log.warning("client %r stopped reading (%d replies waiting); ending its requests",
+                        identity, self.book.max_backlog)
+            await self._tell_scheduler(ClientGone(identity, "stalled"))
+
+    async def flush(self) -> None:
+        """Retry the replies that wait for slow readers, oldest first, per client."""
+        for identity, queue in self.book.pending():
+            while queue:
+                try:
+                    await self.sock.send_multipart([identity, queue[0].payload], zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    await self._gone(identity, "disconnected")
+                    break
+                queue.popleft()
+            self.book.drained(identity)
+
+    async def _connection_events(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                frames = await self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                for identity in self.book.disconnected(int(event["value"])):
+                    await self._tell_scheduler(ClientGone(identity, "disconnected"))
+
+    async def _gone(self, identity: bytes, reason: str) -> None:
+        if identity in self.book.clients:
+            self.book.forget(identity)
+            await self._tell_scheduler(ClientGone(identity, reason))
+
+    async def _tell_scheduler(self, msg: ClientGone) -> None:
+        await self.scheduler.send(self._enc.encode(msg))
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()
 
 
+def _source_fd(frame: zmq.Frame) -> int | None:
+    """The connection (fd) a received frame came on, to match the monitor's disconnects."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None

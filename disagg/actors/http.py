@@ -195,11 +195,11 @@ class Gateway:
                 prep = prepare_completion(decode_body(await request.read(), CompletionBody),
                                           self.tokenizer, self.model_name, self.max_model_len)
         except ApiError as e:
-            self.metrics.observe_error(e.code or e.type)
+            self.metrics.observe_error(e.code, e.type)
             return _error(e)
         rid = new_id("chatcmpl" if chat else "cmpl")
         timer = self.metrics.start_request()
-        outcome, code = "abort", None  # what a cancellation (client gone) leaves
+        outcome, code, etype = "abort", None, None  # what a cancellation (client gone) leaves
         try:
             async with contextlib.aclosing(self._relay(prep, rid, timer)) as events:
                 if prep.stream:
@@ -208,10 +208,10 @@ class Gateway:
                     resp, outcome = await self._collect(events, rid, chat)
             return resp
         except ApiError as e:
-            outcome, code = "error", e.code or e.type
+            outcome, code, etype = "error", e.code, e.type
             return _error(e)
         finally:
-            timer.finish(outcome, len(prep.prompt_token_ids), code)
+            timer.finish(outcome, len(prep.prompt_token_ids), code, error_type=etype)
 
     async def _relay(self, prep: Prepared, rid: str, timer: RequestTimer
                      ) -> AsyncGenerator[Event, None]:

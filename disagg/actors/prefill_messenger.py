@@ -7,6 +7,11 @@ Sends: ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` / ``MessengerStats`` to t
 the transfer engine, layer by layer as the layer counter advances (SEED.md 11-16).
 Owns: the jobs (one per accepted PrefillRequest), the layer-counter poller thread, the context
 staging buffer.
+
+A job expires after the request's ``timeout_s`` without progress (a step or layer computed here:
+the job's own, or the queue's it waits in) or at its absolute deadline (``disagg.deadlines``),
+and no write of it is posted past that deadline; decoders hear of the progress
+(``PrefillProgress``) so that their own idle deadline follows it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from disagg import security
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.transfer import TransferEngine
+from disagg.deadlines import ProgressDeadline, job_cap_s
 from disagg.protocol import (
     AbortAck,
     AbortPrefill,
@@ -39,6 +45,7 @@ from disagg.protocol import (
     PrefillDone,
     PrefillFailed,
     PrefillJob,
+    PrefillProgress,
     PrefillRequest,
     ReleaseJob,
     StatsQuery,
@@ -59,6 +66,8 @@ from disagg.transfer_plan import (
 
 log = logging.getLogger(__name__)
 
+MAX_STATS_WAITING = 1000  # Stats requests of one peer answered by one query (more: dropped)
+
 
 
 @dataclass
@@ -68,8 +77,9 @@ class Job:
     req: PrefillRequest
     dst_kv: list[Any]  # decoded MemoryDescriptor per decoder rank
     dst_ctx: Any
-    deadline: float
+    clock: ProgressDeadline  # idle deadline pushed by progress, under the absolute cap
     accepted_at: float
+    progress_sent: float = 0.0  # when the decoder last got a PrefillProgress of it
     futures: list[asyncio.Future[None]] = field(default_factory=list)
     first_step_at: float | None = None
     first_post_at: float | None = None
@@ -116,6 +126,7 @@ class PrefillMessenger(MessengerBase):
         self.by_peer: dict[tuple[bytes, str], int] = {}
         self.steps: dict[int, Step] = {}
         self.queued_tokens = 0
+        self.stats_waiting: dict[bytes, int] = {}  # peer -> StatsRequests its query answers
         self._ids = itertools.count(1)
         self._peer_dec = msgspec.msgpack.Decoder(PeerRequest)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
@@ -167,7 +178,11 @@ class PrefillMessenger(MessengerBase):
                 case AbortPrefill(request_id=rid):
                     await self._abort(peer, rid)
                 case StatsRequest():
-                    await self._to_scheduler(StatsQuery(peer))
+                    # one query in flight per peer: a flood of them costs the scheduler one
+                    waiting = self.stats_waiting.get(peer, 0)
+                    self.stats_waiting[peer] = min(waiting + 1, MAX_STATS_WAITING)
+                    if not waiting:
+                        await self._to_scheduler(StatsQuery(peer))
 
     async def _from_scheduler(self) -> None:
         while True:
@@ -183,6 +198,7 @@ class PrefillMessenger(MessengerBase):
                         job = self.jobs.get(c.job)
                         if job is not None and job.first_step_at is None:
                             job.first_step_at = now
+                    self._progressed(now)
                     assert self.poller is not None
                     self.poller.follow(a.step_id, a.counter_base)
                 case StepDone() as d:
@@ -190,9 +206,10 @@ class PrefillMessenger(MessengerBase):
                 case StatsReply(peer=peer, stats=stats):
                     # this messenger's fields as they are now: the copy the scheduler holds
                     # may predate a job's end it already freed the pages of
-                    await self._reply(peer, msgspec.structs.replace(
-                        stats, bad_frames=self.bad_frames,
-                        **msgspec.structs.asdict(self.stats())))
+                    reply = msgspec.structs.replace(stats, bad_frames=self.bad_frames,
+                                                    **msgspec.structs.asdict(self.stats()))
+                    for _ in range(self.stats_waiting.pop(peer, 1)):
+                        await self._reply(peer, reply)
 
     # ------------------------------------------------------------------ requests
 
@@ -245,14 +262,13 @@ class PrefillMessenger(MessengerBase):
             await self._reply(peer, PrefillFailed(req.request_id, "bad_request", why))
             return
         now = time.monotonic()
-        budget = req.timeout_s
-        if req.deadline_unix > 0:  # the decoder's absolute deadline bounds it, however late
-            budget = min(budget, req.deadline_unix - time.time())  # this request was read
-        if budget <= 0:
+        cap_s = job_cap_s(req.timeout_s, len(req.prompt_ids), req.deadline_unix, time.time())
+        if cap_s <= 0:
             await self._reply(peer, PrefillFailed(req.request_id, "timeout",
                                                   "the request's deadline passed before it was read"))
             return
-        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx, now + budget, now)
+        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx,
+                  ProgressDeadline.start(now, req.timeout_s, cap_s), now, progress_sent=now)
         self.jobs[job.id] = job
         self.by_peer[(peer, req.request_id)] = job.id
         self.ctx_of[job.id] = self.ctx_free.pop()
@@ -289,6 +305,8 @@ class PrefillMessenger(MessengerBase):
             self.metrics.observe_layer_lag(time.monotonic() - seen_at)
         if step.next_layer == 0 and layers_done < self.layout.num_layers and step.announce.chunks:
             self.layerwise_steps += 1  # shipping starts while later layers still compute
+        if layers_done > step.next_layer:
+            self._progressed(time.monotonic())
         for layer in range(step.next_layer, layers_done):
             for i, chunk in enumerate(step.announce.chunks):
                 job = self.jobs.get(chunk.job)
@@ -321,6 +339,8 @@ class PrefillMessenger(MessengerBase):
         if done.ok:
             self.on_layers(done.step_id, self.layout.num_layers)  # whatever the poller missed
         del self.steps[done.step_id]
+        if done.ok:
+            self._progressed(time.monotonic())
         if not done.ok:
             for c in step.announce.chunks:
                 if c.job in self.jobs:
@@ -344,9 +364,10 @@ class PrefillMessenger(MessengerBase):
         self._send_soon(self.stats())
 
     def _post(self, job: Job, src: Any, dst: Any, runs: Runs) -> None:
-        left = job.deadline - time.monotonic()
-        if left <= 0:  # past its deadline the decoder may have reused the pages: never write
-            self._cancel(job, False, "timeout", "prefill did not finish within its deadline")
+        now = time.monotonic()
+        left = job.clock.cap - now  # no write may still be queued or posted past the cap
+        if job.clock.expired(now):  # the decoder may reuse the pages: never write
+            self._cancel(job, False, "timeout", job.clock.why(now))
             return
         if job.first_post_at is None:
             job.first_post_at = time.monotonic()
@@ -392,9 +413,21 @@ class PrefillMessenger(MessengerBase):
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for job in [j for j in self.jobs.values() if j.deadline < now and not j.cancelled
+        for job in [j for j in self.jobs.values() if j.clock.expired(now) and not j.cancelled
                     and not j.computed]:
-            self._cancel(job, False, "timeout", "prefill did not finish within its deadline")
+            self._cancel(job, False, "timeout", job.clock.why(now))
+
+    def _progressed(self, now: float) -> None:
+        """This prefiller computed something (a step was scheduled, a layer or a step done):
+        progress for every job still to compute, its own or the queue's it waits in; its
+        decoder hears of it at most every quarter of its idle timeout."""
+        for job in self.jobs.values():
+            if job.cancelled or job.computed:
+                continue
+            job.clock.progress(now)
+            if now - job.progress_sent >= job.clock.idle_s / 4:
+                job.progress_sent = now
+                self._spawn(self._reply(job.peer, PrefillProgress(job.req.request_id)))
 
     # ------------------------------------------------------------------ plumbing
 

@@ -1,35 +1,46 @@
 """Scheduler actor: admission, batch formation, stepping the executors, streaming results.
 
-Receives: ``FromClient`` (generate / abort / stats) from the frontend over ``inproc://``.
-Sends: ``ToClient`` (token chunks, finished, errors, stats) back to the frontend; ``StepPlan``
-to the executors through ``ExecutorGroup``.
-Owns: the page pool, the batch scheduler, every live request and its detokenizer.
+Receives: ``FromClient`` (generate / abort / stats) and ``ClientGone`` from the frontend over
+``inproc://``.
+Sends: ``ToClient`` (token chunks, finished, errors, stats; each counts the client frames it
+finishes handling) back to the frontend; ``StepPlan`` to the executors through ``ExecutorGroup``.
+Owns: the page pool, the batch scheduler, every live request and its detokenizer, and the fair
+queue of admitted requests that have not started (round robin over clients, each entry with
+its deadline). Admission is bounded per client and in total (``overloaded``); long prompt texts
+are tokenized off the event loop, after a size check that needs no tokenizing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import itertools
 import logging
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from disagg.actors.executor import ExecutorError, ExecutorGroup
+from disagg.admission import FairQueue
 from disagg.cache import PagePool
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.protocol import (
     Abort,
+    ClientGone,
     Error,
     Finished,
     FromClient,
     GenerateRequest,
     MessengerStats,
     NodeReply,
+    SchedulerInbox,
     Stats,
     StatsRequest,
     StepPlan,
@@ -45,6 +56,7 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID = 256
 SLOW_STEP_S = 0.5  # a step slower than this is logged (compiles, stalls)
+INLINE_TOKENIZE_CHARS = 16 << 10  # longer prompt texts are tokenized on a worker thread
 
 
 @dataclass
@@ -52,6 +64,18 @@ class Live:
     identity: bytes
     seq: Sequence
     detok: IncrementalDetokenizer
+    admitted_at: float = 0.0  # monotonic
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Admission bounds (``--max-requests-per-client``, ``--max-queued-requests``,
+    ``--queue-timeout``): live requests per client connection, requests admitted but not
+    started, and how long one may wait to start."""
+
+    per_client: int = 4096
+    queued: int = 16384
+    queue_timeout_s: float = 600.0
 
 
 @dataclass
@@ -61,6 +85,18 @@ class Counters:
     aborted: int = 0
     errored: int = 0
     rejected: int = 0
+
+
+def prompt_size_problem(prompt: str, tokenizer: Tokenizer | None, max_model_len: int) -> str | None:
+    """Why a prompt text cannot fit the context, judged from its length alone (no
+    tokenizing): every token covers at most ``tokenizer.max_token_chars`` characters."""
+    if tokenizer is None:
+        return None
+    limit = max_model_len * tokenizer.max_token_chars
+    if len(prompt) <= limit:
+        return None
+    return (f"the prompt has {len(prompt)} characters, more than {max_model_len} tokens can "
+            f"hold (at most {tokenizer.max_token_chars} characters per token)")
 
 
 class RequestRejected(ValueError):
@@ -74,11 +110,15 @@ def prepare_prompt(req: GenerateRequest, tokenizer: Tokenizer | None, vocab_size
     """Validate a GenerateRequest and return its prompt token ids (pure; raises RequestRejected)."""
     if not 1 <= len(req.request_id) <= MAX_REQUEST_ID:
         raise RequestRejected("bad_request", f"request_id must have 1-{MAX_REQUEST_ID} characters")
-    if (req.prompt is None) == (req.prompt_token_ids is None):
-        raise RequestRejected("bad_request", "give exactly one of prompt and prompt_token_ids")
-    problem = req.sampling.validate()
+    problem = req.validate()
     if problem:
         raise RequestRejected("bad_request", problem)
+    if (req.prompt is None) == (req.prompt_token_ids is None):
+        raise RequestRejected("bad_request", "give exactly one of prompt and prompt_token_ids")
+    bad_stop = next((t for t in req.sampling.stop_token_ids if t >= vocab_size), None)
+    if bad_stop is not None:
+        raise RequestRejected("bad_request", f"stop_token_ids: token id {bad_stop} is outside "
+                              f"the vocabulary [0, {vocab_size})")
     if req.prompt is not None:
         if tokenizer is None:
             raise RequestRejected("bad_request", "this model has no tokenizer; send prompt_token_ids")
@@ -111,8 +151,10 @@ class SchedulerActor:
         max_batch_tokens: int,
         max_running: int,
         max_model_len: int,
+        limits: Limits | None = None,
     ):
         self.role = role
+        self.limits = limits or Limits()
         self.inbox = inbox
         self.executors = executors
         self.arch = arch
@@ -129,11 +171,16 @@ class SchedulerActor:
                                     max_model_len, arch.eos_token_ids)
         self.live: dict[tuple[bytes, str], Live] = {}
         self.by_slot: dict[int, tuple[bytes, str]] = {}
+        self.per_client: collections.Counter[bytes] = collections.Counter()  # live + tokenizing
+        self.queue: FairQueue[Sequence] = FairQueue()  # admitted, not handed to batching yet
+        self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}
+        self._acks: dict[bytes, int] = {}  # client frames handled, not yet counted in a reply
+        self._tasks: set[asyncio.Task[None]] = set()
         self.counters = Counters()
         self._slots = itertools.count()
         self._steps = itertools.count()
         self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(FromClient)
+        self._dec = msgspec.msgpack.Decoder(SchedulerInbox)
         self._stopping = False
         self.mbox: zmq.asyncio.Socket | None = None  # messenger link (prefill/decode roles)
         self._mdec = msgspec.msgpack.Decoder(ToScheduler)
@@ -146,7 +193,10 @@ class SchedulerActor:
         the executors; 4. stream tokens and finishes. Idle: block on the inbox."""
         try:
             while not self._stopping:
-                await self._drain(block=not self.sched.has_work())
+                idle = not self.sched.has_work()
+                await self._drain(block=idle, timeout_ms=self._idle_timeout_ms() if idle else None)
+                await self._expire(time.monotonic())
+                await self._feed()
                 batch = self.sched.schedule()
                 if batch is None:
                     if self.sched.has_work():  # nothing fits now: wait for a change, bounded
@@ -170,6 +220,7 @@ class SchedulerActor:
                     continue
                 for update in self.sched.update(batch, result.token_ids):
                     await self._emit(update)
+                await self.pages_changed()
         except ExecutorError as e:
             log.error("executor failure: %s", e)
             await self.fail_all("internal", f"executor failure: {e}")
@@ -192,9 +243,77 @@ class SchedulerActor:
                 except zmq.Again:
                     break
                 if sock is self.inbox:
-                    await self.handle(self._dec.decode(data))
+                    msg = self._dec.decode(data)
+                    if isinstance(msg, ClientGone):
+                        await self.client_gone(msg)
+                        continue
+                    self._acks[msg.identity] = self._acks.get(msg.identity, 0) + 1
+                    await self.handle(msg)
                 else:
                     await self.handle_messenger(self._mdec.decode(data))
+        await self.pages_changed()
+        await self._flush_acks()
+
+    def _idle_timeout_ms(self) -> int | None:
+        """How long an idle loop may block: until the next queue deadline, at most 1 s while
+        anything is queued (None: nothing waits on a clock)."""
+        if self.tokenizing:  # a worker thread's result is not a socket event: look again soon
+            return 20
+        nxt = self.next_deadline()
+        if nxt is None:
+            return None
+        return max(1, min(1000, int(1000 * (nxt - time.monotonic())) + 1))
+
+    def next_deadline(self) -> float | None:
+        return self.queue.next_deadline()
+
+    async def _feed(self) -> None:
+        """Hand queued requests to batching, round robin over clients, while seats are free
+        (a short hand-off keeps a late client's request from waiting behind a flood)."""
+        while self.queue and self.in_flight() < self.sched.max_running:
+            seq = self.queue.pop()
+            assert seq is not None
+            await self.enqueue(seq)
+
+    def in_flight(self) -> int:
+        """Sequences handed to batching and not finished (seats taken or about to be)."""
+        return len(self.sched.running) + len(self.sched.waiting)
+
+    async def _expire(self, now: float) -> None:
+        for seq in self.queue.expired(now):
+            await self._timeout(seq)
+
+    async def _timeout(self, seq: Sequence) -> None:
+        waited = self.limits.queue_timeout_s
+        await self._end(seq, Error("timeout", f"the request waited {waited:g}s without "
+                                   "starting (--queue-timeout)", seq.request_id))
+
+    async def pages_changed(self) -> None:
+        """Pages may have returned to the pool (decode: reserve pages for queued prompts)."""
+
+    async def client_gone(self, msg: ClientGone) -> None:
+        """End a vanished (or no longer reading) client's requests: nobody wants the tokens."""
+        for key in [k for k in self.tokenizing if k[0] == msg.identity]:
+            del self.tokenizing[key]
+            self._forget_client(msg.identity)
+            self.counters.aborted += 1
+        lives = [live for key, live in self.live.items() if key[0] == msg.identity]
+        if lives:
+            log.info("ending %d requests of client %r: %s", len(lives), msg.identity, msg.reason)
+        for live in lives:
+            rid = live.seq.request_id
+            if msg.reason == "stalled":
+                await self._end(live.seq, Error("overloaded", "the client stopped reading its "
+                                                "replies; its requests were ended", rid))
+            else:
+                await self._end(live.seq, Finished(rid, "abort", self._usage(live.seq)))
+        self._acks.pop(msg.identity, None)
+
+    async def _flush_acks(self) -> None:
+        """Count handled frames that no reply carried (an admitted request, say)."""
+        while self._acks:
+            identity, n = self._acks.popitem()
+            await self._to_frontend(ToClient(identity, None, n))
 
     # ------------------------------------------------------------------ role hooks
 
@@ -217,7 +336,14 @@ class SchedulerActor:
             case GenerateRequest() as req:
                 await self._admit(env.identity, req)
             case Abort(request_id=rid):
-                live = self.live.get((env.identity, rid))
+                key = (env.identity, rid)
+                live = self.live.get(key)
+                if key in self.tokenizing:  # dropped when its tokens come back
+                    del self.tokenizing[key]
+                    self._forget_client(env.identity)
+                    self.counters.aborted += 1
+                    await self._send(env.identity, Finished(rid, "abort", Usage(0, 0)))
+                    return
                 if live is None:
                     await self._send(env.identity, Error("unknown_request",
                                                          f"no live request {rid!r}", rid))
@@ -228,26 +354,84 @@ class SchedulerActor:
 
     async def _admit(self, identity: bytes, req: GenerateRequest) -> None:
         key = (identity, req.request_id)
-        if key in self.live:
-            self.counters.rejected += 1
-            await self._send(identity, Error("duplicate_request",
-                                             f"request_id {req.request_id!r} is already live",
-                                             req.request_id))
+        if key in self.live or key in self.tokenizing:
+            await self._refuse(identity, req, "duplicate_request",
+                               f"request_id {req.request_id!r} is already live")
+            return
+        why = self._overload(identity)
+        if why is not None:
+            await self._refuse(identity, req, "overloaded", why)
+            return
+        if req.prompt is not None:
+            why = prompt_size_problem(req.prompt, self.tokenizer, self.max_model_len)
+            if why is not None:
+                await self._refuse(identity, req, "bad_request", why)
+                return
+        if req.prompt is not None and len(req.prompt) > INLINE_TOKENIZE_CHARS:
+            self.tokenizing[key] = req  # counted live for its client from now on
+            self.per_client[identity] += 1
+            self.counters.started += 1
+            self._spawn(self._tokenize_then_admit(identity, req))
             return
         try:
             ids = prepare_prompt(req, self.tokenizer, self.arch.vocab_size, self.max_model_len)
         except RequestRejected as e:
-            self.counters.rejected += 1
-            await self._send(identity, Error(e.code, str(e), req.request_id))
+            await self._refuse(identity, req, e.code, str(e))
             return
+        self.counters.started += 1
+        self.per_client[identity] += 1
+        self._accept(identity, req, ids)
+
+    def _overload(self, identity: bytes) -> str | None:
+        """Why admitting one more request of ``identity`` would pass a bound, or None."""
+        lim = self.limits
+        if self.per_client[identity] >= lim.per_client:
+            return (f"this client has {lim.per_client} live requests "
+                    "(--max-requests-per-client); wait for some to finish")
+        if len(self.queue) >= lim.queued:
+            return f"{lim.queued} requests are queued (--max-queued-requests); retry later"
+        return None
+
+    async def _refuse(self, identity: bytes, req: GenerateRequest, code: str, why: str) -> None:
+        self.counters.rejected += 1
+        await self._send(identity, Error(code, why, req.request_id))
+
+    async def _tokenize_then_admit(self, identity: bytes, req: GenerateRequest) -> None:
+        key = (identity, req.request_id)
+        try:
+            ids = await asyncio.to_thread(prepare_prompt, req, self.tokenizer,
+                                          self.arch.vocab_size, self.max_model_len)
+        except RequestRejected as e:
+            if self.tokenizing.pop(key, None) is not None:
+                self._forget_client(identity)
+                self.counters.errored += 1
+                await self._send(identity, Error(e.code, str(e), req.request_id))
+            return
+        if self.tokenizing.pop(key, None) is None:
+            return  # aborted (or its client left) meanwhile
+        self._accept(identity, req, ids)  # the loop hands it to batching
+
+    def _forget_client(self, identity: bytes) -> None:
+        self.per_client[identity] -= 1
+        if self.per_client[identity] <= 0:
+            del self.per_client[identity]
+
+    def _accept(self, identity: bytes, req: GenerateRequest, ids: list[int]) -> None:
+        """Make a validated request live and queue it fairly among its client's others."""
+        key = (identity, req.request_id)
         p = req.sampling
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         slot = next(self._slots)
         seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot)
-        self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer, ids))
+        now = time.monotonic()
+        self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer, ids), now)
         self.by_slot[slot] = key
-        self.counters.started += 1
-        await self.enqueue(seq)
+        self.queue.push(identity, seq, now + self.limits.queue_timeout_s)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def enqueue(self, seq: Sequence) -> None:
         """Hand an admitted sequence to batching (a decode node may prefill it remotely)."""
@@ -271,6 +455,8 @@ class SchedulerActor:
         if key is None:
             return
         live = self.live.pop(key)
+        self._forget_client(live.identity)
+        self.queue.remove(live.identity, seq)
         await self.release(seq)
         if isinstance(terminal, Error):
             self.counters.errored += 1
@@ -292,9 +478,16 @@ class SchedulerActor:
         """End every live request with an Error (shutdown, executor failure)."""
         for live in list(self.live.values()):
             await self._end(live.seq, Error(code, message, live.seq.request_id))
+        for identity, rid in list(self.tokenizing):
+            del self.tokenizing[(identity, rid)]
+            self._forget_client(identity)
+            self.counters.errored += 1
+            await self._send(identity, Error(code, message, rid))
 
     def stop(self) -> None:
         self._stopping = True
+        for t in self._tasks:
+            t.cancel()
 
     # ------------------------------------------------------------------ replies
 
@@ -303,7 +496,8 @@ class SchedulerActor:
         return Stats(
             role=self.role, pages_total=self.pool.num_pages, pages_free=self.pool.num_free,
             page_size=self.page_size, running=len(self.sched.running),
-            waiting=len(self.sched.waiting), started=c.started, finished=c.finished,
+            waiting=len(self.sched.waiting) + len(self.queue) + len(self.tokenizing),
+            started=c.started, finished=c.finished,
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             preemptions=self.sched.num_preemptions,
             waiting_for_kv=self.waiting_for_kv(), pages_fenced=self.pages_fenced(),
@@ -321,7 +515,11 @@ class SchedulerActor:
         return Usage(len(seq.prompt_ids), len(seq.output_ids))
 
     async def _send(self, identity: bytes, msg: NodeReply) -> None:
+        """Reply to a client, counting the frames of it handled since the last reply."""
+        await self._to_frontend(ToClient(identity, msg, self._acks.pop(identity, 0)))
+
+    async def _to_frontend(self, out: ToClient) -> None:
         if self.inbox is None:  # a prefill node has no clients
             return
-        await self.inbox.send(self._enc.encode(ToClient(identity, msg)))
+        await self.inbox.send(self._enc.encode(out))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 
 from disagg.fabric import decode_descriptor, make_backend
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
+from disagg.fabric.expectations import TransferTimeout
 from disagg.protocol import KVLayoutDesc
 from disagg.transfer_plan import UNIT_BITS, Runs, make_imm, page_runs
 
@@ -144,7 +146,9 @@ class TransferEngine:
     def write(self, src: Any, dst: MemoryDescriptor, runs: Runs, key: int,
               timeout: float | None = None) -> list[asyncio.Future[None]]:
         """Post ``runs`` (one batch per distinct unit count: the immediate carries it).
-        Raises ``OutOfRange`` before posting anything that falls outside ``dst``."""
+        Raises ``OutOfRange`` before posting anything that falls outside ``dst``. ``timeout``
+        counts from now, host staging included: nothing is posted after it (the engines drop
+        batches still queued at their deadline)."""
         if self.lanes > 1:  # long runs in pieces, so that every lane gets a share
             runs = runs.split(self.stripe_bytes)
         groups = [(u, runs.units == u) for u in np.unique(runs.units).tolist()]
@@ -153,8 +157,9 @@ class TransferEngine:
             if dst.backend != "fabric":
                 raise OutOfRange(f"descriptor is for {dst.backend}, engine is fabric")
             check_writes(src.length, dst.length, runs.src_offset, runs.dst_offset, runs.length)
+            t = self.timeout_s if timeout is None else timeout
             futures.append(asyncio.ensure_future(
-                self._staged_write(src, dst, runs, groups, key, timeout)))
+                self._staged_write(src, dst, runs, groups, key, time.monotonic() + t)))
         else:
             for units, m in groups:
                 futures.append(self.engine.submit(
@@ -166,11 +171,14 @@ class TransferEngine:
 
     async def _staged_write(self, src: StagedRegion, dst: MemoryDescriptor, runs: Runs,
                             groups: list[tuple[int, np.ndarray]], key: int,
-                            timeout: float | None) -> None:
+                            deadline: float) -> None:
         await src.mirror.out(runs.src_offset.tolist(), runs.length.tolist())
+        left = deadline - time.monotonic()  # the copy took some of it
+        if left <= 0:
+            raise TransferTimeout("write passed its deadline while staged (not posted)")
         await asyncio.gather(*[self.engine.submit(
             src.region, dst, runs.src_offset[m], runs.dst_offset[m], runs.length[m],
-            make_imm(key, units), timeout=timeout) for units, m in groups])
+            make_imm(key, units), timeout=left) for units, m in groups])
 
     def expect(self, key: int, units: int, timeout: float) -> Any:
         """An awaitable that resolves when ``units`` units carrying ``key`` have landed."""

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING, Any
 
 from disagg.config import (
     ENV_PREFIX,
@@ -17,7 +18,12 @@ from disagg.config import (
     ExecutorConfig,
     NodeConfig,
     SchedulerConfig,
+    check_devices,
 )
+
+if TYPE_CHECKING:
+    from disagg.node import Node
+    from disagg.supervisor import RestartPolicy
 
 log = logging.getLogger("disagg.node")
 
@@ -37,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "that many CPU executors); default: the number of --devices")
     ap.add_argument("--attention-backend", default=e.attention_backend,
                     choices=["auto", "torch", "triton", "flashinfer"])
-    ap.add_argument("--threads", type=int, default=e.threads, help="torch CPU threads per executor")
+    ap.add_argument("--threads", type=int, default=e.threads,
+                    help="torch CPU threads per executor (default 0: torch's default, the "
+                         "usable cores, shared among the executors; on a busy or shared "
+                         "machine 1 is often much faster)")
     ap.add_argument("--random-weights", action="store_true", default=e.random_weights,
                     help="draw the weights from --seed on the device; --model DIR needs only "
                          "config.json (no safetensors, no tokenizer: send prompt_token_ids)")
@@ -53,8 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch-tokens", type=int, default=s.max_batch_tokens)
     ap.add_argument("--max-running", type=int, default=s.max_running)
     ap.add_argument("--max-model-len", type=int, default=s.max_model_len)
+    ap.add_argument("--max-requests-per-client", type=int, default=s.max_requests_per_client,
+                    help="live requests one client connection may have; more get 'overloaded'")
+    ap.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
+                    help="requests admitted but not started, all clients together; more get "
+                         "'overloaded'")
+    ap.add_argument("--max-frames-per-client", type=int, default=s.max_frames_per_client,
+                    help="frames of one client being handled at once; more get 'overloaded'")
+    ap.add_argument("--queue-timeout", type=float, default=s.queue_timeout_s,
+                    help="seconds a request may wait to start before it ends with 'timeout'")
     ap.add_argument("--step-timeout", type=float, default=n.step_timeout_s)
     ap.add_argument("--startup-timeout", type=float, default=n.startup_timeout_s)
+    ap.add_argument("--max-restarts", type=int, default=5,
+                    help="when an executor dies the node stops its requests (error internal) "
+                         "and restarts in place on the same addresses, at most this many times "
+                         "within --restart-window; past that it exits with code 1 (0: never)")
+    ap.add_argument("--restart-window", type=float, default=600.0, metavar="SECONDS")
     d = DisaggConfig()
     ap.add_argument("--prefill-peer", action="append", default=[], dest="prefill_peers",
                     help="decode role: a prefill node's --listen address (repeatable)")
@@ -99,6 +122,16 @@ def tp_devices(devices: str, tp: int) -> list[str]:
     raise ConfigError(f"--tp {tp} needs {tp} --devices, got {len(out)}: {devices!r}")
 
 
+def cuda_devices(devices: list[str]) -> int:
+    """How many CUDA devices torch sees (0 without CUDA); imports torch only when asked for
+    a CUDA device."""
+    if not any(d.startswith("cuda") for d in devices):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
     cfg = NodeConfig(
         role=args.role,
@@ -112,7 +145,11 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_mb=args.kv_cache_mb),
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens,
-                                  max_running=args.max_running, max_model_len=args.max_model_len),
+                                  max_running=args.max_running, max_model_len=args.max_model_len,
+                                  max_requests_per_client=args.max_requests_per_client,
+                                  max_queued_requests=args.max_queued_requests,
+                                  max_frames_per_client=args.max_frames_per_client,
+                                  queue_timeout_s=args.queue_timeout),
         disagg=DisaggConfig(
             prefill_peers=args.prefill_peers, transfer_backend=args.transfer_backend,
             fabric_provider=args.fabric_provider, fabric_lanes=args.fabric_lanes,
@@ -129,65 +166,63 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
 
 
 async def launch(cfg: NodeConfig, http_listen: str | None = None,
-                 served_model_name: str | None = None, metrics_listen: str | None = None) -> int:
-    """Start a node, serve until SIGINT/SIGTERM, stop every child. Returns an exit code."""
-    from disagg.node import Node
+                 served_model_name: str | None = None, metrics_listen: str | None = None,
+                 policy: RestartPolicy | None = None) -> int:
+    """Start a node (restarted in place when it fails, see ``Supervisor``), then the metrics
+    endpoint and the HTTP gateway; log ``ready`` once all of them listen; serve until
+    SIGINT/SIGTERM, stop every child. Returns an exit code."""
+    from disagg.supervisor import Supervisor
 
-    node = Node(cfg)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signals() -> None:  # again after each start: native libraries loaded by it may
+        for sig in (signal.SIGINT, signal.SIGTERM):  # have replaced the process's handlers
+            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, stop.set)
+
+    on_signals()
+    sup = Supervisor(cfg, policy)
     try:
-        await node.start()
+        node = await sup.start(stop)
     except Exception as e:
         log.error("could not start: %s", e)
-        await node.stop()
         return 1
-    for sig in (signal.SIGINT, signal.SIGTERM):  # again: native libraries loaded by start()
-        loop.remove_signal_handler(sig)  # may have replaced the process's handlers
-        loop.add_signal_handler(sig, stop.set)
-    gateway = None
-    if http_listen:
-        from disagg.actors.http import start_http_gateway
+    if node is None:
+        return 0
+    on_signals()
+    address = node.address or cfg.listen
+    servers: list[Any] = []  # stopped in reverse order
+    what = ""
+    try:
+        if metrics_listen:
+            from disagg.actors.metrics_server import MetricsServer
 
-        try:
-            gateway = await start_http_gateway(node.address or cfg.listen, http_listen,
-                                               node.cfg.executor.model or "", served_model_name,
-                                               cfg.scheduler.max_model_len or None,
-                                               metrics=node.metrics)
-        except Exception as e:
-            log.error("could not start the HTTP gateway: %s", e)
-            await node.stop()
-            return 1
-    metrics_server = None
-    if metrics_listen:
-        from disagg.actors.metrics_server import MetricsServer
+            what = "the metrics endpoint"
+            servers.append(MetricsServer(address, metrics_listen, sup.metrics))
+            await servers[-1].start()
+        if http_listen:
+            from disagg.actors.http import start_http_gateway
 
-        try:
-            metrics_server = MetricsServer(node.address or cfg.listen, metrics_listen,
-                                           node.metrics)
-            await metrics_server.start()
-        except Exception as e:
-            log.error("could not start the metrics endpoint: %s", e)
-            if gateway is not None:
-                await gateway.stop()
-            await node.stop()
-            return 1
-    waiter = asyncio.create_task(node.wait())
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
-    if waiter.done() and waiter.exception() is not None:
+            what = "the HTTP gateway"
+            servers.append(await start_http_gateway(
+                address, http_listen, node.cfg.executor.model or "", served_model_name,
+                cfg.scheduler.max_model_len or None, metrics=sup.metrics))
+    except Exception as e:
+        log.error("could not start %s: %s", what, e)
         code = 1
+    else:
+        log.info("ready: %s", node.summary)
+
+        def restarted(node: Node) -> None:
+            on_signals()
+            log.info("ready: %s (restart %d)", node.summary, sup.restarts)
+
+        code = await sup.run(stop, restarted)
     log.info("stopping")
-    if metrics_server is not None:
-        await metrics_server.stop()
-    if gateway is not None:
-        await gateway.stop()
-    await node.stop()
-    stopper.cancel()
-    waiter.cancel()
+    for server in reversed(servers):
+        await server.stop()
+    await sup.stop()
     log.info("stopped")
     return code
 
@@ -233,14 +268,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.http_listen and args.role == "prefill":
         print("disagg-node: --http-listen needs --role mixed, decode or router", file=sys.stderr)
         sys.exit(2)
+    from disagg.supervisor import RestartPolicy
+
     try:
         cfg = config_from_args(args)
+        check_devices(cfg.devices, cuda_devices(cfg.devices))
+        policy = RestartPolicy(args.max_restarts, args.restart_window)
     except ConfigError as e:
         print(f"disagg-node: {e}", file=sys.stderr)
         sys.exit(2)
+    main_coro = launch(cfg, args.http_listen, args.served_model_name, args.metrics_listen, policy)
     try:
         import uvloop
     except ImportError:
-        sys.exit(asyncio.run(launch(cfg, args.http_listen, args.served_model_name,
-                                    args.metrics_listen)))
-    sys.exit(uvloop.run(launch(cfg, args.http_listen, args.served_model_name, args.metrics_listen)))
+        sys.exit(asyncio.run(main_coro))
+    sys.exit(uvloop.run(main_coro))

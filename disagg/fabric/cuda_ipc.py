@@ -457,6 +457,10 @@ class CudaIpcEngine:
                 while self._inbox:
                     job = self._inbox.popleft()
                     work = True
+                    if job.deadline <= time.monotonic():  # never issue a copy past it
+                        events.append((job.future, TransferTimeout(
+                            "cuda-ipc batch still queued at its deadline, not issued")))
+                        continue
                     try:
                         self._issue(job, stream, events)
                         job.event = torch.cuda.Event()

@@ -404,6 +404,10 @@ class FabricEngine:
         ffi = fl.ffi
         while self._sending and self._free:
             b = self._sending[0]
+            if not b.finished and b.deadline <= time.monotonic():  # never post past it
+                self._finish(b, TransferTimeout(
+                    f"write batch (imm {b.imm:#x}): {b.src.shape[0] - b.posted} writes still "
+                    f"queued at the deadline, not posted"), events)
             if b.finished:
                 self._sending.popleft()
                 continue

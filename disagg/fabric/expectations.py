@@ -38,6 +38,10 @@ class Expectation:
     def cancel(self) -> bool:
         return self._table is not None and self._table.cancel(self)
 
+    def landed(self) -> int | None:
+        """Units counted towards it so far while it is pending (None once it is not)."""
+        return None if self._table is None else self._table.landed(self)
+
     def __await__(self) -> Any:
         return self.future.__await__()
 
@@ -76,6 +80,14 @@ class ExpectationTable:
         if not e.future.done():
             e.future.cancel()
         return True
+
+    def landed(self, e: Expectation) -> int | None:
+        """Units counted towards ``e`` so far, or None if it is no longer pending."""
+        with self._lock:
+            if self._waiting.get(e.imm) is not e:
+                return None
+            got = self.counter.progress(e.imm)
+        return None if got is None else got[0]
 
     def arrive(self, imms: Iterable[int] | dict[int, int], events: list[Event]) -> None:
         """Count arrivals (a list of immediates, or immediate -> how many); met expectations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,14 @@ class Tokenizer:
             template = jinja.read_text()
         return cls(HFTokenizer.from_file(str(file)), template,
                    _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary entry; byte
+        level vocabularies spell each byte as one character, and a character is >= 1 byte),
+        so a text of n characters has at least n / max_token_chars tokens."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max(1, max((len(t) for t in vocab), default=1))
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,219 @@
+"""Per-client admission and fairness, as pure classes (no sockets, no asyncio, no clock).
+
+``ClientBook`` is the frontend's view of each client connection: frames it sent that the
+scheduler has not finished handling (bounded in count and bytes: past either bound a frame is
+answered ``overloaded`` at once), replies a slow reader has not taken yet (bounded: past
+``max_backlog`` the client counts as stalled, its requests are ended and only terminal replies
+are kept for it), and the connection (file descriptor) each client's frames arrived on, so a
+disconnect names the clients to forget.
+
+``FairQueue`` is the scheduler's queue of admitted requests that have not started: one FIFO
+per client, served round robin, so one client's 20,000 queued requests do not delay another
+client's one; every entry carries its deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass
+class Reply:
+    payload: bytes
+    terminal: bool  # ends a request (Finished, or Error naming a request)
+
+
+@dataclass
+class ClientState:
+    inflight: int = 0  # frames forwarded, not yet handled by the scheduler
+    inflight_bytes: int = 0
+    sizes: collections.deque[int] = field(default_factory=collections.deque)  # in order
+    backlog: collections.deque[Reply] = field(default_factory=collections.deque)
+    stalled: bool = False  # stopped reading: requests ended, non-terminal replies dropped
+    fd: int | None = None  # the connection its last frame came on
+
+
+class ClientBook:
+    def __init__(self, max_inflight: int = 8192, max_backlog: int = 4096,
+                 max_inflight_bytes: int = 64 << 20):
+        if max_inflight < 1 or max_backlog < 1 or max_inflight_bytes < 1:
+            raise ValueError("max_inflight, max_backlog and max_inflight_bytes must be >= 1")
+        self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes
+        self.max_backlog = max_backlog
+        self.clients: dict[bytes, ClientState] = {}
+        self.by_fd: dict[int, set[bytes]] = {}
+        self.dropped = 0  # replies dropped for stalled or vanished clients
+
+    def _get(self, identity: bytes) -> ClientState:
+        state = self.clients.get(identity)
+        if state is None:
+            state = self.clients[identity] = ClientState()
+        return state
+
+    # ------------------------------------------------------------------ frames in
+
+    def arrived(self, identity: bytes, fd: int | None, nbytes: int = 0) -> bool:
+        """A frame of ``nbytes`` from ``identity`` came in on connection ``fd``. True: forward
+        it to the scheduler (counted in flight); False: answer ``overloaded`` (too many frames
+        or bytes in flight; one frame alone always fits)."""
+        state = self._get(identity)
+        if fd is not None and state.fd != fd:
+            if state.fd is not None:
+                self.by_fd.get(state.fd, set()).discard(identity)
+            state.fd = fd
+            self.by_fd.setdefault(fd, set()).add(identity)
+        if state.inflight >= self.max_inflight or (
+                state.inflight and state.inflight_bytes + nbytes > self.max_inflight_bytes):
+            return False
+        state.inflight += 1
+        state.inflight_bytes += nbytes
+        state.sizes.append(nbytes)
+        return True
+
+    def handled(self, identity: bytes, frames: int) -> None:
+        state = self.clients.get(identity)
+        if state is not None:
+            for _ in range(min(frames, len(state.sizes))):  # handled in arrival order
+                state.inflight_bytes -= state.sizes.popleft()
+            state.inflight = len(state.sizes)
+
+    def is_stalled(self, identity: bytes) -> bool:
+        state = self.clients.get(identity)
+        return state is not None and state.stalled
+
+    # ------------------------------------------------------------------ replies out
+
+    def must_queue(self, identity: bytes) -> bool:
+        """True when replies to ``identity`` already wait: a new one goes behind them."""
+        state = self.clients.get(identity)
+        return state is not None and bool(state.backlog)
+
+    def queue(self, identity: bytes, reply: Reply) -> bool:
+        """Keep a reply the client's connection would not take now. Returns True when this
+        reply made the client stalled (the caller ends its requests)."""
+        state = self._get(identity)
+        if state.stalled:
+            if reply.terminal:
+                state.backlog.append(reply)
+            else:
+                self.dropped += 1
+            return False
+        state.backlog.append(reply)
+        if len(state.backlog) <= self.max_backlog:
+            return False
+        state.stalled = True
+        kept = [r for r in state.backlog if r.terminal]
+        self.dropped += len(state.backlog) - len(kept)
+        state.backlog = collections.deque(kept)
+        return True
+
+    def pending(self) -> Iterator[tuple[bytes, collections.deque[Reply]]]:
+        """Clients with queued replies, and their queues (pop from the left once sent)."""
+        return ((i, s.backlog) for i, s in list(self.clients.items()) if s.backlog)
+
+    def drained(self, identity: bytes) -> None:
+        """Its backlog emptied: a stalled client that caught up is served normally again."""
+        state = self.clients.get(identity)
+        if state is not None and not state.backlog:
+            state.stalled = False
+
+    @property
+    def backlog_size(self) -> int:
+        return sum(len(s.backlog) for s in self.clients.values())
+
+    # ------------------------------------------------------------------ connections
+
+    def disconnected(self, fd: int) -> list[bytes]:
+        """Connection ``fd`` went down: the clients whose frames came on it, forgotten."""
+        gone = sorted(self.by_fd.pop(fd, set()))
+        for identity in gone:
+            state = self.clients.pop(identity, None)
+            if state is not None:
+                self.dropped += len(state.backlog)
+        return gone
+
+    def forget(self, identity: bytes) -> None:
+        """The client cannot be reached (unknown route): drop what waits for it."""
+        state = self.clients.pop(identity, None)
+        if state is not None:
+            self.dropped += len(state.backlog)
+            if state.fd is not None:
+                self.by_fd.get(state.fd, set()).discard(identity)
+
+
+@dataclass
+class Queued(Generic[T]):
+    item: T
+    deadline: float
+
+
+class FairQueue(Generic[T]):
+    """Admitted, not yet started work: a FIFO per client, popped round robin."""
+
+    def __init__(self) -> None:
+        self.queues: collections.OrderedDict[Hashable, collections.deque[Queued[T]]] = \
+            collections.OrderedDict()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def push(self, client: Hashable, item: T, deadline: float) -> None:
+        q = self.queues.get(client)
+        if q is None:
+            q = self.queues[client] = collections.deque()
+        q.append(Queued(item, deadline))
+        self._len += 1
+
+    def pop(self) -> T | None:
+        """The head of the next client's FIFO in turn; that client moves to the back."""
+        if not self.queues:
+            return None
+        client, q = next(iter(self.queues.items()))
+        entry = q.popleft()
+        self._len -= 1
+        if q:
+            self.queues.move_to_end(client)
+        else:
+            del self.queues[client]
+        return entry.item
+
+    def remove(self, client: Hashable, item: T) -> bool:
+        q = self.queues.get(client)
+        if q is None:
+            return False
+        for entry in q:
+            if entry.item is item:
+                q.remove(entry)
+                self._len -= 1
+                if not q:
+                    del self.queues[client]
+                return True
+        return False
+
+    def expired(self, now: float) -> list[T]:
+        """Take out every entry whose deadline has passed (FIFO heads first: each client's
+        entries are in deadline order when pushed with one timeout)."""
+        out: list[T] = []
+        for client in list(self.queues):
+            q = self.queues[client]
+            while q and q[0].deadline <= now:
+                out.append(q.popleft().item)
+                self._len -= 1
+            if not q:
+                del self.queues[client]
+        return out
+
+    def next_deadline(self) -> float | None:
+        heads = [q[0].deadline for q in self.queues.values() if q]
+        return min(heads) if heads else None
+
+    def count(self, client: Hashable) -> int:
+        q = self.queues.get(client)
+        return len(q) if q else 0
