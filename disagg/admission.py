@@ -147,73 +147,89 @@ class ClientBook:
                 self.by_fd.get(state.fd, set()).discard(identity)
 
 
-@dataclass
+@dataclass(eq=False)
 class Queued(Generic[T]):
+    client: Hashable
     item: T
     deadline: float
+    removed: bool = False
 
 
 class FairQueue(Generic[T]):
-    """Admitted, not yet started work: a FIFO per client, popped round robin."""
+    """Admitted, not yet started work: a FIFO per client, popped round robin. Removal is
+    O(1) (entries are marked and skipped), so a client aborting thousands at once is cheap."""
 
     def __init__(self) -> None:
         self.queues: collections.OrderedDict[Hashable, collections.deque[Queued[T]]] = \
             collections.OrderedDict()
-        self._len = 0
+        self.entries: dict[int, Queued[T]] = {}  # id(item) -> its live entry
+        self.counts: collections.Counter[Hashable] = collections.Counter()
 
     def __len__(self) -> int:
-        return self._len
+        return len(self.entries)
 
     def push(self, client: Hashable, item: T, deadline: float) -> None:
         q = self.queues.get(client)
         if q is None:
             q = self.queues[client] = collections.deque()
-        q.append(Queued(item, deadline))
-        self._len += 1
+        entry = Queued(client, item, deadline)
+        q.append(entry)
+        self.entries[id(item)] = entry
+        self.counts[client] += 1
+
+    def _head(self, client: Hashable) -> Queued[T] | None:
+        """The client's first live entry (dropping removed ones); its FIFO goes when empty."""
+        q = self.queues[client]
+        while q and q[0].removed:
+            q.popleft()
+        if not q:
+            del self.queues[client]
+            return None
+        return q[0]
+
+    def _take(self, client: Hashable) -> T:
+        entry = self.queues[client].popleft()
+        del self.entries[id(entry.item)]
+        self.counts[client] -= 1
+        if not self.counts[client]:
+            del self.counts[client]
+        return entry.item
 
     def pop(self) -> T | None:
         """The head of the next client's FIFO in turn; that client moves to the back."""
-        if not self.queues:
-            return None
-        client, q = next(iter(self.queues.items()))
-        entry = q.popleft()
-        self._len -= 1
-        if q:
-            self.queues.move_to_end(client)
-        else:
-            del self.queues[client]
-        return entry.item
+        while self.queues:
+            client = next(iter(self.queues))
+            if self._head(client) is None:
+                continue
+            item = self._take(client)
+            if self._head(client) is not None:
+                self.queues.move_to_end(client)
+            return item
+        return None
 
     def remove(self, client: Hashable, item: T) -> bool:
-        q = self.queues.get(client)
-        if q is None:
+        entry = self.entries.get(id(item))
+        if entry is None or entry.item is not item or entry.client != client:
             return False
-        for entry in q:
-            if entry.item is item:
-                q.remove(entry)
-                self._len -= 1
-                if not q:
-                    del self.queues[client]
-                return True
-        return False
+        entry.removed = True
+        del self.entries[id(item)]
+        self.counts[client] -= 1
+        if not self.counts[client]:
+            del self.counts[client]
+        return True
 
     def expired(self, now: float) -> list[T]:
-        """Take out every entry whose deadline has passed (FIFO heads first: each client's
-        entries are in deadline order when pushed with one timeout)."""
+        """Take out every entry whose deadline has passed (each client's FIFO is in deadline
+        order when pushed with one timeout, so only heads are looked at)."""
         out: list[T] = []
         for client in list(self.queues):
-            q = self.queues[client]
-            while q and q[0].deadline <= now:
-                out.append(q.popleft().item)
-                self._len -= 1
-            if not q:
-                del self.queues[client]
+            while (head := self._head(client)) is not None and head.deadline <= now:
+                out.append(self._take(client))
         return out
 
     def next_deadline(self) -> float | None:
-        heads = [q[0].deadline for q in self.queues.values() if q]
+        heads = [h.deadline for c in list(self.queues) if (h := self._head(c)) is not None]
         return min(heads) if heads else None
 
     def count(self, client: Hashable) -> int:
-        q = self.queues.get(client)
-        return len(q) if q else 0
+        return self.counts.get(client, 0)

@@ -233,6 +233,7 @@ class Node:
                 await self.scheduler.fail_all(code, message)
                 if self.frontend is not None:  # flush the final replies to clients
                     await asyncio.wait_for(self.frontend._from_scheduler(), 1.0)
+                    await self.frontend.flush()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

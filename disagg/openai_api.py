@@ -185,7 +185,7 @@ def prepare_completion(body: CompletionBody, tok: TokenizerLike | None, model_na
         raise ApiError(400, "best_of must be 1", param="best_of")
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    ids = _completion_prompt(body.prompt, tok)
+    ids = _completion_prompt(body.prompt, tok, max_model_len)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     return _finish(body, ids, max_tokens, max_model_len, "prompt")
 
@@ -208,6 +208,7 @@ def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
                        "use /v1/completions with token ids", param="messages")
     messages = [{"role": _message_role(m, i), "content": _message_text(m, i)}
                 for i, m in enumerate(body.messages)]
+    check_text_size(sum(len(m["content"]) for m in messages), tok, max_model_len, "messages")
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
     except ValueError as e:  # no template
@@ -263,7 +264,18 @@ def _message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def _completion_prompt(prompt: str | list[Any] | None, tok: TokenizerLike | None) -> list[int]:
+def check_text_size(chars: int, tok: TokenizerLike, max_model_len: int, param: str) -> None:
+    """Refuse a text that cannot fit the context from its length alone, before the chat
+    template or the tokenizer spend time on it (a token spells at most ``max_token_chars``)."""
+    per_token = getattr(tok, "max_token_chars", None)
+    if per_token is not None and chars > max_model_len * per_token:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens, "
+                       f"but the prompt has {chars} characters (more than that many tokens "
+                       "can spell).", param=param, code="context_length_exceeded")
+
+
+def _completion_prompt(prompt: str | list[Any] | None, tok: TokenizerLike | None,
+                       max_model_len: int) -> list[int]:
     if prompt is None:
         raise ApiError(400, "prompt is required", param="prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -272,6 +284,7 @@ def _completion_prompt(prompt: str | list[Any] | None, tok: TokenizerLike | None
         if tok is None:
             raise ApiError(400, "this model has no tokenizer; send the prompt as token ids",
                            param="prompt")
+        check_text_size(len(prompt), tok, max_model_len, "prompt")
         ids = tok.encode(prompt)
     elif isinstance(prompt, list) and all(type(x) is int for x in prompt):
         ids = list(prompt)

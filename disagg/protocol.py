@@ -184,6 +184,8 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     prefill_peers_alive: int = 0
     layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
     pages_fenced: int = 0  # decode: pages a write of a failed attempt may still reach (not free)
+    max_model_len: int = 0  # the context limit enforced here: prompt + output tokens
+    replies_dropped: int = 0  # replies to clients that vanished or stopped reading
     v: int = PROTOCOL_VERSION
 
 

@@ -98,6 +98,7 @@ def test_fair_queue_remove_and_deadlines():
     q.push(2, c, deadline=7.0)
     assert q.next_deadline() == 5.0
     assert q.remove(1, b) and not q.remove(1, b) and not q.remove(3, a)
+    assert len(q) == 2 and q.count(1) == 1
     assert q.expired(4.9) == []
     assert q.expired(7.0) == [a, c]
     assert len(q) == 0 and q.next_deadline() is None

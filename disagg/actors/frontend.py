@@ -132,7 +132,8 @@ class FrontendActor:
             if msg is None:
                 continue
             if isinstance(msg, Stats):
-                msg = msgspec.structs.replace(msg, bad_frames=self.bad_frames)
+                msg = msgspec.structs.replace(msg, bad_frames=self.bad_frames,
+                                              replies_dropped=self.book.dropped)
             await self._deliver(out.identity, msg)
 
     async def _reject(self, identity: bytes, message: str) -> None:

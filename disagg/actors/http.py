@@ -51,6 +51,7 @@ from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, Usage
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
+INLINE_BODY_BYTES = 64 << 10  # larger bodies are prepared on a worker thread
 
 
 class Backend(Protocol):
@@ -90,7 +91,8 @@ class Gateway:
         self.host, self.port = parse_listen(http_listen)
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len  # lowered to the node's own limit (Stats)
+        self.configured_max_model_len = max_model_len
         self.metrics = metrics or Metrics()
         self.stats_interval = stats_interval
         self.request_timeout = request_timeout
@@ -155,6 +157,8 @@ class Gateway:
             log.debug("stats poll failed: %s", e)
             return
         self._last_stats = time.monotonic()
+        if stats.max_model_len > 0:  # one limit everywhere: the node caps it by its KV pool
+            self.max_model_len = min(self.configured_max_model_len, stats.max_model_len)
         if self.stats_label is not None:  # None: the backend feeds the gauges itself
             self.metrics.update_stats(stats, self.stats_label)
 
@@ -188,12 +192,11 @@ class Gateway:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            if chat:
-                prep = prepare_chat(decode_body(await request.read(), ChatBody), self.tokenizer,
-                                    self.model_name, self.max_model_len)
+            body = await request.read()
+            if len(body) > INLINE_BODY_BYTES:  # parse, template, tokenize off the event loop
+                prep = await asyncio.to_thread(self._prepare, body, chat)
             else:
-                prep = prepare_completion(decode_body(await request.read(), CompletionBody),
-                                          self.tokenizer, self.model_name, self.max_model_len)
+                prep = self._prepare(body, chat)
         except ApiError as e:
             self.metrics.observe_error(e.code, e.type)
             return _error(e)
@@ -212,6 +215,13 @@ class Gateway:
             return _error(e)
         finally:
             timer.finish(outcome, len(prep.prompt_token_ids), code, error_type=etype)
+
+    def _prepare(self, body: bytes, chat: bool) -> Prepared:
+        if chat:
+            return prepare_chat(decode_body(body, ChatBody), self.tokenizer, self.model_name,
+                                self.max_model_len)
+        return prepare_completion(decode_body(body, CompletionBody), self.tokenizer,
+                                  self.model_name, self.max_model_len)
 
     async def _relay(self, prep: Prepared, rid: str, timer: RequestTimer
                      ) -> AsyncGenerator[Event, None]:

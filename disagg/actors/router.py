@@ -293,8 +293,10 @@ class Router:
         """Every count summed over ``live``; the router's own refusals added."""
         sums: dict[str, Any] = {}
         for f in msgspec.structs.fields(Stats):
-            if f.name not in ("role", "page_size", "v") and f.type is int:
+            if f.name not in ("role", "page_size", "v", "max_model_len") and f.type is int:
                 sums[f.name] = sum(int(getattr(s, f.name)) for s in live)
+        limits = [s.max_model_len for s in live if s.max_model_len > 0]
+        sums["max_model_len"] = min(limits) if limits else 0  # what every decoder accepts
         sums["rejected"] += self.rejected
         sums["bad_frames"] += self.bad_frames
         return Stats(role="router", page_size=live[0].page_size if live else 0, **sums)

@@ -106,7 +106,7 @@ class RequestRejected(ValueError):
 
 
 def prepare_prompt(req: GenerateRequest, tokenizer: Tokenizer | None, vocab_size: int,
-                   max_model_len: int) -> list[int]:
+                   max_model_len: int, raise_hint: str = "--max-model-len") -> list[int]:
     """Validate a GenerateRequest and return its prompt token ids (pure; raises RequestRejected)."""
     if not 1 <= len(req.request_id) <= MAX_REQUEST_ID:
         raise RequestRejected("bad_request", f"request_id must have 1-{MAX_REQUEST_ID} characters")
@@ -134,7 +134,7 @@ def prepare_prompt(req: GenerateRequest, tokenizer: Tokenizer | None, vocab_size
         raise RequestRejected(
             "bad_request",
             f"the prompt has {len(ids)} tokens but the context holds {max_model_len} "
-            "(prompt + at least one output token); shorten it or raise --max-model-len",
+            f"(prompt + at least one output token); shorten it or raise {raise_hint}",
         )
     return ids
 
@@ -162,10 +162,12 @@ class SchedulerActor:
         self.page_size = page_size
         self.pool = PagePool(executors.num_pages)
         capacity = self.pool.num_pages * page_size
+        self.raise_hint = "--max-model-len"  # what a user raises for longer contexts
         if max_model_len > capacity:
             log.info("max model length %d exceeds the KV pool (%d tokens); capping it",
                         max_model_len, capacity)
             max_model_len = capacity
+            self.raise_hint = "the KV pool (--num-pages or --kv-cache-mb)"
         self.max_model_len = max_model_len
         self.sched = BatchScheduler(self.pool, page_size, max_batch_tokens, max_running,
                                     max_model_len, arch.eos_token_ids)
@@ -374,7 +376,8 @@ class SchedulerActor:
             self._spawn(self._tokenize_then_admit(identity, req))
             return
         try:
-            ids = prepare_prompt(req, self.tokenizer, self.arch.vocab_size, self.max_model_len)
+            ids = prepare_prompt(req, self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                 self.raise_hint)
         except RequestRejected as e:
             await self._refuse(identity, req, e.code, str(e))
             return
@@ -400,7 +403,8 @@ class SchedulerActor:
         key = (identity, req.request_id)
         try:
             ids = await asyncio.to_thread(prepare_prompt, req, self.tokenizer,
-                                          self.arch.vocab_size, self.max_model_len)
+                                          self.arch.vocab_size, self.max_model_len,
+                                          self.raise_hint)
         except RequestRejected as e:
             if self.tokenizing.pop(key, None) is not None:
                 self._forget_client(identity)
@@ -501,6 +505,7 @@ class SchedulerActor:
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             preemptions=self.sched.num_preemptions,
             waiting_for_kv=self.waiting_for_kv(), pages_fenced=self.pages_fenced(),
+            max_model_len=self.max_model_len,
             **msgspec.structs.asdict(self.messenger_stats),
         )
 
