@@ -93,11 +93,17 @@ class DisaggConfig(msgspec.Struct, frozen=True):
     fabric_provider: str = "tcp"  # tcp | shm | net | verbs | efa (--fabric-provider)
     fabric_lanes: int = 1  # endpoints writes are striped over, NICs nearest first (--fabric-lanes)
     fabric_stripe_bytes: int = 1 << 20  # with lanes > 1, runs cut to this (--fabric-stripe-bytes)
+    # decode: register KV + context memory anew for each attempt, revoked when it ends:
+    # auto (on where registration is cheap: tcp, shm, net) | on | off (--fabric-mr-per-attempt)
+    fabric_mr_per_attempt: str = "auto"
     local_prefill_max_tokens: int = 0  # decode: prefill prompts this short here (--local-prefill-max-tokens)
     on_prefill_failure: str = "error"  # error | retry | local (--on-prefill-failure)
     prefill_timeout_s: float = 60.0  # deadline for a remote prefill's KV (--prefill-timeout)
     heartbeat_s: float = 1.0  # ping period to prefill peers (--heartbeat)
     peer_timeout_s: float = 5.0  # a peer silent this long is dead (--peer-timeout)
+    # prefill: share of the job slots and of the page pool one decoder connection may hold
+    peer_share: float = 0.5  # (--peer-share; 1 = no per-peer bound)
+    ownership_timeout_s: float = 5.0  # prefill: a decoder proves it owns its memory within this (--ownership-timeout)
 
     def validate(self) -> None:
         if self.transfer_backend not in ("fabric", "cuda-ipc"):
@@ -108,11 +114,16 @@ class DisaggConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--fabric-lanes must be 1..16, got {self.fabric_lanes}")
         if self.fabric_stripe_bytes < 1:
             raise ConfigError("--fabric-stripe-bytes must be >= 1")
+        if self.fabric_mr_per_attempt not in ("auto", "on", "off"):
+            raise ConfigError("--fabric-mr-per-attempt must be auto, on or off, "
+                              f"got {self.fabric_mr_per_attempt!r}")
         if self.fabric_lanes > 1 and self.transfer_backend != "fabric":
             raise ConfigError("--fabric-lanes applies to --transfer-backend fabric only")
         if self.local_prefill_max_tokens < 0:
             raise ConfigError("--local-prefill-max-tokens must be >= 0")
-        for name in ("prefill_timeout_s", "heartbeat_s", "peer_timeout_s"):
+        if not 0 < self.peer_share <= 1:
+            raise ConfigError(f"--peer-share must be in (0, 1], got {self.peer_share}")
+        for name in ("prefill_timeout_s", "heartbeat_s", "peer_timeout_s", "ownership_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
 

@@ -52,6 +52,9 @@ _NODE_EXTRA = (
      "counter"),
     ("disagg_node_kv_units_received", "KV pages (per layer) and contexts landed on the node.",
      "kv_units_received", "counter"),
+    ("disagg_node_kv_junk_immediates", "Decode: immediates refused (unknown or finished key, "
+     "or past the expected count): late writes, or a stranger on the fabric.",
+     "kv_junk_immediates", "counter"),
     ("disagg_num_requests_waiting_for_kv", "Decode: requests waiting for a prefiller's KV.",
      "waiting_for_kv", "gauge"),
     ("disagg_kv_transfers_in_flight", "KV transfers in flight on the node.",

@@ -84,7 +84,7 @@ class Node:
         assert model_dir is not None
         arch = ModelArch.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
-        security.install(self.ctx, security.load(cfg.curve_keys) if cfg.curve_keys else None)
+        security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys else None)
         self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")
         self.executors = ExecutorGroup(cfg, self._run_dir, self.ctx)
         try:
@@ -152,7 +152,8 @@ class Node:
         self.transfer = TransferEngine(d.transfer_backend, d.fabric_provider,
                                        timeout_s=d.prefill_timeout_s, device=device,
                                        lanes=d.fabric_lanes,
-                                       stripe_bytes=d.fabric_stripe_bytes).start()
+                                       stripe_bytes=d.fabric_stripe_bytes,
+                                       mr_per_attempt=d.fabric_mr_per_attempt).start()
         return self.transfer
 
     def _kv_tensors(self) -> list[torch.Tensor]:
@@ -178,7 +179,8 @@ class Node:
         self.scheduler.mbox = s_sock
         self.messenger = PrefillMessenger(
             cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensors(),
-            self.counter, vocab_size=arch.vocab_size, kv_fds=self.executors.kv_fds)
+            self.counter, vocab_size=arch.vocab_size, kv_fds=self.executors.kv_fds,
+            peer_share=cfg.disagg.peer_share, ownership_timeout_s=cfg.disagg.ownership_timeout_s)
         self.address = self.messenger.address
         self.messenger.metrics = self.metrics
         actors.append(("messenger", self.messenger.run))

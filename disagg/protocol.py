@@ -19,7 +19,7 @@ Executor protocol (main process <-> executor process over ``ipc://``): ``StepPla
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
@@ -180,6 +180,7 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     kv_writes_sent: int = 0
     kv_bytes_sent: int = 0
     kv_units_received: int = 0  # pages (per layer) + contexts landed on this node
+    kv_junk_immediates: int = 0  # decode: immediates refused (unknown/finished key, overflow)
     layer_lag: int = 0  # prefill: layers computed but not yet handed to the engine
     prefill_peers_alive: int = 0
     layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
@@ -375,6 +376,9 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     # prefiller posts no write of this request, whenever it received it, progress or not
     # (0 = the rule's cap from reading it: ``prefill_cap_s``); the decoder keeps the pages
     # fenced until then (plus a grace) when it cannot get an acknowledgement
+    challenge_slot: int = 0  # the slot of dst_ctx's challenge area this prefiller writes
+    # nonces into (disagg.ownership), in [0, CHALLENGE_SLOTS)
+    challenge_key: int = 0  # the immediate key the decoder expects a challenge's writes under
     v: int = PROTOCOL_VERSION
 
 
@@ -388,7 +392,15 @@ class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
     seq: int
 
 
-PeerRequest = PrefillRequest | AbortPrefill | Ping | StatsRequest  # stats -> Stats
+class ChallengeAnswer(msgspec.Struct, tag="challenge_answer", frozen=True,
+                      forbid_unknown_fields=True):
+    """The bytes the decoder read from its challenge slot after a ``Challenge``."""
+
+    id: int
+    nonce: Annotated[bytes, msgspec.Meta(max_length=4096)]
+
+
+PeerRequest = PrefillRequest | AbortPrefill | Ping | StatsRequest | ChallengeAnswer
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):
@@ -402,10 +414,12 @@ class Pong(msgspec.Struct, tag="pong", frozen=True):
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
-    """Every write of the request completed at the source; the prefiller freed its pages."""
+    """Every write of the request was posted and completed at the source (not delivery: the
+    decoder counts the units that landed itself); the prefiller posts nothing more of it and
+    freed its pages."""
 
     request_id: str
-    prefill_s: float  # seconds from acceptance to the last write's completion
+    prefill_s: float  # seconds from acceptance to the last write's completion at the source
     queue_s: float = 0.0  # acceptance -> its first chunk was scheduled
     compute_s: float = 0.0  # first chunk scheduled -> last step done
     tail_s: float = 0.0  # last step done -> last write completed at the source
@@ -420,7 +434,8 @@ class PrefillProgress(msgspec.Struct, tag="prefill_progress", frozen=True):
 
 
 class PrefillFailed(msgspec.Struct, tag="prefill_failed", frozen=True):
-    """The prefill was refused or failed; no write of it will land any more."""
+    """The prefill was refused or failed; no write of it will be posted any more (those
+    already posted completed or failed at the source)."""
 
     request_id: str
     code: str  # bad_request | incompatible | overloaded | transfer_failed | timeout | internal
@@ -433,7 +448,15 @@ class AbortAck(msgspec.Struct, tag="abort_ack", frozen=True):
     request_id: str
 
 
-PeerReply = Pong | PrefillDone | PrefillFailed | AbortAck | PrefillProgress | Stats
+class Challenge(msgspec.Struct, tag="challenge", frozen=True):
+    """Prove you own the endpoint your request named: a nonce was just written through
+    ``lanes`` lanes into your challenge slot; answer with what you read (``ChallengeAnswer``)."""
+
+    id: int
+    lanes: int
+
+
+PeerReply = Pong | PrefillDone | PrefillFailed | AbortAck | PrefillProgress | Stats | Challenge
 
 
 # ------------------------------------------------------------------ scheduler <-> messenger (inproc)
@@ -554,6 +577,7 @@ class MessengerStats(msgspec.Struct, tag="messenger_stats", array_like=True, fro
     layer_lag: int = 0  # prefill: layers computed but not yet handed to the engine, last step
     prefill_peers_alive: int = 0
     layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
+    kv_junk_immediates: int = 0  # decode: immediates refused (unknown/finished key, overflow)
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", array_like=True, frozen=True):

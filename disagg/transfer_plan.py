@@ -37,6 +37,7 @@ every rank after the all-reduce and the decoder keeps one context buffer per nod
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,10 +45,12 @@ import numpy as np
 from disagg.cache import pages_needed
 from disagg.protocol import KVLayoutDesc
 
+# An immediate (64 bits): slot (low SLOT_BITS of the request's slot, for logs) | generation
+# (random per attempt: what makes a key unguessable) | units carried by the write.
 UNIT_BITS = 16  # low bits of an immediate: elementary runs carried by the write
 MAX_RUN = (1 << UNIT_BITS) - 1
-SLOT_BITS = 24
-GEN_BITS = 24
+SLOT_BITS = 8
+GEN_BITS = 40
 CONTEXT_UNITS = 1  # the one context write of a request (lead rank -> lead rank)
 
 
@@ -300,6 +303,12 @@ def make_key(slot: int, generation: int) -> int:
     """The immediate key of one transfer attempt. A new attempt (retry) of the same slot gets
     a new generation, so a late write of an old attempt can never count for a new one."""
     return ((slot & ((1 << SLOT_BITS) - 1)) << GEN_BITS) | (generation & ((1 << GEN_BITS) - 1))
+
+
+def new_generation() -> int:
+    """A random nonzero generation of ``GEN_BITS`` bits (``secrets``): a peer that was not sent
+    an attempt cannot guess its key, and a retry's key differs from its predecessor's."""
+    return secrets.randbits(GEN_BITS) or 1
 
 
 def make_imm(key: int, units: int) -> int:

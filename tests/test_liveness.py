@@ -19,10 +19,13 @@ import zmq
 from disagg.client import Client
 from disagg.protocol import (
     Abort,
+    AbortPrefill,
     Error,
     Finished,
     GenerateRequest,
+    KVLayoutDesc,
     NodeReply,
+    PrefillRequest,
     SamplingParams,
     Stats,
     StatsRequest,
@@ -247,15 +250,16 @@ def pair(model_dir, tmp_path_factory):
 
 
 def test_a_remote_prefill_waiting_for_pages_starts_when_the_last_request_ends(pair):
-    """48 pages of 4 tokens: A (20-token prompt, 150 out) runs; B (100 tokens) needs pages
-    only A's end frees, and after A's last step nothing used to pump the remote queue."""
+    """48 pages of 4 tokens: A (20-token prompt, 170 out) runs; B (100 tokens), sent once A
+    holds 26 pages, needs pages only A's end frees, and after A's last step nothing used to
+    pump the remote queue."""
     _, dec = pair
-    a = Req(dec, prompt(20), max_tokens=150, timeout=90)
-    assert a.first.wait(60)
+    a = Req(dec, prompt(20), max_tokens=170, timeout=90)
+    wait_for(lambda: len(a.tokens) >= 85, what="A holding 26 pages")  # 22 free, B needs 25
     b = Req(dec, prompt(100, salt=1), max_tokens=4, timeout=60)
     a.join()
     b.join()
-    assert a.reason == "length" and len(a.tokens) == 150
+    assert a.reason == "length" and len(a.tokens) == 170
     assert b.code is None and b.reason == "length" and len(b.tokens) == 4
     wait_for(lambda: pools_full(dec), what="decoder pool full")
 
@@ -297,14 +301,28 @@ def test_a_10mb_prompt_during_remote_prefills_stalls_nobody(pair):
     wait_for(lambda: pools_full(dec), what="decoder pool full")
 
 
-def test_a_stats_flood_on_the_prefillers_peer_socket(pair):
-    """6,000+ Stats frames on the prefiller's peer socket, unread, used to deadlock its
-    messenger and scheduler; the decoder's remote prefills must keep working."""
+def peer_frame(kind: str, i: int) -> bytes:
+    """One frame a decoder could send a prefiller; every one of them gets a reply."""
+    if kind == "stats":
+        return ENC.encode(StatsRequest())
+    if kind == "aborts":
+        return ENC.encode(AbortPrefill(f"nobody-{i}"))
+    layout = KVLayoutDesc(num_layers=2, num_pages=48, num_kv_heads=2, page_size=4, head_dim=16,
+                          dtype="float32", element_size=4, hidden_size=64)
+    return ENC.encode(PrefillRequest(  # refused: its descriptors do not decode
+        request_id="dup", key=1, prompt_ids=[5, 6, 7], dst_pages=[0], dst_layout=layout,
+        dst_kv=b"junk", dst_ctx=b"junk", ctx_offset=0, timeout_s=5.0))
+
+
+@pytest.mark.parametrize("kind", ["stats", "aborts", "requests"])
+def test_a_pipelined_flood_on_the_prefillers_peer_socket(pair, kind):
+    """10,000 frames on the prefiller's peer socket, unread (6,000 Stats used to deadlock its
+    messenger and scheduler): the decoder's remote prefills keep working."""
     pre, dec = pair
     ctx, sock = dealer(pre)
     try:
-        for _ in range(10_000):
-            sock.send(ENC.encode(StatsRequest()))
+        for i in range(10_000):
+            sock.send(peer_frame(kind, i))
         r = Req(dec, prompt(30, salt=20), max_tokens=4, timeout=60)
         r.join()
         assert r.code is None and len(r.tokens) == 4

@@ -10,6 +10,10 @@ Owns: the attempts (one per PrefillRequest sent), peer liveness and load, the co
 A request's pages are never reported free while a write into them may still land: after a
 timeout or a client abort the attempt drains (AbortPrefill -> AbortAck, or the prefiller's own
 PrefillDone/PrefillFailed, or the prefiller declared dead) before the scheduler hears of it.
+Each request names this decoder's challenge slot for that prefiller; a prefiller proves the
+decoder owns the memory by writing a nonce there and asking for it (``Challenge`` ->
+``ChallengeAnswer``, ``disagg.ownership``). A prefiller whose attempts keep failing (timeouts,
+refusals) is suspect for a back-off (``disagg.peer_health``): others are preferred meanwhile.
 An attempt times out after ``--prefill-timeout`` without progress (KV units of its key landing,
 or the prefiller's ``PrefillProgress``), or at its absolute deadline (``disagg.deadlines``).
 """
@@ -22,7 +26,7 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -34,10 +38,15 @@ from disagg import security
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.transfer import TransferEngine
 from disagg.deadlines import DEADLINE_GRACE_S, ProgressDeadline, fence_expired, prefill_cap_s
+from disagg.fabric.topology import MAX_LANES
+from disagg.ownership import CHALLENGE_SLOTS, CHALLENGE_UNITS, NONCE_BYTES, area_rows, nonce_offset
+from disagg.peer_health import PeerHealth
 from disagg.protocol import (
     AbortAck,
     AbortPrefill,
     CancelRemote,
+    Challenge,
+    ChallengeAnswer,
     KVLayoutDesc,
     KVReady,
     MessengerStats,
@@ -55,11 +64,17 @@ from disagg.protocol import (
     RemoteReleased,
     ToMessenger,
 )
-from disagg.transfer_plan import incompatibility, make_key, request_units
+from disagg.transfer_plan import incompatibility, make_key, new_generation, request_units
 
 log = logging.getLogger(__name__)
 
+# a failed ZMTP/CURVE handshake (an impostor or a plain socket on a prefiller's address)
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 FENCE_GRACE_S = 1.0  # after a peer's connection went down, for bytes already on their way
+CHALLENGE_WAIT_S = 2.0  # for a challenge's nonce to land before reading it anyway
+CHALLENGE_ARMED_S = 3600.0  # an armed challenge key is re-armed after this
+CHALLENGE_SLOT = (1 << 8) - 1  # the slot bits of challenge keys (logs only: generations are random)
 
 
 @dataclass
@@ -75,6 +90,10 @@ class Peer:
     monitor: Any = None  # zmq monitor socket: connection events of ``sock``
     epoch: int = 0  # connections to this address that went down (a dead process's did)
     down_at: float = 0.0  # when the last one went down (monotonic)
+    redial: bool = False  # a handshake failed: libzmq may not retry by itself (NOTES.md)
+    slot: int = 0  # its challenge slot in the context buffer's challenge area
+    challenge: Any = None  # (key, Expectation) a challenge's nonce writes land under
+    health: PeerHealth = field(default_factory=PeerHealth)
 
 
 @dataclass
@@ -95,6 +114,7 @@ class Attempt:
     state: str = "waiting"  # waiting (for KV) -> draining (no KV wanted; writes may land)
     cancelled: bool = False  # the request ended on the decode side
     failure: tuple[str, str] | None = None
+    window: Any = None  # its registrations (TransferEngine.window): closed once no KV is wanted
 
     @property
     def request_id(self) -> str:
@@ -118,15 +138,21 @@ class DecodeMessenger(MessengerBase):
         max_tries: int = 2,
         kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
     ):
-        self.peers = []
+        # with a window per attempt the shared registrations need no remote access at all
+        self.register_access = "source" if transfer.windows else "target"
+        self.peers: list[Peer] = []
         for address in peers:
             sock = ctx.socket(zmq.DEALER)
             security.client(sock)
             sock.setsockopt(zmq.LINGER, 0)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
             sock.connect(address)
-            self.peers.append(Peer(address, sock, monitor=monitor))
-        super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_slots)
+            self.peers.append(Peer(address, sock, monitor=monitor,
+                                   slot=len(self.peers) % CHALLENGE_SLOTS))
+        # context slots, then the challenge area (its last bytes), never a context slot
+        super().__init__(sched_sock, transfer, layout, kvs, kv_fds,
+                         max_slots + area_rows(layout.context_bytes))
+        self.ctx_free = [s for s in self.ctx_free if s < max_slots]
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
@@ -134,11 +160,11 @@ class DecodeMessenger(MessengerBase):
         self.attempts: dict[str, Attempt] = {}  # by request id
         self.by_slot: dict[int, Attempt] = {}
         self.completed: dict[str, int] = {}  # request id -> slot, KV landed, PrefillDone due
-        self._gens = itertools.count(1)
         self._ping = itertools.count()
         self._peer_dec = msgspec.msgpack.Decoder(PeerReply)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
         self._alive_reported = -1
+        self._junk_reported = 0
         self.units_received = 0
 
     # ------------------------------------------------------------------ loop
@@ -209,8 +235,12 @@ class DecodeMessenger(MessengerBase):
                     peer.layout = pong.layout
                     peer.alive = peer.incompatible is None
                     await self._report_alive()
+                case Challenge() as ch:
+                    self._spawn(self._answer(peer, ch))
                 case PrefillFailed(request_id=rid, code=code, message=message):
                     a = self.attempts.get(rid)
+                    if a is not None and a.state == "waiting" and a.peer is peer:
+                        peer.health.failed(time.monotonic())
                     if a is not None:  # no write of it can land any more
                         await self._settled(a, a.failure or (code, message))
                 case PrefillDone(request_id=rid) as done:
@@ -233,11 +263,36 @@ class DecodeMessenger(MessengerBase):
     # ------------------------------------------------------------------ attempts
 
     def pick(self) -> Peer | None:
-        """The live, compatible prefiller with the fewest queued tokens (ties at random)."""
+        """The live, compatible prefiller with the fewest queued tokens (ties at random),
+        among those not suspect if there are any."""
         live = [p for p in self.peers if p.alive]
         if not live:
             return None
-        return min(live, key=lambda p: (p.queued_tokens + p.sent_tokens, random.random()))
+        now = time.monotonic()
+        healthy = [p for p in live if not p.health.suspect(now)] or live
+        return min(healthy, key=lambda p: (p.queued_tokens + p.sent_tokens, random.random()))
+
+    def _challenge_key(self, peer: Peer) -> int:
+        """The key ``peer``'s next challenge writes carry: expected before any request names
+        it (only arrivals after ``expect`` count); a fresh one once it was used or expired."""
+        if peer.challenge is None or peer.challenge[1].future.done():
+            key = make_key(CHALLENGE_SLOT, new_generation())
+            exp = self.transfer.expect(key, CHALLENGE_UNITS, timeout=CHALLENGE_ARMED_S)
+            exp.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            peer.challenge = (key, exp)
+        return int(peer.challenge[0])
+
+    async def _answer(self, peer: Peer, ch: Challenge) -> None:
+        """Read back the nonce ``peer`` wrote into its challenge slot (once it landed, or
+        after ``CHALLENGE_WAIT_S``) and send it: proof that this process owns the memory."""
+        if peer.challenge is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(peer.challenge[1].future), CHALLENGE_WAIT_S)
+        n = NONCE_BYTES * max(1, min(ch.lanes, MAX_LANES))
+        start = nonce_offset(self.ctx_buf.numel(), peer.slot, 0)
+        nonce = bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes())
+        with contextlib.suppress(zmq.ZMQError):
+            await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
 
     async def _start(self, need: NeedPrefill, tries: int) -> None:
         peer = self.pick()
@@ -245,28 +300,30 @@ class DecodeMessenger(MessengerBase):
             why = "no prefiller is alive" if peer is None else "no free context slot"
             await self._pages_back(RemoteFailed(need.slot, "no_prefiller", why))
             return
-        gen = next(self._gens)
+        gen = self._new_generation(need.slot)
         key = make_key(need.slot, gen)
         assert peer.layout is not None  # alive means it answered a Ping
         units = request_units(peer.layout, self.layout, len(need.prompt_ids))
         ctx_slot = self.ctx_free.pop()
         cap_s = prefill_cap_s(self.timeout_s, len(need.prompt_ids))
         exp = self.transfer.expect(key, units, timeout=cap_s)  # the engine enforces the cap
+        window = self.transfer.window(self.kv_regions + [self.ctx_region])
         now = time.monotonic()
         a = Attempt(need.slot, gen, need, peer, ctx_slot, exp,
                     ProgressDeadline.start(now, self.timeout_s, cap_s), tries, epoch=peer.epoch,
-                    started_at=now, deadline_unix=time.time() + cap_s)
+                    started_at=now, deadline_unix=time.time() + cap_s, window=window)
         self.attempts[a.request_id] = a
         self.by_slot[need.slot] = a
         peer.sent_tokens += len(need.prompt_ids)
         req = PrefillRequest(
             request_id=a.request_id, key=key, prompt_ids=need.prompt_ids,
             dst_pages=need.dst_pages, dst_layout=self.layout,
-            dst_kv=self.kv_regions[0].descriptor.encode(),
-            dst_kv_ranks=[r.descriptor.encode() for r in self.kv_regions],
-            dst_ctx=self.ctx_region.descriptor.encode(),
+            dst_kv=window.descriptors[0].encode(),
+            dst_kv_ranks=[d.encode() for d in window.descriptors[:-1]],
+            dst_ctx=window.descriptors[-1].encode(),
             ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s,
-            deadline_unix=a.deadline_unix)
+            deadline_unix=a.deadline_unix, challenge_slot=peer.slot,
+            challenge_key=self._challenge_key(peer))
         await peer.sock.send(self._enc.encode(req))
         self._spawn(self._await_kv(a, units))
 
@@ -286,6 +343,7 @@ class DecodeMessenger(MessengerBase):
             await self.transfer.stage_in_pages(region, self.layout, a.need.dst_pages)
         if a.state != "waiting":
             return
+        a.peer.health.succeeded()
         self.units_received += units
         if self.metrics is not None:  # units: pages per layer, plus one context
             nbytes = (units - 1) * self.layout.page_bytes + self.layout.context_bytes
@@ -304,9 +362,12 @@ class DecodeMessenger(MessengerBase):
         can land: an acknowledgement, or the attempt's deadline (``_fence``)."""
         if a.state != "waiting":
             return
+        if failure[0] != "cancelled":  # timed out, or its prefiller died
+            a.peer.health.failed(time.monotonic())
         a.state = "draining"
         a.failure = failure
         a.expectation.cancel()
+        a.window.close()  # revoked: the provider refuses its writes not yet being received
         a.deadline = time.monotonic() + self.peer_timeout_s
         with contextlib.suppress(zmq.ZMQError):
             await a.peer.sock.send(self._enc.encode(AbortPrefill(a.request_id)), zmq.NOBLOCK)
@@ -351,7 +412,15 @@ class DecodeMessenger(MessengerBase):
         """Which fence to lift: the scheduler's cancel fence, or this attempt's failure fence."""
         return RemoteReleased(a.slot, 0 if a.cancelled else a.generation)
 
+    def _new_generation(self, slot: int) -> int:
+        """A random generation whose key no attempt in flight has (unguessable by a peer)."""
+        live = {make_key(a.slot, a.generation) for a in self.attempts.values()}
+        while make_key(slot, gen := new_generation()) in live:
+            pass
+        return gen
+
     def _forget(self, a: Attempt) -> None:
+        a.window.close()  # no write of it is wanted any more
         if self.attempts.pop(a.request_id, None) is not None:
             self.ctx_free.append(a.ctx_slot)
         if self.by_slot.get(a.slot) is a:
@@ -362,6 +431,11 @@ class DecodeMessenger(MessengerBase):
     async def _heartbeat(self, now: float) -> None:
         seq = next(self._ping)
         for p in self.peers:
+            if p.redial:  # something else answered on its address: dial again, from scratch
+                p.redial = False
+                with contextlib.suppress(zmq.ZMQError):
+                    p.sock.disconnect(p.address)
+                p.sock.connect(p.address)
             if p.alive and now - p.last_pong > self.peer_timeout_s:
                 log.warning("prefiller %s is not answering; declaring it dead", p.address)
                 p.alive = False
@@ -388,6 +462,8 @@ class DecodeMessenger(MessengerBase):
                 self._forget(a)
                 await self._pages_back(self._released(a))
         await self._report_alive()
+        if self.transfer.junk != self._junk_reported:
+            await self._to_scheduler(self.stats())
 
     @staticmethod
     def _timed_out(a: Attempt, now: float) -> bool:
@@ -409,9 +485,11 @@ class DecodeMessenger(MessengerBase):
     # ------------------------------------------------------------------ plumbing
 
     def stats(self) -> MessengerStats:
+        self._junk_reported = self.transfer.junk
         return MessengerStats(transfers_in_flight=len(self.attempts),
                               kv_units_received=self.units_received,
-                              prefill_peers_alive=sum(p.alive for p in self.peers))
+                              prefill_peers_alive=sum(p.alive for p in self.peers),
+                              kv_junk_immediates=self._junk_reported)
 
     async def _connection_events(self, peer: Peer) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -421,9 +499,12 @@ class DecodeMessenger(MessengerBase):
                 frames = await peer.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
                 peer.epoch += 1
                 peer.down_at = time.monotonic()
+            elif event & HANDSHAKE_FAILED:
+                peer.redial = True
 
     def close(self) -> None:
         self._cancel_tasks()

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from disagg import security
+from disagg.actors.connections import disconnected_fds, source_fd
 from disagg.admission import ClientBook, Reply
 from disagg.protocol import (
     Abort,
@@ -108,7 +109,7 @@ class FrontendActor:
                 await self._reject(identity, msg)
                 continue
             nbytes = len(frames[-1])
-            if not self.book.arrived(identity, _source_fd(frames[0]), nbytes):
+            if not self.book.arrived(identity, source_fd(frames[0]), nbytes):
                 self.overloaded_frames += 1
                 rid = msg.request_id if isinstance(msg, GenerateRequest) else None
                 what = f"abort of {msg.request_id!r}" if isinstance(msg, Abort) else "frame"
@@ -177,17 +178,9 @@ class FrontendActor:
             self.book.drained(identity)
 
     async def _connection_events(self) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
-        while True:
-            try:
-                frames = await self.monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(frames)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                for identity in self.book.disconnected(int(event["value"])):
-                    await self._tell_scheduler(ClientGone(identity, "disconnected"))
+        for fd in await disconnected_fds(self.monitor):
+            for identity in self.book.disconnected(fd):
+                await self._tell_scheduler(ClientGone(identity, "disconnected"))
 
     async def _gone(self, identity: bytes, reason: str) -> None:
         if identity in self.book.clients:
@@ -202,10 +195,3 @@ class FrontendActor:
         self.monitor.close()
         self.sock.close()
 
-
-def _source_fd(frame: zmq.Frame) -> int | None:
-    """The connection (fd) a received frame came on, to match the monitor's disconnects."""
-    try:
-        return int(frame.get(zmq.SRCFD))
-    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-        return None

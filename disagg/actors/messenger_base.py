@@ -18,6 +18,10 @@ class MessengerBase:
     ``ctx_slots`` rows with the transfer engine, once; talks to the scheduler over
     ``sched_sock``; keeps a reference to every task it starts (cancelled by ``close``)."""
 
+    # what peers may do with these registrations: a sender's are write sources only; a
+    # receiver overrides (``target``, or ``source`` when each attempt gets its own window)
+    register_access = "source"
+
     def __init__(self, sched_sock: zmq.asyncio.Socket, transfer: TransferEngine,
                  layout: KVLayoutDesc, kvs: list[torch.Tensor],
                  kv_fds: list[int | None] | None, ctx_slots: int):
@@ -25,10 +29,11 @@ class MessengerBase:
         self.transfer = transfer
         self.layout = layout
         fds = list(kv_fds or [None] * len(kvs))
-        self.kv_regions = [transfer.register(kv.view(torch.uint8).view(-1), fd=fd)
+        access = self.register_access
+        self.kv_regions = [transfer.register(kv.view(torch.uint8).view(-1), fd=fd, access=access)
                            for kv, fd in zip(kvs, fds, strict=True)]  # one per rank
         self.ctx_buf = transfer.context_buffer(ctx_slots, layout.context_bytes)
-        self.ctx_region = transfer.register(self.ctx_buf.view(-1))
+        self.ctx_region = transfer.register(self.ctx_buf.view(-1), access=access)
         self.ctx_free = list(range(ctx_slots - 1, -1, -1))
         self.metrics: Any = None  # disagg.metrics.Metrics, set by the node
         self.bad_frames = 0

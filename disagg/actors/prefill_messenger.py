@@ -8,6 +8,13 @@ the transfer engine, layer by layer as the layer counter advances (SEED.md 11-16
 Owns: the jobs (one per accepted PrefillRequest), the layer-counter poller thread, the context
 staging buffer.
 
+Only memory the requesting decoder owns is written: before the first write to an endpoint a
+peer connection named, the connection must answer a ``Challenge`` (``disagg.ownership``);
+until then its requests wait (no job, no pages), and after a failed check they are refused
+``bad_request``. Each peer connection holds at most ``peer_share`` of the job slots (past that
+its requests get ``overloaded``) and of the page pool (past that its jobs wait here, holding no
+page, until its earlier ones end): ``disagg.peer_quota``.
+
 A job expires after the request's ``timeout_s`` without progress (a step or layer computed here:
 the job's own, or the queue's it waits in) or at its absolute deadline (``disagg.deadlines``),
 and no write of it is posted past that deadline; decoders hear of the progress
@@ -17,6 +24,7 @@ and no write of it is posted past that deadline; decoders hear of the progress
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -29,14 +37,31 @@ import zmq
 import zmq.asyncio
 
 from disagg import security
+from disagg.actors.connections import disconnected_fds, source_fd
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.transfer import TransferEngine
 from disagg.deadlines import ProgressDeadline, job_cap_s
+from disagg.ownership import (
+    CHALLENGE_AREA_BYTES,
+    CHALLENGE_SLOTS,
+    NONCE_BYTES,
+    SLOT_BYTES,
+    Check,
+    Conn,
+    NonceSlots,
+    OwnershipBook,
+    endpoints,
+    lane_weights,
+    nonce_offset,
+)
+from disagg.peer_quota import PeerQuota
 from disagg.protocol import (
     AbortAck,
     AbortPrefill,
     CancelJob,
+    Challenge,
+    ChallengeAnswer,
     KVLayoutDesc,
     MessengerStats,
     PeerRequest,
@@ -58,6 +83,7 @@ from disagg.protocol import (
 from disagg.transfer_plan import (
     ChunkPlan,
     Runs,
+    Write,
     context_write,
     incompatibility,
     pages_to_send,
@@ -67,6 +93,8 @@ from disagg.transfer_plan import (
 log = logging.getLogger(__name__)
 
 MAX_STATS_WAITING = 1000  # Stats requests of one peer answered by one query (more: dropped)
+NONCE_SOURCE_SLOTS = 4096  # nonces being written (a failed write's slot rests 10 min)
+MAX_CHECKS = 64  # ownership checks under way at once, all connections
 
 
 
@@ -77,6 +105,7 @@ class Job:
     req: PrefillRequest
     dst_kv: list[Any]  # decoded MemoryDescriptor per decoder rank
     dst_ctx: Any
+    pages: int  # its prompt's pages here (the per-peer bound)
     clock: ProgressDeadline  # idle deadline pushed by progress, under the absolute cap
     accepted_at: float
     progress_sent: float = 0.0  # when the decoder last got a PrefillProgress of it
@@ -89,6 +118,7 @@ class Job:
     computed: bool = False  # last chunk done and context write posted
     cancelled: bool = False
     ended: bool = False
+    handed: bool = False  # to the scheduler (else waiting for its peer's page share)
 
 
 @dataclass
@@ -111,15 +141,28 @@ class PrefillMessenger(MessengerBase):
         vocab_size: int,
         max_jobs: int = 256,
         kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
+        peer_share: float = 0.5,  # of the job slots and the page pool, per peer connection
+        ownership_timeout_s: float = 5.0,  # a peer proves it owns its endpoint within this
     ):
         self.vocab_size = vocab_size
         self.sock = ctx.socket(zmq.ROUTER)
-        security.server(self.sock)
+        security.server(self.sock, nodes_only=True)  # decoders' node keys only
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.bind(listen)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_jobs)
+        # nonces are written from their own source buffer (never a context row)
+        self.nonce_buf = transfer.context_buffer(NONCE_SOURCE_SLOTS, SLOT_BYTES)
+        self.nonce_region = transfer.register(self.nonce_buf.view(-1), access="source")
+        self.nonce_slots = NonceSlots(NONCE_SOURCE_SLOTS)
+        self.owners = OwnershipBook()
+        self.ownership_timeout_s = ownership_timeout_s
+        self.parked: dict[Conn, list[tuple[bytes, PrefillRequest]]] = {}  # waiting for a check
+        self.answers: dict[tuple[Conn, int], asyncio.Future[bytes]] = {}
+        self.quota = PeerQuota(int(max_jobs * peer_share), int(layout.num_pages * peer_share))
+        self.held_back: dict[bytes, collections.deque[Job]] = {}  # past their peer's page share
         self.ctx_of: dict[int, int] = {}
         self.counter = counter
         self.jobs: dict[int, Job] = {}
@@ -143,9 +186,12 @@ class PrefillMessenger(MessengerBase):
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.sched, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         try:
             while True:
                 events = dict(await poller.poll(1000))
+                if self.monitor in events:  # first: a reused connection's fd is known gone
+                    await self._connection_events()
                 if self.sock in events:
                     await self._from_peers()
                 if self.sched in events:
@@ -157,10 +203,12 @@ class PrefillMessenger(MessengerBase):
     async def _from_peers(self) -> None:
         while True:
             try:
-                frames = await self.sock.recv_multipart(zmq.NOBLOCK)
+                zframes = await self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [f.bytes for f in zframes]
             peer = frames[0]
+            conn = (peer, source_fd(zframes[0]))
             try:
                 if len(frames) != 2:
                     raise msgspec.ValidationError("expected one message frame")
@@ -174,9 +222,13 @@ class PrefillMessenger(MessengerBase):
                     await self._reply(peer, Pong(seq, self.queued_tokens, self.layout,
                                                  self.transfer.transport))
                 case PrefillRequest() as req:
-                    await self._accept(peer, req)
+                    await self._accept(peer, req, conn)
                 case AbortPrefill(request_id=rid):
-                    await self._abort(peer, rid)
+                    await self._abort(peer, rid, conn)
+                case ChallengeAnswer(id=cid, nonce=nonce):
+                    fut = self.answers.get((conn, cid))
+                    if fut is not None and not fut.done():
+                        fut.set_result(nonce)
                 case StatsRequest():
                     # one query in flight per peer: a flood of them costs the scheduler one
                     waiting = self.stats_waiting.get(peer, 0)
@@ -206,7 +258,12 @@ class PrefillMessenger(MessengerBase):
                 case StatsReply(peer=peer, stats=stats):
                     # this messenger's fields as they are now: the copy the scheduler holds
                     # may predate a job's end it already freed the pages of
+                    # jobs held back for their peer's page share, and requests waiting for
+                    # the ownership check, are admitted but not running: they are waiting too
+                    held = sum(len(q) for q in self.held_back.values()) + sum(
+                        len(p) for p in self.parked.values())
                     reply = msgspec.structs.replace(stats, bad_frames=self.bad_frames,
+                                                    waiting=stats.waiting + held,
                                                     **msgspec.structs.asdict(self.stats()))
                     for _ in range(self.stats_waiting.pop(peer, 1)):
                         await self._reply(peer, reply)
@@ -236,10 +293,11 @@ class PrefillMessenger(MessengerBase):
             return f"timeout_s out of range: {req.timeout_s}"
         return None
 
-    async def _accept(self, peer: bytes, req: PrefillRequest) -> None:
+    async def _accept(self, peer: bytes, req: PrefillRequest, conn: Conn) -> None:
         why = self.validate(req)
         dst_kv: list[Any] = []
         dst_ctx = None
+        lanes: list[Any] = []
         if why is None:
             try:
                 dst_kv = [self.transfer.decode_descriptor(d)
@@ -249,33 +307,150 @@ class PrefillMessenger(MessengerBase):
                     why = f"{len(dst_kv)} KV descriptors for tp_size {req.dst_layout.tp_size}"
                 elif any(d.length < req.dst_layout.total_bytes for d in dst_kv):
                     why = "KV descriptor smaller than the advertised layout"
-                elif not 0 <= req.ctx_offset <= dst_ctx.length - self.layout.context_bytes:
-                    why = "context offset outside the context buffer"
+                elif not 0 <= req.ctx_offset <= (dst_ctx.length - CHALLENGE_AREA_BYTES
+                                                 - self.layout.context_bytes):
+                    why = "context offset outside the context buffer's slots"
+                elif not 0 <= req.challenge_slot < CHALLENGE_SLOTS:
+                    why = f"challenge slot {req.challenge_slot} out of range"
+                else:
+                    lanes, why = endpoints(dst_kv, dst_ctx, self.transfer.lanes)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 why = f"bad memory descriptor: {e}"
         if why is None and (peer, req.request_id) in self.by_peer:
             why = f"duplicate request id {req.request_id!r}"
-        if why is None and not self.ctx_free:
-            await self._reply(peer, PrefillFailed(req.request_id, "overloaded", "too many jobs"))
-            return
+        now = time.monotonic()
+        owned = self.owners.status(conn, frozenset(d.address for d in lanes), now)
+        if why is None and owned == "refused":
+            why = "descriptor not owned by the requester (it failed the ownership check)"
         if why is not None:
             await self._reply(peer, PrefillFailed(req.request_id, "bad_request", why))
             return
-        now = time.monotonic()
+        if owned == "unknown":  # no job, no pages before the check
+            await self._park(peer, conn, req, dst_ctx, lanes)
+            return
+        pages = -(-len(req.prompt_ids) // self.layout.page_size)
+        busy = self.quota.refusal(peer) or (None if self.ctx_free else "too many jobs")
+        if busy:
+            await self._reply(peer, PrefillFailed(req.request_id, "overloaded", busy))
+            return
         cap_s = job_cap_s(req.timeout_s, len(req.prompt_ids), req.deadline_unix, time.time())
         if cap_s <= 0:
             await self._reply(peer, PrefillFailed(req.request_id, "timeout",
                                                   "the request's deadline passed before it was read"))
             return
-        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx,
+        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx, pages,
                   ProgressDeadline.start(now, req.timeout_s, cap_s), now, progress_sent=now)
+        self.quota.accepted(peer)
         self.jobs[job.id] = job
         self.by_peer[(peer, req.request_id)] = job.id
         self.ctx_of[job.id] = self.ctx_free.pop()
         self.queued_tokens += len(req.prompt_ids)
-        await self._to_scheduler(PrefillJob(job.id, req.prompt_ids))
+        self.held_back.setdefault(peer, collections.deque()).append(job)
+        self._hand(peer)
 
-    async def _abort(self, peer: bytes, rid: str) -> None:
+    def _hand(self, peer: bytes) -> None:
+        """Hand ``peer``'s waiting jobs to the scheduler, in order, while the pages they
+        take stay within its share of the pool."""
+        queue = self.held_back.get(peer)
+        while queue:
+            job = queue[0]
+            if not (job.cancelled or job.ended):
+                if not self.quota.fits(peer, job.pages):
+                    return
+                job.handed = True
+                self.quota.handed(peer, job.pages)
+                self._send_soon(PrefillJob(job.id, job.req.prompt_ids))
+            queue.popleft()
+        self.held_back.pop(peer, None)
+
+    async def _park(self, peer: bytes, conn: Conn, req: PrefillRequest, dst_ctx: Any,
+                    lanes: list[Any]) -> None:
+        """Hold a request until its connection proved it owns the endpoints named (one check
+        per connection at a time; no job slot or page is taken meanwhile)."""
+        parked = self.parked.get(conn, [])
+        busy = None
+        if len(parked) >= self.quota.max_jobs:
+            busy = "too many requests of this decoder wait for its ownership check"
+        elif conn not in self.owners.checks:
+            slot = (self.nonce_slots.take(time.monotonic())
+                    if len(self.owners.checks) < MAX_CHECKS else None)
+            if slot is None:
+                busy = "too many ownership checks under way"
+            else:
+                check = self.owners.start(conn, frozenset(d.address for d in lanes), len(lanes))
+                self._spawn(self._check(peer, check, slot, req, dst_ctx, lanes))
+        if busy:
+            await self._reply(peer, PrefillFailed(req.request_id, "overloaded", busy))
+            return
+        self.parked.setdefault(conn, []).append((peer, req))
+
+    async def _check(self, peer: bytes, check: Check, slot: int, req: PrefillRequest,
+                     dst_ctx: Any, lanes: list[Any]) -> None:
+        """Write the nonce through every lane, ask the connection for it back, then serve or
+        refuse the requests that waited; all within the ownership timeout."""
+        deadline = time.monotonic() + self.ownership_timeout_s
+        futures: list[asyncio.Future[None]] = []
+        answer = None
+        written = False
+        timed_out = False
+        try:
+            nonce = torch.frombuffer(bytearray(check.nonce), dtype=torch.uint8)
+            self.nonce_buf[slot, :len(check.nonce)] = nonce.to(self.nonce_buf.device)
+            try:
+                for i, (lane, units) in enumerate(zip(lanes, lane_weights(len(lanes)), strict=True)):
+                    w = Write(slot * SLOT_BYTES + i * NONCE_BYTES,
+                              nonce_offset(dst_ctx.length, req.challenge_slot, i), NONCE_BYTES,
+                              units)
+                    counts = self.transfer.writes_sent, self.transfer.bytes_sent
+                    futures += self.transfer.write(self.nonce_region, lane, Runs.of([w]),
+                                                   req.challenge_key,
+                                                   timeout=self.ownership_timeout_s)
+                    # not KV: Stats.kv_writes_sent / kv_bytes_sent count KV only
+                    self.transfer.writes_sent, self.transfer.bytes_sent = counts
+            finally:  # every posted write settles by the timeout
+                results = await asyncio.gather(*futures, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+            written = True
+            fut = asyncio.get_running_loop().create_future()
+            self.answers[(check.conn, check.id)] = fut
+            await self._reply(peer, Challenge(check.id, len(lanes)))
+            answer = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - any failure is a failed check
+            timed_out = isinstance(e, TimeoutError)
+            log.warning("ownership check %d of a decoder failed: %s", check.id,
+                        e.__class__.__name__ + (f": {e}" if str(e) else ""))
+        finally:
+            self.answers.pop((check.conn, check.id), None)
+            now = time.monotonic()
+            self.nonce_slots.give(slot, written, now)
+        # a write refused at once (say the attempt's window closed) proves nothing either way:
+        # only that request is refused; a wrong or missing answer, or a write that never
+        # completed, refuses the connection's requests naming those endpoints for a while
+        ok = self.owners.answered(check, answer, now, remember_failure=written or timed_out)
+        await self._unpark(check.conn, req if not ok else None)
+
+    async def _unpark(self, conn: Conn, failed: PrefillRequest | None) -> None:
+        """Run the requests that waited on ``conn``'s check again (``failed``: the one whose
+        descriptors failed it, refused)."""
+        for peer, req in self.parked.pop(conn, []):
+            if req is failed:
+                await self._reply(peer, PrefillFailed(
+                    req.request_id, "bad_request",
+                    "descriptor not owned by the requester (it failed the ownership check)"))
+            else:
+                await self._accept(peer, req, conn)
+
+    async def _connection_events(self) -> None:
+        for fd in await disconnected_fds(self.monitor):
+            for conn in self.owners.forget(fd):
+                self.parked.pop(conn, None)  # nobody to answer
+
+    async def _abort(self, peer: bytes, rid: str, conn: Conn) -> None:
+        parked = self.parked.get(conn, [])
+        for item in [p for p in parked if p[1].request_id == rid]:
+            parked.remove(item)  # never accepted: nothing of it was or will be written
         job_id = self.by_peer.get((peer, rid))
         if job_id is None:
             await self._reply(peer, AbortAck(rid))  # nothing of it can land
@@ -397,6 +572,8 @@ class PrefillMessenger(MessengerBase):
         job.ended = True
         await self._reply(job.peer, reply)
         self.jobs.pop(job.id, None)
+        self.quota.ended(job.peer, job.pages if job.handed else 0)
+        self._hand(job.peer)
         self.by_peer.pop((job.peer, job.req.request_id), None)
         self.ctx_free.append(self.ctx_of.pop(job.id))
         outcome = ("finished" if isinstance(reply, PrefillDone)
@@ -452,4 +629,7 @@ class PrefillMessenger(MessengerBase):
 
     def close(self) -> None:
         self._cancel_tasks()
+        self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()
+

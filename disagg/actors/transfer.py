@@ -16,6 +16,12 @@ Backends and memory (``--transfer-backend``):
 - ``cuda-ipc`` (GPUs of one host): the KV is cuMem memory, registered with the fd the node
   keeps open (``ExecutorGroup.kv_fds``) so a peer can import and map it; context buffers are
   device tensors (:meth:`context_buffer`), shared by legacy CUDA IPC handles.
+
+Access (fabric): registrations carry random keys (or the provider's), never remote read.
+``register(access=...)``: ``source`` for what a prefiller sends from (no remote access),
+``target``/``both`` for what peers write into. With per-attempt windows
+(``--fabric-mr-per-attempt``, :meth:`window`), the decoder registers its KV and context memory
+as ``source`` only and gives each attempt fresh registrations, revoked when it ends.
 """
 
 from __future__ import annotations
@@ -38,6 +44,20 @@ from disagg.transfer_plan import UNIT_BITS, Runs, make_imm, page_runs
 log = logging.getLogger(__name__)
 
 STRIPE_BYTES = 1 << 20  # with several fabric lanes, runs are cut to at most this
+MR_PER_ATTEMPT = ("auto", "on", "off")
+# providers whose registrations pin nothing (measured on tcp: ~5 us a registration + close,
+# whatever the size): per-attempt windows by default
+CHEAP_REGISTRATION = ("tcp", "shm", "net", "udp", "sockets")
+
+
+def per_attempt_windows(backend: str, provider: str, mode: str) -> bool:
+    """Whether a decoder registers its memory anew for each attempt (``--fabric-mr-per-attempt``):
+    ``auto`` where registration is cheap (pins nothing), never for cuda-ipc (not revocable)."""
+    if mode not in MR_PER_ATTEMPT:
+        raise ValueError(f"--fabric-mr-per-attempt must be one of {MR_PER_ATTEMPT}, got {mode!r}")
+    if backend != "fabric":
+        return False
+    return mode == "on" or (mode == "auto" and provider.split(";")[0] in CHEAP_REGISTRATION)
 
 
 def nearest_nics(device: torch.device) -> tuple[str, ...]:
@@ -77,7 +97,7 @@ class StagedRegion:
 class TransferEngine:
     def __init__(self, backend: str = "fabric", provider: str = "tcp", timeout_s: float = 30.0,
                  device: torch.device | None = None, lanes: int = 1,
-                 stripe_bytes: int = STRIPE_BYTES):
+                 stripe_bytes: int = STRIPE_BYTES, mr_per_attempt: str = "auto"):
         kw: dict[str, Any] = {"weight_bits": UNIT_BITS, "default_timeout": timeout_s}
         self.device = device if device is not None else torch.device("cpu")
         self.lanes = lanes
@@ -92,6 +112,7 @@ class TransferEngine:
         self.backend = backend
         # "backend/provider": what a peer's engine must match (carried in Pong)
         self.transport = f"{backend}/{self.engine.provider}"
+        self.windows = per_attempt_windows(backend, self.engine.provider, mr_per_attempt)
         self.timeout_s = timeout_s
         self.writes_sent = 0
         self.bytes_sent = 0
@@ -106,11 +127,12 @@ class TransferEngine:
         for m in self._mirrors:
             m.close()
 
-    def register(self, tensor: torch.Tensor, fd: int | None = None) -> Any:
+    def register(self, tensor: torch.Tensor, fd: int | None = None, access: str = "both") -> Any:
         """Register a tensor's memory once; returns the local region (``.descriptor`` for peers).
 
         ``fd``: for CUDA memory from cuMem (the node's KV), the allocation's POSIX fd, which
-        cuda-ipc peers import; ignored elsewhere."""
+        cuda-ipc peers import; ignored elsewhere. ``access`` (fabric): ``source``, ``target``
+        or ``both`` (see the module docstring)."""
         if self.backend == "cuda-ipc":
             return self.engine.register(tensor, fd=fd if tensor.is_cuda else None)
         if tensor.is_cuda:
@@ -119,12 +141,36 @@ class TransferEngine:
             mirror = HostMirror(tensor)
             self._mirrors.append(mirror)
             region = self.engine.register_address(int(mirror.host.data_ptr()), mirror.nbytes,
-                                                  owner=mirror)
+                                                  owner=mirror, access=access)
             log.info("fabric over host staging: %d MiB pinned mirror of %s memory",
                      mirror.nbytes >> 20, tensor.device)
             return StagedRegion(region, mirror)
         return self.engine.register_address(int(tensor.data_ptr()),
-                                            tensor.numel() * tensor.element_size(), owner=tensor)
+                                            tensor.numel() * tensor.element_size(), owner=tensor,
+                                            access=access)
+
+    def window(self, regions: list[Any]) -> Any:
+        """One attempt's access to ``regions`` (registered here): ``.descriptors`` (in order)
+        for the PrefillRequest, ``.close()`` when the attempt ends, after which the provider
+        refuses its writes. Without per-attempt windows: the regions' own descriptors, and
+        ``close`` revokes nothing."""
+        if not self.windows:
+            from disagg.fabric.engine import Window
+
+            return Window([r.descriptor for r in regions])
+        return self.engine.window([r.region if isinstance(r, StagedRegion) else r
+                                   for r in regions])
+
+    @property
+    def junk(self) -> int:
+        """Immediates refused by the receiving counter (unknown, finished, overflowing)."""
+        return int(self.engine.junk)
+
+    @property
+    def delivery_complete(self) -> bool:
+        """Whether a write's completion here means its data was placed at the target (else
+        only that it was sent: the receiver counts its own immediates either way)."""
+        return bool(getattr(self.engine, "delivery_complete", False))
 
     def context_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
         """A zeroed ``[rows, row_bytes]`` uint8 buffer for context rows, in memory this backend

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="retry for up to this many seconds until the node answers")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-message deadline")
     ap.add_argument("--curve-keys", default=None, metavar="DIR",
-                    help="CURVE key directory of a node started with --curve-keys "
+                    help="this client's CURVE keys for nodes started with --curve-keys: "
+                         "DIR/client (or DIR/client-NAME) of `disagg-node keygen DIR` "
                          "(default: $DISAGG_CURVE_KEYS)")
     return ap
 
@@ -49,9 +50,14 @@ def wait_for_node(client: Client, seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from disagg.security import load
+    from disagg.security import KeyFileError, keys_from_env, load_client
 
-    client = Client(args.connect, load(args.curve_keys) if args.curve_keys else None)
+    try:
+        keys = load_client(args.curve_keys) if args.curve_keys else keys_from_env()
+    except KeyFileError as e:
+        print(f"disagg-client: CURVE keys: {e}", file=sys.stderr)
+        sys.exit(2)
+    client = Client(args.connect, keys)
     try:
         if args.wait > 0:
             wait_for_node(client, args.wait)

@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fabric-stripe-bytes", type=int, default=d.fabric_stripe_bytes,
                     help="with --fabric-lanes > 1: longer runs of pages are cut to this size "
                          "so that every lane gets a share")
+    ap.add_argument("--fabric-mr-per-attempt", default=d.fabric_mr_per_attempt,
+                    choices=["auto", "on", "off"],
+                    help="decode role: register the KV and context memory anew (fresh random "
+                         "keys) for each remote prefill attempt and revoke it when the attempt "
+                         "ends, so late or forged writes are refused; auto: on where "
+                         "registration pins nothing (tcp, shm, net), off elsewhere (verbs, efa)")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
                     help="decode role: prompts of at most this many tokens are prefilled locally")
     ap.add_argument("--on-prefill-failure", default=d.on_prefill_failure,
@@ -97,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s)
     ap.add_argument("--heartbeat", type=float, default=d.heartbeat_s)
     ap.add_argument("--peer-timeout", type=float, default=d.peer_timeout_s)
+    ap.add_argument("--peer-share", type=float, default=d.peer_share, metavar="FRACTION",
+                    help="prefill role: share of the job slots and of the page pool one decoder "
+                         "connection may hold; past it its requests get 'overloaded'")
+    ap.add_argument("--ownership-timeout", type=float, default=d.ownership_timeout_s,
+                    metavar="SECONDS", help="prefill role: a decoder must prove it owns the "
+                    "memory its requests name within this (challenge), else they are refused")
     ap.add_argument("--http-listen", default=None,
                     help="HOST:PORT for the OpenAI-compatible HTTP API (mixed, decode, router)")
     ap.add_argument("--metrics-listen", default=None,
@@ -107,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="router role: a decode node's --listen address (repeatable)")
     ap.add_argument("--curve-keys", default=None, metavar="DIR",
                     help="authenticate and encrypt client and node-to-node sockets with the "
-                         "CURVE keys in DIR (made by `disagg-node keygen DIR`)")
+                         "node's CURVE keys in DIR (DIR/node of `disagg-node keygen DIR`)")
     ap.add_argument("--log-level", default=None)
     return ap
 
@@ -154,9 +166,11 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
             prefill_peers=args.prefill_peers, transfer_backend=args.transfer_backend,
             fabric_provider=args.fabric_provider, fabric_lanes=args.fabric_lanes,
             fabric_stripe_bytes=args.fabric_stripe_bytes,
+            fabric_mr_per_attempt=args.fabric_mr_per_attempt,
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             on_prefill_failure=args.on_prefill_failure, prefill_timeout_s=args.prefill_timeout,
-            heartbeat_s=args.heartbeat, peer_timeout_s=args.peer_timeout),
+            heartbeat_s=args.heartbeat, peer_timeout_s=args.peer_timeout,
+            peer_share=args.peer_share, ownership_timeout_s=args.ownership_timeout),
         curve_keys=args.curve_keys,
         step_timeout_s=args.step_timeout,
         startup_timeout_s=args.startup_timeout,
@@ -228,19 +242,32 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
 
 
 def keygen(argv: list[str]) -> None:
-    """``disagg-node keygen DIR``: make a CURVE key set for --curve-keys."""
+    """``disagg-node keygen DIR [--add-client NAME]``: make a CURVE key set for --curve-keys,
+    split by role (``security.LAYOUT``), or mint and authorise one more client keypair."""
+    from disagg.security import LAYOUT, KeyFileError, add_client
     from disagg.security import keygen as make_keys
 
-    ap = argparse.ArgumentParser(prog="disagg-node keygen")
-    ap.add_argument("directory")
+    ap = argparse.ArgumentParser(
+        prog="disagg-node keygen", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Make CURVE keys for --curve-keys: nodes get DIR/node, clients DIR/client.",
+        epilog=LAYOUT)
+    ap.add_argument("directory", metavar="DIR")
+    ap.add_argument("--add-client", metavar="NAME", default=None,
+                    help="in an existing DIR: write DIR/client-NAME and authorise it in "
+                         "DIR/node/clients/")
     args = ap.parse_args(argv)
     try:
-        keys = make_keys(args.directory)
-    except FileExistsError as e:
+        if args.add_client is not None:
+            out = add_client(args.directory, args.add_client)
+            print(f"wrote client keys to {out}; authorised in "
+                  f"{out.parent / 'node' / 'clients'}: copy {out.name}.key there on every node")
+            return
+        d = make_keys(args.directory)
+    except (FileExistsError, KeyFileError, ValueError) as e:
         print(f"disagg-node keygen: {e}", file=sys.stderr)
         sys.exit(1)
-    print(f"wrote CURVE keys to {keys.directory}; give every node --curve-keys "
-          f"{keys.directory} and clients DISAGG_CURVE_KEYS={keys.directory}")
+    print(f"wrote CURVE keys to {d}: give every node --curve-keys {d / 'node'} and clients "
+          f"--curve-keys {d / 'client'} (or DISAGG_CURVE_KEYS); see {d / 'README.txt'}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,6 +279,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = build_parser().parse_args(argv)
     if args.curve_keys:  # in-process clients (HTTP gateway, metrics, router) read it here
+        from disagg.security import KeyFileError, load_node
+
+        try:
+            load_node(args.curve_keys)
+        except KeyFileError as e:
+            print(f"disagg-node: --curve-keys: {e}", file=sys.stderr)
+            sys.exit(2)
         os.environ[ENV_PREFIX + "CURVE_KEYS"] = args.curve_keys
     if args.log_level:  # executors read it from the environment they inherit
         os.environ[ENV_PREFIX + "LOG_LEVEL"] = args.log_level

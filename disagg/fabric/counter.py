@@ -1,9 +1,11 @@
 """The receiver's expected-count table: immediate values counted regardless of order.
 
-Plain logic, no threads or asyncio. Writes may land before their expectation is registered;
-they are held as "early" counts (bounded, so a peer cannot grow the table without limit).
-Cancelling an expectation frees its immediate value at once: a new ``expect`` on the same
-value starts from zero plus whatever arrives after the cancel.
+Plain logic, no threads or asyncio. Immediates come from peers and are never trusted: an
+arrival counts only towards an expectation registered before it (the receiver always calls
+``expect`` before it tells a sender where to write), and only up to that expectation's target.
+Anything else -- a key nobody expects (unknown, finished, cancelled), a zero weight, or units
+past the target -- is counted in ``junk`` and otherwise ignored: it can neither raise, grow a
+table, nor complete a transfer. Cancelling an expectation frees its key at once.
 
 Weighted immediates (``weight_bits > 0``): the low ``weight_bits`` bits of an immediate are a
 weight (for KV pages: how many pages one coalesced write carried) and the rest is the key that
@@ -18,11 +20,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ImmCounter:
-    max_early: int = 1 << 16  # distinct unexpected immediate values held at most
-    expected: dict[int, list[int]] = field(default_factory=dict)  # imm -> [count, target]
-    early: dict[int, int] = field(default_factory=dict)  # imm -> arrivals before expect()
-    dropped: int = 0  # arrivals discarded because the early table was full
+    expected: dict[int, list[int]] = field(default_factory=dict)  # key -> [units, target]
     weight_bits: int = 0  # low bits of an immediate that carry its weight (0 = each counts 1)
+    junk: int = 0  # arrivals refused: unknown key, zero weight, or past the target
+    last_junk: int | None = None  # the key of the last one (for logs)
 
     def split(self, imm: int, n: int = 1) -> tuple[int, int]:
         """(key, units) of ``n`` arrivals of the immediate ``imm``."""
@@ -30,40 +31,35 @@ class ImmCounter:
             return imm, n
         return imm >> self.weight_bits, n * (imm & ((1 << self.weight_bits) - 1))
 
-    def expect(self, imm: int, count: int) -> bool:
-        """Register an expectation; True if it is already met by early arrivals."""
+    def expect(self, key: int, count: int) -> None:
+        """Register an expectation of ``count`` units of ``key``. Raises only for the caller's
+        own mistakes (a non-positive count, a key it already expects), never for arrivals."""
         if count <= 0:
             raise ValueError(f"expected count must be positive, got {count}")
-        if imm in self.expected:
-            raise KeyError(f"immediate {imm:#x} already has a pending expectation")
-        got = self.early.pop(imm, 0)
-        if got > count:
-            raise ValueError(f"immediate {imm:#x}: {got} writes already landed, expected {count}")
-        if got == count:
-            return True
-        self.expected[imm] = [got, count]
-        return False
+        if key in self.expected:
+            raise KeyError(f"key {key:#x} already has a pending expectation")
+        self.expected[key] = [0, count]
 
-    def arrive(self, imm: int, n: int = 1) -> bool:
-        """Count ``n`` arrivals of ``imm``; True if this met its expectation (now removed)."""
-        slot = self.expected.get(imm)
-        if slot is None:
-            if imm in self.early or len(self.early) < self.max_early:
-                self.early[imm] = self.early.get(imm, 0) + n
-            else:
-                self.dropped += n
-            return False
-        slot[0] += n
-        if slot[0] >= slot[1]:
-            del self.expected[imm]
+    def arrive(self, key: int, weight: int = 1, n: int = 1) -> bool:
+        """Count ``n`` arrivals of ``weight`` units each for ``key``; True if this met its
+        expectation (now removed). Arrivals that do not fit are junk."""
+        slot = self.expected.get(key)
+        fit = 0
+        if slot is not None and weight > 0:
+            fit = min(n, (slot[1] - slot[0]) // weight)
+            slot[0] += fit * weight
+        if fit < n:
+            self.junk += n - fit
+            self.last_junk = key
+        if slot is not None and slot[0] >= slot[1]:
+            del self.expected[key]
             return True
         return False
 
-    def cancel(self, imm: int) -> bool:
+    def cancel(self, key: int) -> bool:
         """Forget an expectation; True if one was pending."""
-        self.early.pop(imm, None)
-        return self.expected.pop(imm, None) is not None
+        return self.expected.pop(key, None) is not None
 
-    def progress(self, imm: int) -> tuple[int, int] | None:
-        slot = self.expected.get(imm)
+    def progress(self, key: int) -> tuple[int, int] | None:
+        slot = self.expected.get(key)
         return None if slot is None else (slot[0], slot[1])

@@ -52,7 +52,7 @@ import numpy as np
 
 from disagg.fabric.cuda_mem import check_rc, cu_result, driver, fetch_fd
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
-from disagg.fabric.engine import EngineClosed, LocalRegion, _settle
+from disagg.fabric.engine import EngineClosed, LocalRegion, Window, _settle
 from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
 
 log = logging.getLogger("disagg.fabric")
@@ -64,6 +64,7 @@ COPY_MODES = ("auto", "kernel", "ce", "loop")
 KERNEL_MAX_MEAN_RUN = 4 << 20  # auto: kernel for batches whose mean run is shorter
 RING_ENTRIES = 1 << 19  # int64 entries of the tile-table ring (4 MiB pinned + 4 MiB device)
 _GRANULE = 2 << 20
+MAX_NOTE_COUNT = 1 << 32  # writes one notification may report (a batch's run count)
 @dataclass(eq=False)
 class _Mapping:
     ptr: int  # where the peer region's byte 0 is in this process
@@ -256,6 +257,15 @@ class CudaIpcEngine:
 
     def pending_expectations(self) -> int:
         return len(self._expectations)
+
+    @property
+    def junk(self) -> int:
+        """Notifications counted for no pending expectation, past its count, or malformed."""
+        return self._expectations.junk + self.stats["bad_notes"]
+
+    def window(self, regions: list[LocalRegion]) -> Window:
+        """The regions' own descriptors: CUDA IPC mappings cannot be revoked per transfer."""
+        return Window([r.descriptor for r in regions])
 
     def _emit(self, events: list[Any]) -> None:
         """The one door into asyncio."""
@@ -529,8 +539,14 @@ class CudaIpcEngine:
                 self.stats["bad_notes"] += 1
                 continue
             imm, n = _IMM.unpack(data)
+            if not 0 < n <= MAX_NOTE_COUNT:
+                self.stats["bad_notes"] += 1
+                continue
             self.stats["arrived"] += n
             self._expectations.arrive({imm: n}, events)
+            report = self._expectations.junk_report(time.monotonic())
+            if report:
+                log.warning("cuda-ipc: %s", report)
 
     def _expire(self, events: list[Any]) -> None:
         now = time.monotonic()

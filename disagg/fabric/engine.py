@@ -5,6 +5,8 @@ Shaped like pplx-garden's fabric-lib::
     info = discover("tcp")                       # fi_getinfo
     engine = FabricEngine(info); engine.start()  # fabric, domain, AV, CQ, RDM endpoint, thread
     region = engine.register(buffer)             # local handle; region.descriptor goes to peers
+    win = engine.window([region])                # receiver: fresh keys for one transfer;
+    win.descriptors[0] -> peer ... win.close()   # closed: the provider refuses its writes
     fut = engine.submit(region, desc, src_offsets, dst_offsets, lengths, imm)  # await fut
     exp = engine.expect(imm, count)              # receiver: await exp; exp.cancel()
 
@@ -36,7 +38,7 @@ from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
 
 __all__ = ["EngineClosed", "Expectation", "FabricEngine", "LocalRegion", "TransferTimeout",
-           "discover"]
+           "Window", "discover"]
 
 log = logging.getLogger("disagg.fabric")
 
@@ -72,6 +74,25 @@ class LocalRegion:
     def view(self) -> memoryview:
         """The region's bytes (host memory only)."""
         return memoryview(fl.ffi.buffer(fl.ffi.cast("char *", self.addr), self.length))
+
+
+class Window:
+    """Remote-write access to some regions for one transfer: the same memory under fresh
+    registrations (new random keys). ``descriptors`` (one per region, in order) go to the one
+    sender; ``close()`` revokes them: the provider then refuses every write carrying their keys,
+    late or forged. Idempotent."""
+
+    def __init__(self, descriptors: list[MemoryDescriptor],
+                 revoke: Callable[[], None] | None = None) -> None:
+        self.descriptors = descriptors
+        self._revoke = revoke
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self._revoke is not None:
+                self._revoke()
 
 
 @dataclass(eq=False)
@@ -145,6 +166,8 @@ class FabricEngine:
         self._running = False
         self._closed = False
         self.stats = collections.Counter[str]()
+        # a write's completion means its data was placed at the target (else: only sent)
+        self.delivery_complete = info.delivery_complete
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -210,13 +233,17 @@ class FabricEngine:
 
     def register_address(
         self, addr: int, length: int, owner: Any = None, iface: int = 0, device: int = 0,
+        access: str = "both",
     ) -> LocalRegion:
-        """Register raw memory [addr, addr + length); ``owner`` keeps it alive."""
+        """Register raw memory [addr, addr + length); ``owner`` keeps it alive. ``access``:
+        ``source`` (only written from here: no remote access), ``target`` (peers write into
+        it) or ``both`` (``lib.ACCESS``); a random key unless the provider picks it."""
         if length <= 0:
             raise ValueError("cannot register an empty region")
 
         def do() -> LocalRegion:
-            mr = fl.MemoryRegion(self.domain, addr, length, self.ep, iface=iface, device=device)
+            mr = fl.MemoryRegion(self.domain, addr, length, self.ep, iface=iface, device=device,
+                                 access=access)
             rid = next(self._region_ids)
             desc = MemoryDescriptor(
                 backend="fabric", provider=self.provider, address=self.address,
@@ -233,7 +260,25 @@ class FabricEngine:
             if self._regions.pop(region.id, None) is not None:
                 region.mr.close()
 
-        self._call(do)
+        if not self._closed:
+            self._call(do)
+
+    def window(self, regions: list[LocalRegion]) -> Window:
+        """Fresh remote-write registrations of ``regions``' memory, revoked by ``close()``."""
+        fresh = [self.register_address(r.addr, r.length, r.owner, access="target")
+                 for r in regions]
+
+        def revoke() -> None:
+            for r in fresh:
+                self.deregister(r)
+
+        self.stats["windows"] += 1
+        return Window([r.descriptor for r in fresh], revoke)
+
+    @property
+    def junk(self) -> int:
+        """Immediates that arrived for no pending expectation, or past its count."""
+        return self._expectations.junk
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the progress thread (libfabric objects are used from one thread)."""
@@ -492,6 +537,9 @@ class FabricEngine:
         self.stats["arrived"] += len(imms)
         if imms:
             self._expectations.arrive(imms, events)
+            report = self._expectations.junk_report(time.monotonic())
+            if report:
+                log.warning("fabric (%s): %s", self.provider, report)
 
     def _read_error(self, events: list[Any]) -> None:
         ctx, err, flags, text = self.cq.readerr()

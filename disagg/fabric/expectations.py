@@ -1,7 +1,8 @@
 """Pending ``expect`` calls of a receiving engine, shared by every backend.
 
 An :class:`ExpectationTable` pairs the plain :class:`ImmCounter` with the futures waiting on
-it. Engines call it from two threads: ``expect``/``cancel`` from the asyncio loop, ``arrive``/
+it. Arrivals nobody expects are junk (``junk``), never an error: immediates come from peers.
+Engines call it from two threads: ``expect``/``cancel`` from the asyncio loop, ``arrive``/
 ``expire``/``fail_all`` from their progress thread; one lock guards both. It never touches a
 future itself: it returns ``(future, exception or None)`` events, and the engine hands them to
 asyncio through its single door (``call_soon_threadsafe``).
@@ -46,6 +47,25 @@ class Expectation:
         return self.future.__await__()
 
 
+JUNK_LOG_S = 10.0  # junk immediates are logged at most this often
+
+
+class RateLimit:
+    """Reports of a growing total, at most one per ``period_s``."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.reported = 0
+        self.next_at = float("-inf")
+
+    def due(self, total: int, now: float) -> int:
+        """How much ``total`` grew since the last report, if a report is due now; else 0."""
+        if total <= self.reported or now < self.next_at:
+            return 0
+        grew, self.reported, self.next_at = total - self.reported, total, now + self.period_s
+        return grew
+
+
 class ExpectationTable:
     """Immediates counted regardless of order, and who waits for which."""
 
@@ -53,19 +73,32 @@ class ExpectationTable:
         self.counter = ImmCounter(weight_bits=weight_bits)
         self._waiting: dict[int, Expectation] = {}
         self._lock = threading.Lock()
+        self._junk_log = RateLimit(JUNK_LOG_S)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._waiting)
 
+    @property
+    def junk(self) -> int:
+        """Arrivals refused so far: unknown or finished key, zero weight, past the target."""
+        return self.counter.junk
+
+    def junk_report(self, now: float) -> str | None:
+        """A log line about junk arrived since the last one, at most every ``JUNK_LOG_S``."""
+        n = self._junk_log.due(self.counter.junk, now)
+        if not n:
+            return None
+        last = self.counter.last_junk
+        return (f"{n} immediates refused as junk (unknown or finished key, or past the expected "
+                f"count; last key {last:#x}): a late write, or a stranger on the fabric")
+
     def expect(self, imm: int, count: int, future: asyncio.Future[None],
                deadline: float) -> Expectation:
-        """Register; the future is resolved here if early arrivals already met the count."""
+        """Register, before the sender is told where to write: only arrivals after this count."""
         e = Expectation(imm, count, future, self, deadline)
         with self._lock:
-            if self.counter.expect(imm, count):
-                future.set_result(None)
-                return e
+            self.counter.expect(imm, count)
             self._waiting[imm] = e
         return e
 
@@ -95,8 +128,8 @@ class ExpectationTable:
         counts = imms if isinstance(imms, dict) else collections.Counter(imms)
         with self._lock:
             for imm, n in counts.items():
-                key, units = self.counter.split(imm, n)
-                if self.counter.arrive(key, units):
+                key, weight = self.counter.split(imm)
+                if self.counter.arrive(key, weight, n):
                     e = self._waiting.pop(key, None)
                     if e is not None:
                         events.append((e.future, None))

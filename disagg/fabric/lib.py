@@ -7,6 +7,7 @@ here starts threads or touches asyncio; :mod:`disagg.fabric.engine` builds on th
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,7 @@ class FabricInfo:
     data_progress: int
     caps: int
     raw: Any  # cdata struct fi_info * (owned by the list returned by fi_getinfo)
+    delivery_complete: bool = False  # writes complete once placed at the target (tx op_flags)
 
     @property
     def virt_addr(self) -> bool:
@@ -95,11 +97,27 @@ def getinfo(
     node: str | None = "127.0.0.1",
     hmem: bool = False,
     domain: str | None = None,
+    delivery_complete: bool = True,
 ) -> list[FabricInfo]:
     """``fi_getinfo`` for RDM endpoints with RMA writes and 8-byte-capable remote CQ data.
 
     ``node`` defaults to loopback: the tcp provider binds a non-loopback interface otherwise.
+    ``delivery_complete``: ask for FI_DELIVERY_COMPLETE as the endpoints' default (a write's
+    completion then means its data was placed at the target); interfaces of a provider that
+    cannot are returned without it (``FabricInfo.delivery_complete`` False: a completion then
+    only means the source buffer may be reused).
     """
+    if delivery_complete:
+        try:
+            return _getinfo(provider, node, hmem, domain, lib.FI_DELIVERY_COMPLETE)
+        except FabricError as e:
+            if e.errno != lib.FI_ENODATA:
+                raise
+    return _getinfo(provider, node, hmem, domain, 0)
+
+
+def _getinfo(provider: str | None, node: str | None, hmem: bool, domain: str | None,
+             op_flags: int) -> list[FabricInfo]:
     hints = ffi.gc(lib.fi_allocinfo(), lib.fi_freeinfo)
     if hints == ffi.NULL:
         raise MemoryError("fi_allocinfo")
@@ -111,6 +129,7 @@ def getinfo(
         | lib.FI_MR_ENDPOINT | (lib.FI_MR_HMEM if hmem else 0)
     )
     hints.domain_attr.threading = lib.FI_THREAD_DOMAIN
+    hints.tx_attr.op_flags = op_flags
     if provider:
         # fi_freeinfo frees prov_name, so it must come from malloc (strdup), not from cffi.
         p = _strdup(provider)
@@ -141,6 +160,7 @@ def getinfo(
                 data_progress=int(cur.domain_attr.data_progress),
                 caps=int(cur.caps),
                 raw=_Pinned(cur, owner),
+                delivery_complete=bool(cur.tx_attr.op_flags & lib.FI_DELIVERY_COMPLETE),
             )
         )
         cur = cur.next
@@ -193,17 +213,19 @@ class Domain(_Fid):
         out = ffi.new("struct fid_domain **")
         check("fi_domain", lib.fi_domain(fabric.ptr, self.info.raw.ptr, out, ffi.NULL))
         self._ptr = out[0]
-        self._next_key = 1
 
     @property
     def ptr(self) -> Any:
         return self._ptr
 
-    def next_key(self) -> int:
-        """App-chosen keys must be unique per domain (ignored under FI_MR_PROV_KEY)."""
-        k = self._next_key
-        self._next_key += 1
-        return k
+    def new_key(self) -> int:
+        """A key for a registration: 0 where the provider chooses (FI_MR_PROV_KEY), else a
+        random nonzero one of ``mr_key_size`` bytes (at most 8): a peer that was not given a
+        descriptor cannot guess it. Unique per domain: a clash is retried by the caller."""
+        if self.info.prov_key:
+            return 0
+        bits = 8 * max(1, min(self.info.mr_key_size or 8, 8))
+        return secrets.randbits(bits) or 1
 
 
 class CompletionQueue(_Fid):
@@ -288,20 +310,45 @@ class Endpoint(_Fid):
         return bytes(ffi.buffer(buf, n[0]))
 
 
+FI_ENOKEY = 266  # rdma/fi_errno.h: a requested key is in use (not in the cffi module)
+
+# What a registration allows (``MemoryRegion(access=...)``). Never FI_READ/FI_REMOTE_READ:
+# nothing here reads remote memory, so no peer may read ours.
+ACCESS = {
+    "source": "FI_WRITE",  # what this side writes from: no remote access at all
+    "target": "FI_REMOTE_WRITE",  # what peers write into
+    "both": "FI_WRITE|FI_REMOTE_WRITE",
+}
+
+
+def access_flags(access: str) -> int:
+    if access not in ACCESS:
+        raise ValueError(f"registration access must be one of {', '.join(ACCESS)}, got {access!r}")
+    flags = 0
+    for name in ACCESS[access].split("|"):
+        flags |= int(getattr(lib, name))
+    return flags
+
+
 class MemoryRegion(_Fid):
-    """A registered range [addr, addr + length). ``key`` is read back from the provider."""
+    """A registered range [addr, addr + length). ``key`` is read back from the provider:
+    the provider's, or a random one (``Domain.new_key``); ``access`` is a key of ``ACCESS``."""
 
     def __init__(
         self, domain: Domain, addr: int, length: int, ep: Endpoint | None = None,
-        iface: int = 0, device: int = 0,
+        iface: int = 0, device: int = 0, access: str = "both",
     ) -> None:
         info = domain.info
-        access = lib.FI_WRITE | lib.FI_REMOTE_WRITE | lib.FI_READ | lib.FI_REMOTE_READ
+        flags = access_flags(access)
         out = ffi.new("struct fid_mr **")
-        requested = 0 if info.prov_key else domain.next_key()
-        check("fi_mr_regattr", lib.dg_mr_regattr(
-            domain.ptr, ffi.cast("void *", addr), length, access, requested, iface, device, out))
+        for _ in range(8):  # a random key may clash with one of this domain (-FI_ENOKEY)
+            rc = lib.dg_mr_regattr(domain.ptr, ffi.cast("void *", addr), length, flags,
+                                   domain.new_key(), iface, device, out)
+            if rc != -FI_ENOKEY or info.prov_key:
+                break
+        check("fi_mr_regattr", rc)
         self._ptr = out[0]
+        self.access = access
         if info.mr_endpoint and ep is not None:
             check("fi_mr_bind", lib.fi_mr_bind(self._ptr, ep._fid(), 0))
             check("fi_mr_enable", lib.fi_mr_enable(self._ptr))

@@ -32,7 +32,7 @@ from disagg.fabric.descriptor import (
     OutOfRange,
     check_writes,
 )
-from disagg.fabric.engine import FabricEngine, LocalRegion, buffer_address
+from disagg.fabric.engine import FabricEngine, LocalRegion, Window, buffer_address
 from disagg.fabric.expectations import Expectation, ExpectationTable
 from disagg.fabric.topology import MAX_LANES, lane_domains, stripe
 
@@ -112,6 +112,14 @@ class StripedEngine:
         return self.lanes[0].provider
 
     @property
+    def delivery_complete(self) -> bool:
+        return all(lane.delivery_complete for lane in self.lanes)
+
+    @property
+    def junk(self) -> int:
+        return self.expectations.junk
+
+    @property
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for lane in self.lanes:
@@ -139,8 +147,14 @@ class StripedEngine:
         addr, length = buffer_address(buffer)
         return self.register_address(addr, length, owner=buffer)
 
-    def register_address(self, addr: int, length: int, owner: Any = None) -> StripedRegion:
-        regions = [lane.register_address(addr, length, owner) for lane in self.lanes]
+    def register_address(self, addr: int, length: int, owner: Any = None,
+                         access: str = "both") -> StripedRegion:
+        regions = [lane.register_address(addr, length, owner, access=access)
+                   for lane in self.lanes]
+        return self._striped(addr, length, owner, regions)
+
+    def _striped(self, addr: int, length: int, owner: Any,
+                 regions: list[LocalRegion]) -> StripedRegion:
         first = regions[0].descriptor
         extra = [Lane(r.descriptor.address, r.descriptor.base, r.descriptor.key)
                  for r in regions[1:]]
@@ -152,6 +166,20 @@ class StripedEngine:
     def deregister(self, region: StripedRegion) -> None:
         for lane, r in zip(self.lanes, region.lanes, strict=True):
             lane.deregister(r)
+
+    def window(self, regions: list[StripedRegion]) -> Window:
+        """``FabricEngine.window`` on every lane; each descriptor advertises all lanes."""
+        wins = [lane.window([r.lanes[i] for r in regions]) for i, lane in enumerate(self.lanes)]
+        descs = []
+        for k, r in enumerate(regions):
+            fresh = [LocalRegion(0, r.addr, r.length, w.descriptors[k], None) for w in wins]
+            descs.append(self._striped(r.addr, r.length, r.owner, fresh).descriptor)
+
+        def revoke() -> None:
+            for w in wins:
+                w.close()
+
+        return Window(descs, revoke)
 
     # ---- sending ---------------------------------------------------------------------------
 

@@ -71,15 +71,17 @@ def test_check_writes_rejects(src: list, dst: list, lens: list) -> None:
         check_writes(4096, 8192, src, dst, lens)
 
 
-def test_counter_counts_in_any_order_and_early() -> None:
+def test_counter_counts_in_any_order_and_refuses_the_unexpected() -> None:
     c = ImmCounter()
-    assert not c.arrive(5)  # lands before anyone expects it
-    assert not c.expect(5, 3)
+    assert not c.arrive(5)  # lands before anyone expects it: junk, never counted
+    c.expect(5, 3)
     assert not c.arrive(6)
     assert not c.arrive(5)
+    assert not c.arrive(5)
     assert c.arrive(5)
-    assert c.expected == {} and c.early == {6: 1}
-    assert c.expect(6, 1)  # already met by the early arrival
+    assert c.expected == {} and c.junk == 2 and c.last_junk == 6
+    assert not c.arrive(5)  # finished: junk too
+    assert c.junk == 3
 
 
 def test_counter_cancel_frees_the_slot() -> None:
@@ -90,14 +92,16 @@ def test_counter_cancel_frees_the_slot() -> None:
         c.expect(9, 4)  # one expectation per immediate at a time
     assert c.cancel(9)
     assert not c.cancel(9)
-    assert not c.expect(9, 2)  # starts from zero again
+    c.expect(9, 2)  # starts from zero again
     assert c.arrive(9, 2)
 
 
-def test_counter_bounds_early_table() -> None:
-    c = ImmCounter(max_early=4)
-    for i in range(10):
+def test_counter_holds_nothing_for_strangers() -> None:
+    c = ImmCounter()
+    for i in range(100_000):  # a flood of forged keys grows no table
         c.arrive(i)
-    assert len(c.early) == 4 and c.dropped == 6
+    assert c.expected == {} and c.junk == 100_000
+    c.expect(7, 1)  # and expect() is unaffected by what arrived before
+    assert c.progress(7) == (0, 1)
     with pytest.raises(ValueError):
         c.expect(0, 0)

@@ -34,12 +34,41 @@ def test_met_by_arrivals_in_any_order(loop):
     assert e.future.result() is None
 
 
-def test_early_arrivals_resolve_at_expect(loop):
+def test_arrivals_before_expect_are_junk_and_never_count(loop):
     t = ExpectationTable()
-    t.arrive([5, 5], [])
-    e = t.expect(5, 2, loop.create_future(), deadline=10.0)
-    assert e.future.done() and len(t) == 0
-    assert not e.cancel()  # already met: nothing to cancel
+    t.arrive([5, 5], [])  # nobody expects 5 yet: a forgery or a stray write
+    assert t.junk == 2
+    e = t.expect(5, 2, loop.create_future(), deadline=10.0)  # does not raise, not met
+    assert not e.future.done() and e.landed() == 0
+    events = []
+    t.arrive([5, 5], events)
+    assert [f for f, _ in events] == [e.future]
+
+
+def test_junk_cannot_complete_early_or_raise(loop):
+    t = ExpectationTable(weight_bits=4)
+    e = t.expect(3, 5, loop.create_future(), deadline=10.0)
+    events = []
+    t.arrive([(3 << 4) | 0, (3 << 4) | 9, (4 << 4) | 5], events)  # zero weight, overflow, other
+    assert not events and e.landed() == 0 and t.junk == 3
+    t.arrive([(3 << 4) | 2] * 3, events)  # 6 units of 5: two arrivals fit, one is junk
+    assert not events and e.landed() == 4 and t.junk == 4
+    t.arrive([(3 << 4) | 1], events)
+    assert [f for f, _ in events] == [e.future]
+    t.arrive([(3 << 4) | 1], events)  # finished: junk, no second event
+    assert len(events) == 1 and t.junk == 5
+
+
+def test_junk_report_is_rate_limited(loop):
+    t = ExpectationTable()
+    assert t.junk_report(0.0) is None
+    t.arrive([0xAB] * 3, [])
+    first = t.junk_report(100.0)
+    assert first is not None and first.startswith("3 ") and "0xab" in first
+    t.arrive([0xCD], [])
+    assert t.junk_report(101.0) is None  # within the period
+    later = t.junk_report(200.0)
+    assert later is not None and later.startswith("1 ") and "0xcd" in later
 
 
 def test_weighted_immediates_count_units(loop):

@@ -1,0 +1,140 @@
+"""What a stranger with plain libfabric can do to a registered region (tests/attack's raw
+endpoint, none of the engine's checks): nothing without a live key, and no reads ever."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from attack.fabric_attacker import READ, WRITEDATA, Attacker
+
+from disagg.fabric.engine import FabricEngine, discover
+
+pytestmark = pytest.mark.fabric
+
+N = 4096
+
+
+@pytest.fixture(params=["tcp", "shm"])
+async def pair(request: Any) -> AsyncIterator[tuple[FabricEngine, FabricEngine, Attacker]]:
+    victim = FabricEngine(discover(request.param), weight_bits=16, default_timeout=10).start()
+    sender = FabricEngine(discover(request.param), weight_bits=16, default_timeout=10).start()
+    attacker = Attacker(request.param)
+    yield victim, sender, attacker
+    attacker.close()
+    await sender.close()
+    await victim.close()
+
+
+async def scribble(attacker: Attacker, victim: FabricEngine, base: int, offsets: list[int],
+                   keys: list[int], imm: int = 0x1_0001, op: int = WRITEDATA,
+                   length: int = 8) -> list[int]:
+    """The attacker's raw operations at ``base + offsets`` (``base``: a descriptor's, 0 or
+    the virtual address), run off the loop (they block)."""
+    peer = attacker.peer(victim.address)
+    return await asyncio.to_thread(attacker.ops, op, peer, [base + o for o in offsets], keys,
+                                   [imm] * len(keys), length, 1000)
+
+
+async def test_keys_are_random_and_source_regions_refuse_remote_writes(pair) -> None:
+    victim, _, attacker = pair
+    buf = np.zeros(N, dtype=np.uint8)
+    regions = [victim.register_address(buf.ctypes.data, N, buf, access="source")
+               for _ in range(4)]
+    keys = [r.descriptor.key for r in regions]
+    assert len(set(keys)) == 4 and not set(keys) & set(range(0, 65))
+    attacker.buffer()[:8] = b"SCRIBBLE"
+    await scribble(attacker, victim, regions[0].descriptor.base, [0], [keys[0]])  # real key
+    await asyncio.sleep(0.2)
+    assert not buf.any() and victim.junk == 0 and victim.stats["arrived"] == 0
+
+
+async def test_no_remote_reads_even_with_the_key(pair) -> None:
+    victim, _, attacker = pair
+    if victim.provider == "shm":  # libfabric 1.17 shm reads by CMA and checks no key at all
+        pytest.skip("shm does not enforce read access (same-user processes only: docs/NOTES.md)")
+    secret = np.full(N, 0x5A, dtype=np.uint8)
+    region = victim.register_address(secret.ctypes.data, N, secret, access="both")
+    attacker.buffer()[:64] = bytes(64)
+    d = region.descriptor
+    errs = await scribble(attacker, victim, d.base, [0], [d.key], op=READ, length=64)
+    assert errs[0] != 0 and bytes(attacker.buffer()[:64]) == bytes(64)
+
+
+async def test_a_closed_window_refuses_late_and_forged_writes(pair) -> None:
+    victim, sender, attacker = pair
+    buf = np.zeros(N, dtype=np.uint8)
+    base = victim.register_address(buf.ctypes.data, N, buf, access="source")
+    src = np.arange(N, dtype=np.uint8)
+    src_region = sender.register_address(src.ctypes.data, N, src, access="source")
+    win = victim.window([base])
+    desc = win.descriptors[0]
+    assert desc.key != base.descriptor.key and desc.length == N
+    exp = victim.expect(0x77, 1)
+    await sender.submit(src_region, desc, [0], [0], [N // 2], (0x77 << 16) | 1)
+    await asyncio.wait_for(exp, 10)
+    assert np.array_equal(buf[:N // 2], src[:N // 2])
+    arrived = victim.stats["arrived"]
+    win.close()
+    win.close()  # idempotent
+    buf[:] = 0
+    exp = victim.expect(0x78, 1, timeout=1)
+    late = sender.submit(src_region, desc, [0], [0], [N], (0x78 << 16) | 1)
+    await asyncio.gather(late, return_exceptions=True)  # what the sender sees is its business
+    attacker.buffer()[:8] = b"SCRIBBLE"
+    await scribble(attacker, victim, desc.base, [0, 8], [desc.key, base.descriptor.key],
+                   imm=(0x78 << 16) | 1)
+    with pytest.raises(TimeoutError):
+        await exp
+    assert not buf.any() and victim.stats["arrived"] == arrived
+
+
+async def test_forged_immediates_on_a_live_window_are_junk(pair) -> None:
+    victim, _, attacker = pair
+    buf = np.zeros(N, dtype=np.uint8)
+    base = victim.register_address(buf.ctypes.data, N, buf, access="source")
+    win = victim.window([base])
+    exp = victim.expect(0x99, 10, timeout=5)
+    d = win.descriptors[0]
+    # a stranger that somehow holds the live key but not the attempt's immediate key, then
+    # one past the expected count: neither completes it nor raises anywhere
+    await scribble(attacker, victim, d.base, [0] * 5, [d.key] * 5, imm=(0x98 << 16) | 10)
+    await scribble(attacker, victim, d.base, [0], [d.key], imm=(0x99 << 16) | 11)
+    await asyncio.sleep(0.3)
+    assert not exp.future.done() and exp.landed() == 0 and victim.junk == 6
+    win.close()
+    assert exp.cancel()
+
+
+def test_generations_are_random_and_fit_the_immediate() -> None:
+    from disagg.transfer_plan import (
+        GEN_BITS,
+        SLOT_BITS,
+        UNIT_BITS,
+        make_imm,
+        make_key,
+        new_generation,
+    )
+
+    assert SLOT_BITS + GEN_BITS + UNIT_BITS == 64 and GEN_BITS >= 40
+    gens = {new_generation() for _ in range(1000)}
+    assert len(gens) == 1000 and 0 not in gens and max(gens) < 1 << GEN_BITS
+    assert not gens & set(range(1, 1 << 16))  # never the old counter's values (2^-24 each)
+    imm = make_imm(make_key(255, (1 << GEN_BITS) - 1), (1 << UNIT_BITS) - 1)
+    assert imm == (1 << 64) - 1
+
+
+def test_per_attempt_windows_by_provider() -> None:
+    from disagg.actors.transfer import per_attempt_windows
+
+    assert per_attempt_windows("fabric", "tcp;ofi_rxm", "auto")
+    assert per_attempt_windows("fabric", "shm", "auto")
+    assert not per_attempt_windows("fabric", "verbs;ofi_rxm", "auto")
+    assert per_attempt_windows("fabric", "verbs;ofi_rxm", "on")
+    assert not per_attempt_windows("fabric", "tcp;ofi_rxm", "off")
+    assert not per_attempt_windows("cuda-ipc", "cuda-ipc", "on")  # IPC mappings: not revocable
+    with pytest.raises(ValueError):
+        per_attempt_windows("fabric", "tcp", "yes")
