@@ -3,6 +3,7 @@ fabric with host staging; greedy outputs must equal a mixed node's. Two GPUs of 
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -12,11 +13,16 @@ from disagg.client import Client
 from disagg.protocol import SamplingParams
 from tinymodels import NodeProcess, free_port, make_tiny_model
 
+# The decode nodes' device: GPU1 by default; DISAGG_TEST_DECODE_DEVICE=cuda:0 runs every
+# node on one GPU (a prefill and a decode process sharing it), for one-GPU machines.
+DECODE_DEVICE = os.environ.get("DISAGG_TEST_DECODE_DEVICE", "cuda:1")
+GPUS = 1 if DECODE_DEVICE == "cuda:0" else 2
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.multi_gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs two GPUs"),
+    *([pytest.mark.multi_gpu] if GPUS > 1 else []),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < GPUS,
+                       reason=f"needs {GPUS} GPU(s)"),
 ]
 
 PAGE = 16
@@ -63,7 +69,7 @@ def stats(addr: str):
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """All nodes start together: a mixed reference on GPU0, and per backend a prefill node on
-    GPU0 feeding a decode node on GPU1."""
+    GPU0 feeding a decode node on GPU1 (or GPU0: ``DISAGG_TEST_DECODE_DEVICE``)."""
     tmp = tmp_path_factory.mktemp("gpu-transfer")
     model_dir = make_tiny_model("llama", tmp / "llama")
     mixed = start("mixed", model_dir, tmp, "cuda:0")
@@ -71,7 +77,7 @@ def nodes(tmp_path_factory):
     for backend, extra in (("cuda-ipc", ["--transfer-backend", "cuda-ipc"]),
                            ("fabric", ["--transfer-backend", "fabric", "--fabric-provider", "shm"])):
         p = start("prefill", model_dir, tmp, "cuda:0", *extra)
-        d = start("decode", model_dir, tmp, "cuda:1", "--prefill-peer", p[0], *extra)
+        d = start("decode", model_dir, tmp, DECODE_DEVICE, "--prefill-peer", p[0], *extra)
         pairs[backend] = (p, d)
     procs = [mixed[1]] + [x[1] for pair in pairs.values() for x in pair]
     try:
