@@ -76,6 +76,11 @@ class ClientBook:
         state.sizes.append(nbytes)
         return True
 
+    def fd_of(self, identity: bytes) -> int | None:
+        """The connection ``identity``'s frames came on so far (None: none yet)."""
+        state = self.clients.get(identity)
+        return None if state is None else state.fd
+
     def handled(self, identity: bytes, frames: int) -> None:
         state = self.clients.get(identity)
         if state is not None:

@@ -59,6 +59,9 @@ def test_a_disconnect_names_the_clients_of_that_connection_only():
     book.arrived(b"b", 12)  # moved to another connection (fd reused elsewhere)
     assert book.disconnected(11) == []
     assert book.disconnected(12) == [b"b"]
+    assert book.fd_of(b"b") is None  # forgotten: its next frame binds it afresh
+    book.arrived(b"d", 13)
+    assert book.fd_of(b"d") == 13
 
 
 def test_bytes_in_flight_are_bounded_per_client_but_one_frame_always_fits():

@@ -136,12 +136,34 @@ class NodeProcess:
         return alive
 
 
-def free_port() -> int:
-    import socket
+_PORTS: set[int] = set()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
+def free_port() -> int:
+    """A loopback port nobody listens on, below the kernel's ephemeral range: a port the
+    kernel handed out (bind to 0) can be taken as the local port of some outgoing connection
+    before the node binds it ("Address already in use"); one below the range cannot."""
+    import random
+    import socket
+    from pathlib import Path
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _PORTS:  # handed out to an earlier node of this test process
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def tree_rss_kb(pid: int) -> int:

@@ -109,7 +109,12 @@ class FrontendActor:
                 await self._reject(identity, msg)
                 continue
             nbytes = len(frames[-1])
-            if not self.book.arrived(identity, source_fd(frames[0]), nbytes):
+            fd = source_fd(frames[0])
+            if fd is not None and self.book.fd_of(identity) != fd:
+                # a new connection may reuse a closed one's fd: the monitor reported that
+                # close before this frame could arrive, so take it in first
+                await self._connection_events()
+            if not self.book.arrived(identity, fd, nbytes):
                 self.overloaded_frames += 1
                 rid = msg.request_id if isinstance(msg, GenerateRequest) else None
                 what = f"abort of {msg.request_id!r}" if isinstance(msg, Abort) else "frame"

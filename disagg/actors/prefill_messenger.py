@@ -170,6 +170,7 @@ class PrefillMessenger(MessengerBase):
         self.steps: dict[int, Step] = {}
         self.queued_tokens = 0
         self.stats_waiting: dict[bytes, int] = {}  # peer -> StatsRequests its query answers
+        self.conns: set[tuple[bytes, int | None]] = set()  # connections frames came on
         self._ids = itertools.count(1)
         self._peer_dec = msgspec.msgpack.Decoder(PeerRequest)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
@@ -209,6 +210,13 @@ class PrefillMessenger(MessengerBase):
             frames = [f.bytes for f in zframes]
             peer = frames[0]
             conn = (peer, source_fd(zframes[0]))
+            if conn not in self.conns:
+                # a new connection may reuse a closed one's fd: the monitor reported that
+                # close before this frame could arrive, so take it in first
+                await self._connection_events()
+                if len(self.conns) >= 1 << 16:  # fds never reported (None): start over
+                    self.conns.clear()
+                self.conns.add(conn)
             try:
                 if len(frames) != 2:
                     raise msgspec.ValidationError("expected one message frame")
@@ -444,6 +452,7 @@ class PrefillMessenger(MessengerBase):
 
     async def _connection_events(self) -> None:
         for fd in await disconnected_fds(self.monitor):
+            self.conns = {c for c in self.conns if c[1] != fd}
             for conn in self.owners.forget(fd):
                 self.parked.pop(conn, None)  # nobody to answer
 

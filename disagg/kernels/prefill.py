@@ -19,6 +19,57 @@ import triton.language as tl
 from disagg.kernels import checks
 
 LOG2E = 1.4426950408889634
+H200_SMEM = 232448  # bytes of shared memory one program may use (H100/H200 opt-in limit)
+
+
+def prefill_smem_bytes(elt: int, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
+    """An upper bound on the shared memory the prefill kernel asks for: the Q tile plus
+    ``stages`` buffered K and V tiles, and a little for barriers. Triton 3.6 on an H200
+    reported exactly this at 2 stages (float32: 327,680 bytes at head_dim 128 with 128 x 128
+    tiles, 393,216 at head_dim 256 with 128 x 64) and less at 3 (328,704 at 128 x 128)."""
+    return elt * head_dim * (block_m + 2 * stages * block_n) + 1024
+
+
+def prefill_tiles(elt: int, head_dim: int, max_q_len: int,
+                  smem: int = H200_SMEM) -> tuple[int, int, int]:
+    """(block_m, block_n, num_stages) for a launch: the fastest tiles measured on an H200
+    (128 x 128, 3 stages for long chunks at head_dim <= 128; docs/BENCHMARKS.md), stepped down
+    until they fit ``smem`` bytes for this element size and head dim (float32 at head_dim 128
+    does not fit the bf16 choice)."""
+    block_m = 128 if max_q_len > 64 else 64
+    block_n = 128 if head_dim <= 128 and block_m >= 128 else 64
+    stages = 3 if head_dim <= 128 else 2
+    while prefill_smem_bytes(elt, head_dim, block_m, block_n, stages) > smem:
+        smaller = smaller_tiles(block_m, block_n, stages)
+        if smaller is None:
+            break  # the smallest tiles: let the compiler say if even they do not fit
+        block_m, block_n, stages = smaller
+    return block_m, block_n, stages
+
+
+def smaller_tiles(block_m: int, block_n: int, stages: int) -> tuple[int, int, int] | None:
+    """The next step down the ladder (fewer stages, then narrower K/V tiles, then fewer query
+    rows), or None at the bottom."""
+    if stages > 2:
+        return block_m, block_n, stages - 1
+    if block_n > 32 and block_n >= block_m // 2:
+        return block_m, block_n // 2, stages
+    if block_m > 32:
+        return block_m // 2, block_n, stages
+    if block_n > 16:
+        return block_m, block_n // 2, stages
+    if stages > 1:
+        return block_m, block_n, stages - 1
+    return None
+
+
+def device_smem(device: torch.device) -> int:
+    """The opt-in shared memory per program of ``device`` (the H200's where unknown)."""
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        return int(props["max_shared_mem"])
+    except Exception:  # no driver query (interpreter, CPU): the tiles are small there anyway
+        return H200_SMEM
 
 
 @triton.jit
@@ -139,6 +190,19 @@ def _prefill_kernel(
         )
 
 
+# (device index, element size, head dim) -> the shared memory budget tiles are chosen for: the
+# device's limit, lowered when a compile still ran out (the estimate is an upper bound only
+# as far as it was measured)
+_SMEM: dict[tuple[int, int, int], int] = {}
+
+
+def _tiles_for(elt: int, head_dim: int, max_q_len: int, device: torch.device) -> tuple[int, int, int]:
+    key = (device.index or 0, elt, head_dim)
+    if key not in _SMEM:
+        _SMEM[key] = device_smem(device)
+    return prefill_tiles(elt, head_dim, max_q_len, _SMEM[key])
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -188,21 +252,33 @@ def paged_prefill_attention(
         cu = cu_seqlens_q[seq_base:]
         max_q_len = int((cu[1:] - cu[:-1]).max())
     interp = checks.interpreting()
-    if block_m is None:
-        block_m = 16 if interp else (128 if max_q_len > 64 else 64)
-    if block_n is None:  # 128 measured best at 8k tokens on an H200 (docs/BENCHMARKS.md)
-        block_n = 16 if interp else (128 if head_dim <= 128 and block_m >= 128 else 64)
+    if interp:
+        tiles = (16, 16, 3 if head_dim <= 128 else 2)
+    else:
+        tiles = _tiles_for(q.element_size(), head_dim, max_q_len, q.device)
+    block_m = block_m or tiles[0]
+    block_n = block_n or tiles[1]
+    num_stages = num_stages or tiles[2]
     if num_warps is None:
         num_warps = 8 if block_m >= 128 else 4
-    if num_stages is None:
-        num_stages = 3 if head_dim <= 128 else 2
     f32_dot = interp or q.dtype == torch.float32
-    grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), v_cache.stride(0), block_tables.stride(0), seq_base,
-        GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        F32_DOT=f32_dot, STAGES=num_stages, **({} if interp else dict(num_warps=num_warps, num_stages=num_stages)),
-    )  # fmt: skip
-    return out
+    while True:
+        grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
+        try:
+            _prefill_kernel[grid](
+                q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale * LOG2E,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                k_cache.stride(0), v_cache.stride(0), block_tables.stride(0), seq_base,
+                GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                F32_DOT=f32_dot, STAGES=num_stages, **({} if interp else dict(num_warps=num_warps, num_stages=num_stages)),
+            )  # fmt: skip
+            return out
+        except triton.runtime.errors.OutOfResources:  # the estimate was short: step down
+            smaller = smaller_tiles(block_m, block_n, num_stages)
+            if smaller is None:
+                raise
+            block_m, block_n, num_stages = smaller
+            num_warps = 8 if block_m >= 128 else 4
+            key = (q.device.index or 0, q.element_size(), head_dim)
+            _SMEM[key] = min(_SMEM.get(key, H200_SMEM), prefill_smem_bytes(  # start lower later
+                q.element_size(), head_dim, block_m, block_n, num_stages))

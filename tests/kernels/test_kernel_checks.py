@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -54,3 +56,22 @@ def test_rejects_bad_cu_and_slots() -> None:
         append_kv(rows, rows, k, v, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="slot_mapping"):
         append_kv(rows, rows, k, v, torch.zeros(2, dtype=torch.int32))
+
+
+def test_prefill_tiles_fit_shared_memory_for_every_dtype_and_head_dim() -> None:
+    from disagg.kernels.prefill import H200_SMEM, prefill_smem_bytes, prefill_tiles
+
+    # at least what Triton 3.6 reported on an H200 for float32 (the failures this fixes)
+    assert prefill_smem_bytes(4, 128, 128, 128, 2) >= 327680 > H200_SMEM
+    assert prefill_smem_bytes(4, 128, 128, 128, 3) >= 328704
+    assert prefill_smem_bytes(4, 256, 128, 64, 2) >= 393216
+    for elt, head_dim, q_len in itertools.product((2, 4), (64, 128, 256), (1, 64, 65, 8192)):
+        tiles = prefill_tiles(elt, head_dim, q_len)
+        assert prefill_smem_bytes(elt, head_dim, *tiles) <= H200_SMEM, (elt, head_dim, tiles)
+    # the measured-fastest bf16 tiles are kept where they fit
+    assert prefill_tiles(2, 128, 8192) == (128, 128, 3)
+    assert prefill_tiles(2, 128, 64) == (64, 64, 3)
+    assert prefill_tiles(2, 256, 8192) == (128, 64, 2)
+    # a smaller chip (99 KiB, as on consumer GPUs) still gets tiles that fit
+    for head_dim in (64, 128, 256):
+        assert prefill_smem_bytes(4, head_dim, *prefill_tiles(4, head_dim, 8192, 101376)) <= 101376

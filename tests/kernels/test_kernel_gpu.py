@@ -56,6 +56,30 @@ def test_decode_and_prefill(dtype: torch.dtype, page: int, group: int) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype,head_dim", list(itertools.product(
+    [torch.float32, torch.bfloat16], [64, 128, 256])))
+def test_every_dtype_and_head_dim_fits_and_matches(dtype: torch.dtype, head_dim: int) -> None:
+    """Prefill tiles chosen for the dtype: float32 at head_dim 128 over 64 query rows used to
+    ask for more shared memory than the chip has; decode and prefill against the reference."""
+    from disagg.kernels.decode import paged_decode_attention
+    from disagg.kernels.prefill import paged_prefill_attention
+
+    page, group = 16, 4
+    lens = [7, 300, 1100]
+    kv, bt, sl, hq = _setup(dtype, page, group, lens, head_dim)
+    k, v = kv[1, :, 0], kv[1, :, 1]
+    scale = head_dim**-0.5
+    tol = 5e-3 if dtype == torch.float32 else 1e-2  # tl.dot takes float32 as tf32
+    q = torch.randn(len(lens), hq, head_dim, device="cuda", dtype=dtype)
+    ref = reference.paged_decode_attention(q, k, v, bt, sl, scale)
+    assert _rel(paged_decode_attention(q, k, v, bt, sl, scale), ref) < tol
+    cu = torch.tensor([0, 7, 7 + 300, 7 + 300 + 65], device="cuda", dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, head_dim, device="cuda", dtype=dtype)
+    ref = reference.paged_attention(q, k, v, bt, sl, cu, scale)
+    assert _rel(paged_prefill_attention(q, k, v, bt, sl, cu, scale), ref) < tol
+
+
+@needs_cuda
 def test_append_exact() -> None:
     from disagg.kernels.append import append_kv
 
@@ -85,3 +109,25 @@ def test_counter_bump_visible_without_sync() -> None:
             pass
         assert reader.read() == 1007
         reader.close()
+
+
+@needs_cuda
+def test_prefill_steps_down_when_the_compiler_runs_out_of_shared_memory() -> None:
+    """Told the chip has far more shared memory than it has, the launcher's first tiles do not
+    compile; it steps down the ladder, still matches the reference, and starts lower later."""
+    from disagg.kernels import prefill
+
+    dtype, head_dim = torch.float32, 128
+    key = (torch.cuda.current_device(), 4, head_dim)
+    prefill._SMEM[key] = 10**6
+    try:
+        kv, bt, sl, hq = _setup(dtype, 16, 4, [300], head_dim)
+        k, v = kv[1, :, 0], kv[1, :, 1]
+        cu = torch.tensor([0, 300], device="cuda", dtype=torch.int32)
+        q = torch.randn(300, hq, head_dim, device="cuda", dtype=dtype)
+        ref = reference.paged_attention(q, k, v, bt, sl, cu, head_dim**-0.5)
+        out = prefill.paged_prefill_attention(q, k, v, bt, sl, cu, head_dim**-0.5)
+        assert _rel(out, ref) < 5e-3
+        assert prefill._SMEM[key] < 10**6
+    finally:
+        prefill._SMEM.pop(key, None)
