@@ -394,7 +394,8 @@ class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
 
 class ChallengeAnswer(msgspec.Struct, tag="challenge_answer", frozen=True,
                       forbid_unknown_fields=True):
-    """The bytes the decoder read from its challenge slot after a ``Challenge``."""
+    """The bytes the decoder read from its challenge slot after a ``Challenge`` (empty: no
+    nonce landed there, e.g. the request it named was aborted and its registration closed)."""
 
     id: int
     nonce: Annotated[bytes, msgspec.Meta(max_length=4096)]

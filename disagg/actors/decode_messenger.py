@@ -284,13 +284,18 @@ class DecodeMessenger(MessengerBase):
 
     async def _answer(self, peer: Peer, ch: Challenge) -> None:
         """Read back the nonce ``peer`` wrote into its challenge slot (once it landed, or
-        after ``CHALLENGE_WAIT_S``) and send it: proof that this process owns the memory."""
+        after ``CHALLENGE_WAIT_S``) and send it: proof that this process owns the memory. If
+        it never landed (it named an attempt whose registration closed meanwhile, say an
+        aborted one), abstain with an empty answer rather than send what is not the nonce."""
+        landed = False
         if peer.challenge is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(peer.challenge[1].future), CHALLENGE_WAIT_S)
+                landed = True
         n = NONCE_BYTES * max(1, min(ch.lanes, MAX_LANES))
         start = nonce_offset(self.ctx_buf.numel(), peer.slot, 0)
-        nonce = bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes())
+        nonce = bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes()) \
+            if landed else b""
         with contextlib.suppress(zmq.ZMQError):
             await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
 

@@ -436,7 +436,11 @@ class PrefillMessenger(MessengerBase):
         # a write refused at once (say the attempt's window closed) proves nothing either way:
         # only that request is refused; a wrong or missing answer, or a write that never
         # completed, refuses the connection's requests naming those endpoints for a while
-        ok = self.owners.answered(check, answer, now, remember_failure=written or timed_out)
+        # an empty answer: the requester saw no nonce land (the request's registration closed,
+        # e.g. it was aborted meanwhile): inconclusive, only that request is refused
+        inconclusive = answer == b""
+        ok = self.owners.answered(check, None if inconclusive else answer, now,
+                                  remember_failure=(written or timed_out) and not inconclusive)
         await self._unpark(check.conn, req if not ok else None)
 
     async def _unpark(self, conn: Conn, failed: PrefillRequest | None) -> None:
