@@ -236,15 +236,16 @@ def test_a_slow_reader_gets_every_terminal_reply(mixed):
 
 @pytest.fixture(scope="module")
 def pair(model_dir, tmp_path_factory):
-    """A prefiller whose steps are slow (16-token chunks, 1 s each: a 160-token prompt takes
-    ten) and a decoder with a 48-page pool, short liveness deadlines and a 5 s queue timeout."""
+    """A prefiller whose steps are slow (16-token chunks, 1 s each: a 180-token prompt takes
+    twelve) and a decoder with a 48-page pool, short liveness deadlines and an 8 s queue
+    timeout."""
     pytest.importorskip("disagg.fabric._libfabric_cffi")
     tmp = tmp_path_factory.mktemp("liveness-pair")
     p_addr, prefill = node("prefill", model_dir, tmp, "--num-pages", "256",
                            "--max-batch-tokens", "16", env={"DISAGG_TEST_LAYER_DELAY_S": "0.5"})
     d_addr, decode = node("decode", model_dir, tmp, "--prefill-peer", p_addr,
                           "--num-pages", "48", "--heartbeat", "0.2", "--peer-timeout", "1",
-                          "--queue-timeout", "5", "--prefill-timeout", "30")
+                          "--queue-timeout", "8", "--prefill-timeout", "30")
     with running([prefill, decode], decoders=[d_addr]):
         yield p_addr, d_addr
 
@@ -266,7 +267,7 @@ def test_a_remote_prefill_waiting_for_pages_starts_when_the_last_request_ends(pa
 
 def test_a_queued_request_ends_with_timeout_at_its_deadline(pair):
     _, dec = pair
-    a = Req(dec, prompt(160, salt=2), max_tokens=4, timeout=90)  # 40 of 48 pages, for ~10 s
+    a = Req(dec, prompt(180, salt=2), max_tokens=4, timeout=90)  # 45 of 48 pages, for ~12 s
     wait_for(lambda: stats(dec).waiting_for_kv == 1, what="A waiting for its KV")
     b = Req(dec, prompt(100, salt=3), max_tokens=4, timeout=60)  # no room until A ends
     b.join()
