@@ -394,8 +394,9 @@ class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
 
 class ChallengeAnswer(msgspec.Struct, tag="challenge_answer", frozen=True,
                       forbid_unknown_fields=True):
-    """The bytes the decoder read from its challenge slot after a ``Challenge`` (empty: no
-    nonce landed there, e.g. the request it named was aborted and its registration closed)."""
+    """The bytes the decoder read from its challenge slot after a ``Challenge``; empty: the
+    decoder abstains, the request named no longer wants KV (aborted: its registration may
+    have closed before the nonce landed)."""
 
     id: int
     nonce: Annotated[bytes, msgspec.Meta(max_length=4096)]
@@ -455,6 +456,7 @@ class Challenge(msgspec.Struct, tag="challenge", frozen=True):
 
     id: int
     lanes: int
+    request_id: str = ""  # the request whose descriptors the nonce went through
 
 
 PeerReply = Pong | PrefillDone | PrefillFailed | AbortAck | PrefillProgress | Stats | Challenge

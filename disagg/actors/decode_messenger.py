@@ -284,18 +284,22 @@ class DecodeMessenger(MessengerBase):
 
     async def _answer(self, peer: Peer, ch: Challenge) -> None:
         """Read back the nonce ``peer`` wrote into its challenge slot (once it landed, or
-        after ``CHALLENGE_WAIT_S``) and send it: proof that this process owns the memory. If
-        it never landed (it named an attempt whose registration closed meanwhile, say an
-        aborted one), abstain with an empty answer rather than send what is not the nonce."""
-        landed = False
+        after ``CHALLENGE_WAIT_S``) and send it: proof that this process owns the memory.
+        The slot is read even when the wait timed out: a nonce written under a challenge key
+        this side had already rotated lands (counted as junk) without completing the wait.
+        Abstains (empty answer) when the request named no longer wants KV: it was aborted,
+        and its registration may have closed before the nonce could land."""
+        a = self.attempts.get(ch.request_id) if ch.request_id else None
+        if ch.request_id and (a is None or a.state != "waiting"):
+            with contextlib.suppress(zmq.ZMQError):
+                await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, b"")), zmq.NOBLOCK)
+            return
         if peer.challenge is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(peer.challenge[1].future), CHALLENGE_WAIT_S)
-                landed = True
         n = NONCE_BYTES * max(1, min(ch.lanes, MAX_LANES))
         start = nonce_offset(self.ctx_buf.numel(), peer.slot, 0)
-        nonce = bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes()) \
-            if landed else b""
+        nonce = bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes())
         with contextlib.suppress(zmq.ZMQError):
             await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
 

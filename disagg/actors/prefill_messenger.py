@@ -423,7 +423,7 @@ class PrefillMessenger(MessengerBase):
             written = True
             fut = asyncio.get_running_loop().create_future()
             self.answers[(check.conn, check.id)] = fut
-            await self._reply(peer, Challenge(check.id, len(lanes)))
+            await self._reply(peer, Challenge(check.id, len(lanes), req.request_id))
             answer = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - any failure is a failed check
             timed_out = isinstance(e, TimeoutError)
@@ -436,10 +436,12 @@ class PrefillMessenger(MessengerBase):
         # a write refused at once (say the attempt's window closed) proves nothing either way:
         # only that request is refused; a wrong or missing answer, or a write that never
         # completed, refuses the connection's requests naming those endpoints for a while
-        # an empty answer: the requester saw no nonce land (the request's registration closed,
-        # e.g. it was aborted meanwhile): inconclusive, only that request is refused
+        # an empty answer: the decoder abstained, the request named was aborted meanwhile (its
+        # registration may have closed before the nonce landed): only that request is refused
+        # and the others waiting are checked again; a wrong answer, or none, or a write that
+        # never completed, refuses the connection's requests naming those endpoints a while
         inconclusive = answer == b""
-        ok = self.owners.answered(check, None if inconclusive else answer, now,
+        ok = self.owners.answered(check, answer or None, now,
                                   remember_failure=(written or timed_out) and not inconclusive)
         await self._unpark(check.conn, req if not ok else None)
 
