@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from disagg.model.tokenizer import too_long_to_fit
 from disagg.protocol import SamplingParams, Usage
 
 MAX_STOP_STRINGS = 16
@@ -267,8 +268,7 @@ def _message_text(m: ChatMessage, i: int) -> str:
 def check_text_size(chars: int, tok: TokenizerLike, max_model_len: int, param: str) -> None:
     """Refuse a text that cannot fit the context from its length alone, before the chat
     template or the tokenizer spend time on it (a token spells at most ``max_token_chars``)."""
-    per_token = getattr(tok, "max_token_chars", None)
-    if per_token is not None and chars > max_model_len * per_token:
+    if too_long_to_fit(chars, tok, max_model_len):
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens, "
                        f"but the prompt has {chars} characters (more than that many tokens "
                        "can spell).", param=param, code="context_length_exceeded")

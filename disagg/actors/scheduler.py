@@ -30,7 +30,7 @@ from disagg.actors.executor import ExecutorError, ExecutorGroup
 from disagg.admission import FairQueue
 from disagg.cache import PagePool
 from disagg.model.config import ModelArch
-from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer, too_long_to_fit
 from disagg.protocol import (
     Abort,
     ClientGone,
@@ -90,10 +90,7 @@ class Counters:
 def prompt_size_problem(prompt: str, tokenizer: Tokenizer | None, max_model_len: int) -> str | None:
     """Why a prompt text cannot fit the context, judged from its length alone (no
     tokenizing): every token covers at most ``tokenizer.max_token_chars`` characters."""
-    if tokenizer is None:
-        return None
-    limit = max_model_len * tokenizer.max_token_chars
-    if len(prompt) <= limit:
+    if tokenizer is None or not too_long_to_fit(len(prompt), tokenizer, max_model_len):
         return None
     return (f"the prompt has {len(prompt)} characters, more than {max_model_len} tokens can "
             f"hold (at most {tokenizer.max_token_chars} characters per token)")
