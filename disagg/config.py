@@ -6,6 +6,7 @@ CLI defaults come from these defaults. Validation names the value and the flag t
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import msgspec
 
@@ -97,7 +98,8 @@ class DisaggConfig(msgspec.Struct, frozen=True):
     # auto (on where registration is cheap: tcp, shm, net) | on | off (--fabric-mr-per-attempt)
     fabric_mr_per_attempt: str = "auto"
     local_prefill_max_tokens: int = 0  # decode: prefill prompts this short here (--local-prefill-max-tokens)
-    on_prefill_failure: str = "error"  # error | retry | local (--on-prefill-failure)
+    # error | retry | local (--on-prefill-failure; the retry rule: disagg.remote.decode)
+    on_prefill_failure: Literal["error", "retry", "local"] = "error"
     prefill_timeout_s: float = 60.0  # deadline for a remote prefill's KV (--prefill-timeout)
     heartbeat_s: float = 1.0  # ping period to prefill peers (--heartbeat)
     peer_timeout_s: float = 5.0  # a peer silent this long is dead (--peer-timeout)

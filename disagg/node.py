@@ -194,13 +194,14 @@ class Node:
         m_sock, s_sock = self._pair("messenger")
         self.scheduler = DecodeScheduler(
             cfg.role, sched_sock, *sched_args,
-            local_prefill_max_tokens=d.local_prefill_max_tokens, on_failure=d.on_prefill_failure)
+            local_prefill_max_tokens=d.local_prefill_max_tokens, on_failure=d.on_prefill_failure,
+            prefill_timeout_s=d.prefill_timeout_s, peer_timeout_s=d.peer_timeout_s)
         self.scheduler.mbox = s_sock
         self.messenger = DecodeMessenger(
             d.prefill_peers, self.ctx, m_sock, self._transfer(), self._layout(arch),
             self._kv_tensors(), max_slots=2 * cfg.scheduler.max_running,
             timeout_s=d.prefill_timeout_s, heartbeat_s=d.heartbeat_s,
-            peer_timeout_s=d.peer_timeout_s, on_failure=d.on_prefill_failure,
+            peer_timeout_s=d.peer_timeout_s,
             kv_fds=self.executors.kv_fds if self.executors else None)
         self.messenger.metrics = self.metrics
         actors.append(("messenger", self.messenger.run))

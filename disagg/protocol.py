@@ -519,53 +519,46 @@ class ReleaseJob(msgspec.Struct, tag="release_job", array_like=True, frozen=True
     outcome: str = "finished"
 
 
-class NeedPrefill(msgspec.Struct, tag="need_prefill", array_like=True, frozen=True):
-    """Decode side: pages are reserved for ``slot``; get the prompt's KV from a prefiller."""
+AttemptEventKind = Literal["landed", "progress", "failed", "done", "acked", "peer_dead",
+                          "conn_down"]
 
-    slot: int
+
+class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=True):
+    """Decode side (``disagg.remote.decode.Send``): ask a prefiller for the KV of
+    ``prompt_ids`` under ``request_id`` / ``key``, written into ``dst_pages``."""
+
+    request_id: str
+    key: int
     prompt_ids: list[int]  # without the last prompt token
     dst_pages: list[int]  # pages covering prompt_ids, block-table order
+    cap_s: float  # the attempt's absolute budget (sent as deadline_unix)
 
 
-class CancelRemote(msgspec.Struct, tag="cancel_remote", array_like=True, frozen=True):
-    """Decode side: the request ended; stop its prefill. Answered by ``RemoteReleased``."""
+class StopPrefill(msgspec.Struct, tag="stop_prefill", array_like=True, frozen=True):
+    """Decode side (``disagg.remote.decode.Abort``): no KV of ``request_id`` is wanted any
+    more; ``blame``: count it against its prefiller's health."""
 
-    slot: int
-
-
-class KVReady(msgspec.Struct, tag="kv_ready", array_like=True, frozen=True):
-    """Every expected unit of ``slot`` landed: hand it to decoding."""
-
-    slot: int
+    request_id: str
+    blame: bool = False
 
 
-class RemoteFailed(msgspec.Struct, tag="remote_failed", array_like=True, frozen=True):
-    """The remote prefill of ``slot`` failed for good (retries spent). ``pages_free``: no write
-    can land any more; otherwise keep the pages fenced until ``RemoteReleased`` (the prefiller
-    is unreachable, and its deadline has not passed)."""
+class ForgetPrefill(msgspec.Struct, tag="forget_prefill", array_like=True, frozen=True):
+    """Decode side (``disagg.remote.decode.Forget``): nothing of ``request_id`` can land any
+    more; drop its registrations and context slot."""
 
-    slot: int
-    code: str
-    message: str
-    pages_free: bool = True
-    fence: int = 0  # when not pages_free: the id a later RemoteReleased names
+    request_id: str
 
 
-class RemoteReleased(msgspec.Struct, tag="remote_released", array_like=True, frozen=True):
-    """No write can land any more in the pages fenced for ``slot``: after ``CancelRemote``
-    (``fence`` 0), or after a ``RemoteFailed`` that was not ``pages_free`` (its ``fence``)."""
+class AttemptEvent(msgspec.Struct, tag="attempt_event", array_like=True, frozen=True):
+    """Decode side: what the messenger saw of an attempt, fed to the scheduler's
+    ``DecodeRemote.event`` (``kind``: landed, progress, failed, done, acked, peer_dead,
+    conn_down). ``timings``: with ``done``, the prefiller's queue / compute / tail seconds."""
 
-    slot: int
-    fence: int = 0
-
-
-class PrefillTimings(msgspec.Struct, tag="prefill_timings", array_like=True, frozen=True):
-    """The prefiller's view of a finished remote prefill (from its PrefillDone), in seconds."""
-
-    slot: int
-    queue_s: float
-    compute_s: float
-    tail_s: float
+    request_id: str
+    kind: AttemptEventKind
+    code: str = ""
+    message: str = ""
+    timings: tuple[float, float, float] | None = None
 
 
 class PeersAlive(msgspec.Struct, tag="peers_alive", array_like=True, frozen=True):
@@ -594,6 +587,6 @@ class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True
     stats: Stats
 
 
-ToScheduler = (PrefillJob | CancelJob | ReleaseJob | KVReady | RemoteFailed | RemoteReleased
-               | PeersAlive | MessengerStats | StatsQuery | PrefillTimings)
-ToMessenger = StepAnnounce | StepDone | NeedPrefill | CancelRemote | StatsReply
+ToScheduler = (PrefillJob | CancelJob | ReleaseJob | AttemptEvent | PeersAlive | MessengerStats
+               | StatsQuery)
+ToMessenger = StepAnnounce | StepDone | SendPrefill | StopPrefill | ForgetPrefill | StatsReply

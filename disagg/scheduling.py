@@ -19,7 +19,7 @@ from disagg.protocol import SamplingParams, SeqChunk
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    REMOTE = "remote"  # decode side: pages reserved, waiting for a prefiller's KV
+    REMOTE = "remote"  # decode side: waiting for a prefiller's KV (disagg.remote.decode)
     HELD = "held"  # prefill side: computed, pages held until their transfers complete
     FINISHED = "finished"
 
@@ -119,7 +119,6 @@ class BatchScheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # by arrival, preempted ones re-inserted in order
         self.running: list[Sequence] = []  # by arrival
-        self.remote: set[Sequence] = set()  # REMOTE: pages reserved, KV on its way
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- admission
@@ -140,7 +139,6 @@ class BatchScheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.remote.discard(seq)
         self._release(seq)
         seq.status = Status.FINISHED
 
@@ -151,7 +149,6 @@ class BatchScheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.remote.discard(seq)
         pages, seq.block_table = seq.block_table, []
         seq.num_computed = 0
         seq.status = Status.FINISHED
@@ -163,21 +160,11 @@ class BatchScheduler:
 
     # ---------------------------------------------------------------- remote prefill (decode)
 
-    def reserve_remote(self, seq: Sequence) -> bool:
-        """Reserve un-evictable pages for the whole prompt of a sequence a prefiller will fill
-        (all but its last token); False (nothing taken) when the pool is short."""
-        pages = self.pool.allocate(pages_needed(seq.num_tokens, self.page_size))
-        if pages is None:
-            return False
-        seq.block_table = pages
-        seq.status = Status.REMOTE
-        self.remote.add(seq)
-        return True
-
-    def kv_arrived(self, seq: Sequence) -> None:
-        """The prefiller's KV for all but the last prompt token has landed: decode from here;
-        the next step runs the last prompt token as an ordinary decode (SEED.md 26)."""
-        self.remote.discard(seq)
+    def kv_arrived(self, seq: Sequence, pages: list[int]) -> None:
+        """A prefiller's KV for all but the last prompt token has landed in ``pages`` (held by
+        the remote-prefill machine until now): decode from here; the next step runs the last
+        prompt token as an ordinary decode (SEED.md 26)."""
+        seq.block_table = list(pages)
         seq.num_computed = seq.num_tokens - 1
         seq.status = Status.RUNNING
         self.running.append(seq)

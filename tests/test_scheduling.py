@@ -154,11 +154,10 @@ def test_prefill_only_sequences_hold_pages_and_never_sample():
 def test_remote_sequences_wait_for_kv_then_decode_last_prompt_token():
     s = make(pages=4, page_size=4)
     a = seq(0, 9, max_tokens=2, ignore_eos=True)
-    assert s.reserve_remote(a)
-    assert len(a.block_table) == 3 and not s.has_work() and s.schedule() is None
-    b = seq(1, 9)
-    assert not s.reserve_remote(b) and b.block_table == [] and s.pool.num_free == 1
-    s.kv_arrived(a)
+    pages = s.pool.allocate(3)  # held by the remote-prefill machine while the KV is on its way
+    assert pages is not None and not s.has_work() and s.schedule() is None
+    s.kv_arrived(a, pages)
+    assert a.block_table == pages
     batch = s.schedule()
     assert batch is not None and batch.num_decodes == 1
     w = batch.chunks[0].to_wire()

@@ -1,21 +1,21 @@
-"""Decode-side KV messenger, with the completion tracker.
+"""Decode-side KV messenger: the network half of remote prefill, with the completion tracker.
 
-Receives: ``NeedPrefill`` / ``CancelRemote`` from the scheduler (``inproc://``); ``Pong`` /
-``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` from prefill nodes (one DEALER per
-``--prefill-peer``); expectation completions from the transfer engine.
-Sends: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` to prefillers; ``KVReady`` /
-``RemoteFailed`` / ``RemoteReleased`` / ``PeersAlive`` / ``MessengerStats`` to the scheduler.
-Owns: the attempts (one per PrefillRequest sent), peer liveness and load, the context buffer.
+Receives: ``SendPrefill`` / ``StopPrefill`` / ``ForgetPrefill`` from the scheduler
+(``inproc://``), the commands of its ``disagg.remote.decode.DecodeRemote``; ``Pong`` /
+``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` / ``PrefillProgress`` / ``Challenge`` from
+prefill nodes (one DEALER per ``--prefill-peer``); expectation completions from the transfer
+engine.
+Sends: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` / ``ChallengeAnswer`` to prefillers;
+``AttemptEvent`` / ``PeersAlive`` / ``MessengerStats`` to the scheduler.
+Owns: the prefill peers (liveness, load, health, challenge slots), and per attempt the wire
+state: its peer and connection epoch, context slot, registrations and expectation. Whether
+an attempt is still wanted, when it times out, when its pages are free and whether it is
+retried is the scheduler's state machine's call, not this actor's.
 
-A request's pages are never reported free while a write into them may still land: after a
-timeout or a client abort the attempt drains (AbortPrefill -> AbortAck, or the prefiller's own
-PrefillDone/PrefillFailed, or the prefiller declared dead) before the scheduler hears of it.
 Each request names this decoder's challenge slot for that prefiller; a prefiller proves the
 decoder owns the memory by writing a nonce there and asking for it (``Challenge`` ->
 ``ChallengeAnswer``, ``disagg.ownership``). A prefiller whose attempts keep failing (timeouts,
 refusals) is suspect for a back-off (``disagg.peer_health``): others are preferred meanwhile.
-An attempt times out after ``--prefill-timeout`` without progress (KV units of its key landing,
-or the prefiller's ``PrefillProgress``), or at its absolute deadline (``disagg.deadlines``).
 """
 
 from __future__ import annotations
@@ -37,20 +37,18 @@ import zmq.asyncio
 from disagg import security
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.transfer import TransferEngine
-from disagg.deadlines import DEADLINE_GRACE_S, ProgressDeadline, fence_expired, prefill_cap_s
 from disagg.fabric.topology import MAX_LANES
 from disagg.ownership import CHALLENGE_SLOTS, CHALLENGE_UNITS, NONCE_BYTES, area_rows, nonce_offset
 from disagg.peer_health import PeerHealth
 from disagg.protocol import (
     AbortAck,
     AbortPrefill,
-    CancelRemote,
+    AttemptEvent,
     Challenge,
     ChallengeAnswer,
+    ForgetPrefill,
     KVLayoutDesc,
-    KVReady,
     MessengerStats,
-    NeedPrefill,
     PeerReply,
     PeersAlive,
     Ping,
@@ -59,9 +57,8 @@ from disagg.protocol import (
     PrefillFailed,
     PrefillProgress,
     PrefillRequest,
-    PrefillTimings,
-    RemoteFailed,
-    RemoteReleased,
+    SendPrefill,
+    StopPrefill,
     ToMessenger,
 )
 from disagg.transfer_plan import incompatibility, make_key, new_generation, request_units
@@ -97,28 +94,21 @@ class Peer:
 
 
 @dataclass
-class Attempt:
-    slot: int
-    generation: int
-    need: NeedPrefill
+class Wire:
+    """What this messenger holds for one attempt (``SendPrefill`` until ``ForgetPrefill``)."""
+
+    request_id: str
     peer: Peer
+    epoch: int  # the peer's connection epoch when the request was sent
     ctx_slot: int
     expectation: Any
-    clock: ProgressDeadline  # waiting: idle deadline pushed by progress, under the cap
-    tries: int
-    epoch: int = 0  # the peer's connection epoch when the request was sent
-    started_at: float = 0.0
-    deadline_unix: float = 0.0  # the cap, wall clock: the prefiller posts no write after it
-    deadline: float = 0.0  # draining: when to stop waiting for the acknowledgement
+    window: Any  # its registrations (TransferEngine.window): closed once no KV is wanted
+    tokens: int
+    started_at: float
+    wanted: bool = True  # until StopPrefill
     landed: int = 0  # units of its key seen landed (progress)
-    state: str = "waiting"  # waiting (for KV) -> draining (no KV wanted; writes may land)
-    cancelled: bool = False  # the request ended on the decode side
-    failure: tuple[str, str] | None = None
-    window: Any = None  # its registrations (TransferEngine.window): closed once no KV is wanted
-
-    @property
-    def request_id(self) -> str:
-        return f"{self.slot}.{self.generation}"
+    dead_reported: bool = False
+    down_reported: bool = False
 
 
 class DecodeMessenger(MessengerBase):
@@ -134,8 +124,6 @@ class DecodeMessenger(MessengerBase):
         timeout_s: float = 60.0,
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
-        on_failure: str = "error",
-        max_tries: int = 2,
         kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
     ):
         # with a window per attempt the shared registrations need no remote access at all
@@ -156,10 +144,7 @@ class DecodeMessenger(MessengerBase):
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
-        self.max_tries = max_tries if on_failure == "retry" else 1
-        self.attempts: dict[str, Attempt] = {}  # by request id
-        self.by_slot: dict[int, Attempt] = {}
-        self.completed: dict[str, int] = {}  # request id -> slot, KV landed, PrefillDone due
+        self.wires: dict[str, Wire] = {}  # by request id
         self._ping = itertools.count()
         self._peer_dec = msgspec.msgpack.Decoder(PeerReply)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
@@ -199,15 +184,12 @@ class DecodeMessenger(MessengerBase):
             except zmq.Again:
                 return
             match self._sched_dec.decode(data):
-                case NeedPrefill() as need:
-                    await self._start(need, tries=1)
-                case CancelRemote(slot=slot):
-                    a = self.by_slot.get(slot)
-                    if a is None:
-                        await self._to_scheduler(RemoteReleased(slot))
-                    else:
-                        a.cancelled = True
-                        await self._drain(a, ("cancelled", "the request ended"))
+                case SendPrefill() as msg:
+                    await self._send_request(msg)
+                case StopPrefill(request_id=rid, blame=blame):
+                    await self._stop(rid, blame)
+                case ForgetPrefill(request_id=rid):
+                    self._forget(rid)
 
     async def _from_peer(self, peer: Peer) -> None:
         while True:
@@ -238,27 +220,27 @@ class DecodeMessenger(MessengerBase):
                 case Challenge() as ch:
                     self._spawn(self._answer(peer, ch))
                 case PrefillFailed(request_id=rid, code=code, message=message):
-                    a = self.attempts.get(rid)
-                    if a is not None and a.state == "waiting" and a.peer is peer:
+                    w = self._of(rid, peer)
+                    if w is not None and w.wanted:
                         peer.health.failed(time.monotonic())
-                    if a is not None:  # no write of it can land any more
-                        await self._settled(a, a.failure or (code, message))
+                    if w is not None:  # no write of it can land any more
+                        await self._settled(rid, "failed", code, message)
                 case PrefillDone(request_id=rid) as done:
-                    slot = self.completed.pop(rid, None)
-                    if slot is not None:
-                        await self._to_scheduler(PrefillTimings(slot, done.queue_s,
-                                                                done.compute_s, done.tail_s))
-                    a = self.attempts.get(rid)
-                    if a is not None and a.state in ("draining", "fenced"):
-                        await self._settled(a, a.failure or ("cancelled", "the request ended"))
+                    if self._of(rid, peer) is not None:
+                        await self._settled(rid, "done", timings=(done.queue_s, done.compute_s,
+                                                                  done.tail_s))
                 case AbortAck(request_id=rid):
-                    a = self.attempts.get(rid)
-                    if a is not None and a.state in ("draining", "fenced"):
-                        await self._settled(a, a.failure or ("cancelled", "the request ended"))
+                    if self._of(rid, peer) is not None:
+                        await self._settled(rid, "acked")
                 case PrefillProgress(request_id=rid):
-                    a = self.attempts.get(rid)
-                    if a is not None and a.peer is peer:
-                        a.clock.progress(time.monotonic())
+                    if self._of(rid, peer) is not None:
+                        await self._event(AttemptEvent(rid, "progress"))
+
+    def _of(self, rid: str, peer: Peer) -> Wire | None:
+        """The attempt ``rid`` if ``peer`` is the prefiller it went to (news of an attempt
+        from any other peer is ignored)."""
+        w = self.wires.get(rid)
+        return w if w is not None and w.peer is peer else None
 
     # ------------------------------------------------------------------ attempts
 
@@ -289,8 +271,8 @@ class DecodeMessenger(MessengerBase):
         this side had already rotated lands (counted as junk) without completing the wait.
         Abstains (empty answer) when the request named no longer wants KV: it was aborted,
         and its registration may have closed before the nonce could land."""
-        a = self.attempts.get(ch.request_id) if ch.request_id else None
-        if ch.request_id and (a is None or a.state != "waiting"):
+        w = self.wires.get(ch.request_id) if ch.request_id else None
+        if ch.request_id and (w is None or not w.wanted):
             with contextlib.suppress(zmq.ZMQError):
                 await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, b"")), zmq.NOBLOCK)
             return
@@ -303,137 +285,90 @@ class DecodeMessenger(MessengerBase):
         with contextlib.suppress(zmq.ZMQError):
             await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
 
-    async def _start(self, need: NeedPrefill, tries: int) -> None:
+    async def _send_request(self, msg: SendPrefill) -> None:
         peer = self.pick()
         if peer is None or not self.ctx_free:
             why = "no prefiller is alive" if peer is None else "no free context slot"
-            await self._pages_back(RemoteFailed(need.slot, "no_prefiller", why))
+            await self._event(AttemptEvent(msg.request_id, "failed", "no_prefiller", why))
             return
-        gen = self._new_generation(need.slot)
-        key = make_key(need.slot, gen)
         assert peer.layout is not None  # alive means it answered a Ping
-        units = request_units(peer.layout, self.layout, len(need.prompt_ids))
+        units = request_units(peer.layout, self.layout, len(msg.prompt_ids))
         ctx_slot = self.ctx_free.pop()
-        cap_s = prefill_cap_s(self.timeout_s, len(need.prompt_ids))
-        exp = self.transfer.expect(key, units, timeout=cap_s)  # the engine enforces the cap
+        exp = self.transfer.expect(msg.key, units, timeout=msg.cap_s)  # the engine's cap
         window = self.transfer.window(self.kv_regions + [self.ctx_region])
-        now = time.monotonic()
-        a = Attempt(need.slot, gen, need, peer, ctx_slot, exp,
-                    ProgressDeadline.start(now, self.timeout_s, cap_s), tries, epoch=peer.epoch,
-                    started_at=now, deadline_unix=time.time() + cap_s, window=window)
-        self.attempts[a.request_id] = a
-        self.by_slot[need.slot] = a
-        peer.sent_tokens += len(need.prompt_ids)
+        w = Wire(msg.request_id, peer, peer.epoch, ctx_slot, exp, window, len(msg.prompt_ids),
+                 time.monotonic())
+        self.wires[w.request_id] = w
+        peer.sent_tokens += len(msg.prompt_ids)
         req = PrefillRequest(
-            request_id=a.request_id, key=key, prompt_ids=need.prompt_ids,
-            dst_pages=need.dst_pages, dst_layout=self.layout,
+            request_id=msg.request_id, key=msg.key, prompt_ids=msg.prompt_ids,
+            dst_pages=msg.dst_pages, dst_layout=self.layout,
             dst_kv=window.descriptors[0].encode(),
             dst_kv_ranks=[d.encode() for d in window.descriptors[:-1]],
             dst_ctx=window.descriptors[-1].encode(),
             ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s,
-            deadline_unix=a.deadline_unix, challenge_slot=peer.slot,
+            deadline_unix=time.time() + msg.cap_s, challenge_slot=peer.slot,
             challenge_key=self._challenge_key(peer))
         await peer.sock.send(self._enc.encode(req))
-        self._spawn(self._await_kv(a, units))
+        self._spawn(self._await_kv(w, units, msg.dst_pages))
 
-    async def _await_kv(self, a: Attempt, units: int) -> None:
+    async def _await_kv(self, w: Wire, units: int, dst_pages: list[int]) -> None:
         try:
-            await a.expectation
-        except asyncio.CancelledError:
-            return  # cancelled by a drain; that path reports
-        except Exception as e:  # the expectation's deadline (the attempt's cap) passed
-            if a.state == "waiting":
-                await self._drain(a, ("timeout", f"{a.clock.why(time.monotonic())}: {e}"))
+            await w.expectation
+        except BaseException:  # noqa: BLE001 - stopped, or its cap passed: the machine's call
             return
-        if a.state != "waiting":
+        if not w.wanted:
             return
         # fabric over host staging: its pages mirror -> GPU first (no-op otherwise)
         for region in self.kv_regions:
-            await self.transfer.stage_in_pages(region, self.layout, a.need.dst_pages)
-        if a.state != "waiting":
+            await self.transfer.stage_in_pages(region, self.layout, dst_pages)
+        if not w.wanted:
             return
-        a.peer.health.succeeded()
+        w.peer.health.succeeded()
         self.units_received += units
         if self.metrics is not None:  # units: pages per layer, plus one context
             nbytes = (units - 1) * self.layout.page_bytes + self.layout.context_bytes
             self.metrics.observe_transfer("received", nbytes, units,
-                                          time.monotonic() - a.started_at)
-        self._forget(a)
-        self.completed[a.request_id] = a.slot  # its PrefillDone brings the prefiller's timings
-        while len(self.completed) > 4096:
-            self.completed.pop(next(iter(self.completed)))
-        await self._to_scheduler(KVReady(a.slot))
+                                          time.monotonic() - w.started_at)
+        await self._event(AttemptEvent(w.request_id, "landed"))
         await self._to_scheduler(self.stats())
 
-    async def _drain(self, a: Attempt, failure: tuple[str, str]) -> None:
-        """Stop wanting the KV; ask the prefiller to stop (queued even if it looks dead: a
-        stopped process reads it when it resumes). Pages are reported free only once no write
-        can land: an acknowledgement, or the attempt's deadline (``_fence``)."""
-        if a.state != "waiting":
+    async def _stop(self, rid: str, blame: bool) -> None:
+        """No KV of ``rid`` is wanted: revoke its registrations (the provider refuses its
+        writes not yet being received) and ask its prefiller to stop (queued even if it looks
+        dead: a stopped process reads it when it resumes)."""
+        w = self.wires.get(rid)
+        if w is None or not w.wanted:
             return
-        if failure[0] != "cancelled":  # timed out, or its prefiller died
-            a.peer.health.failed(time.monotonic())
-        a.state = "draining"
-        a.failure = failure
-        a.expectation.cancel()
-        a.window.close()  # revoked: the provider refuses its writes not yet being received
-        a.deadline = time.monotonic() + self.peer_timeout_s
+        w.wanted = False
+        if blame:  # timed out, or its prefiller died
+            w.peer.health.failed(time.monotonic())
+        w.expectation.cancel()
+        w.window.close()
         with contextlib.suppress(zmq.ZMQError):
-            await a.peer.sock.send(self._enc.encode(AbortPrefill(a.request_id)), zmq.NOBLOCK)
-        if not a.peer.alive:
-            await self._fence(a)
+            await w.peer.sock.send(self._enc.encode(AbortPrefill(rid)), zmq.NOBLOCK)
+        if not w.peer.alive and not w.dead_reported:
+            w.dead_reported = True
+            await self._event(AttemptEvent(rid, "peer_dead", "prefiller_dead",
+                                           f"prefiller {w.peer.address} is not answering"))
 
-    async def _fence(self, a: Attempt) -> None:
-        """The prefiller does not answer: report the failure now, but keep the pages fenced
-        until no write of the attempt can land: the prefiller acknowledges (it was only slow or
-        stopped, and read our AbortPrefill when it resumed), or the connection the request went
-        out on goes down (the process is gone), or the attempt's absolute deadline passed (plus
-        a grace): a prefiller posts nothing past it, whenever it reads the request."""
-        if a.state == "fenced":
+    async def _settled(self, rid: str, kind: Any, code: str = "", message: str = "",
+                       timings: tuple[float, float, float] | None = None) -> None:
+        """Nothing more of ``rid`` will be written: tell the scheduler once any staged copy
+        into its pages is done too."""
+        await self.transfer.staging_idle()
+        await self._event(AttemptEvent(rid, kind, code, message, timings))
+
+    def _forget(self, rid: str) -> None:
+        w = self.wires.pop(rid, None)
+        if w is None:
             return
-        a.state = "fenced"
-        if not a.cancelled:
-            code, message = a.failure or ("prefiller_dead", "prefiller stopped")
-            await self._to_scheduler(RemoteFailed(a.slot, code, message, pages_free=False,
-                                                  fence=a.generation))
-        if self.by_slot.get(a.slot) is a:
-            del self.by_slot[a.slot]  # the slot may start over (locally); keep only the fence
-        await self._to_scheduler(self.stats())
+        w.expectation.cancel()
+        w.window.close()
+        self.ctx_free.append(w.ctx_slot)
 
-    async def _settled(self, a: Attempt, failure: tuple[str, str]) -> None:
-        """No write of ``a`` can land any more: retry, or report to the scheduler."""
-        await self.transfer.staging_idle()  # nor a staged copy into its pages
-        if a.state == "waiting":
-            a.expectation.cancel()
-        fenced = a.state == "fenced"  # its failure was reported already
-        self._forget(a)
-        if fenced or a.cancelled:
-            await self._pages_back(self._released(a))
-        elif a.tries < self.max_tries and self.pick() is not None:
-            log.warning("prefill of slot %d failed (%s: %s); retrying", a.slot, *failure)
-            await self._start(a.need, a.tries + 1)
-            await self._to_scheduler(self.stats())
-        else:
-            await self._pages_back(RemoteFailed(a.slot, failure[0], failure[1]))
-
-    @staticmethod
-    def _released(a: Attempt) -> RemoteReleased:
-        """Which fence to lift: the scheduler's cancel fence, or this attempt's failure fence."""
-        return RemoteReleased(a.slot, 0 if a.cancelled else a.generation)
-
-    def _new_generation(self, slot: int) -> int:
-        """A random generation whose key no attempt in flight has (unguessable by a peer)."""
-        live = {make_key(a.slot, a.generation) for a in self.attempts.values()}
-        while make_key(slot, gen := new_generation()) in live:
-            pass
-        return gen
-
-    def _forget(self, a: Attempt) -> None:
-        a.window.close()  # no write of it is wanted any more
-        if self.attempts.pop(a.request_id, None) is not None:
-            self.ctx_free.append(a.ctx_slot)
-        if self.by_slot.get(a.slot) is a:
-            del self.by_slot[a.slot]
+    async def _event(self, ev: AttemptEvent) -> None:
+        await self._to_scheduler(ev)
 
     # ------------------------------------------------------------------ liveness
 
@@ -452,37 +387,25 @@ class DecodeMessenger(MessengerBase):
                 await p.sock.send(self._enc.encode(Ping(seq)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        for a in list(self.attempts.values()):
-            dead = not a.peer.alive
-            if a.state == "draining" and (dead or now > a.deadline):
-                # no acknowledgement within the peer timeout: fence until the deadline
-                await self._fence(a)
-            elif a.state == "waiting" and dead:
-                await self._drain(a, ("prefiller_dead", f"prefiller {a.peer.address} died"))
-            elif a.state == "waiting" and self._timed_out(a, now):
-                await self._drain(a, ("timeout", f"prefill of {len(a.need.prompt_ids)} tokens "
-                                                 f"on {a.peer.address}: {a.clock.why(now)}"))
-            elif a.state == "fenced" and (
-                    # the connection it was sent on went down (the process is gone: a stopped
-                    # one keeps its connections), or its absolute deadline passed: nothing of
-                    # it can land any more
-                    (a.peer.epoch > a.epoch and now > a.peer.down_at + FENCE_GRACE_S)
-                    or fence_expired(time.time(), a.deadline_unix, DEADLINE_GRACE_S)):
-                self._forget(a)
-                await self._pages_back(self._released(a))
+        for w in list(self.wires.values()):
+            if not w.peer.alive and not w.dead_reported:
+                w.dead_reported = True
+                await self._event(AttemptEvent(w.request_id, "peer_dead", "prefiller_dead",
+                                               f"prefiller {w.peer.address} died"))
+            elif (not w.wanted and not w.down_reported and w.peer.epoch > w.epoch
+                  and now > w.peer.down_at + FENCE_GRACE_S):
+                # the connection it was sent on went down: the process is gone (a stopped
+                # one keeps its connections), nothing of it can land any more
+                w.down_reported = True
+                await self._settled(w.request_id, "conn_down")
+            elif w.wanted:
+                landed = w.expectation.landed()
+                if landed is not None and landed > w.landed:
+                    w.landed = landed
+                    await self._event(AttemptEvent(w.request_id, "progress"))
         await self._report_alive()
         if self.transfer.junk != self._junk_reported:
             await self._to_scheduler(self.stats())
-
-    @staticmethod
-    def _timed_out(a: Attempt, now: float) -> bool:
-        """Count units of its key that landed since the last look as progress; then whether
-        its idle deadline or its cap passed."""
-        landed = a.expectation.landed()
-        if landed is not None and landed > a.landed:
-            a.landed = landed
-            a.clock.progress(now)
-        return a.clock.expired(now)
 
     async def _report_alive(self) -> None:
         n = sum(p.alive for p in self.peers)
@@ -495,7 +418,7 @@ class DecodeMessenger(MessengerBase):
 
     def stats(self) -> MessengerStats:
         self._junk_reported = self.transfer.junk
-        return MessengerStats(transfers_in_flight=len(self.attempts),
+        return MessengerStats(transfers_in_flight=len(self.wires),
                               kv_units_received=self.units_received,
                               prefill_peers_alive=sum(p.alive for p in self.peers),
                               kv_junk_immediates=self._junk_reported)

@@ -13,7 +13,6 @@ wait past ``--queue-timeout``.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 
@@ -22,138 +21,141 @@ import msgspec
 from disagg.actors.scheduler import SchedulerActor
 from disagg.cache import pages_needed
 from disagg.protocol import (
-    CancelRemote,
+    AttemptEvent,
     Error,
-    KVReady,
-    NeedPrefill,
+    ForgetPrefill,
     PeersAlive,
-    PrefillTimings,
-    RemoteFailed,
-    RemoteReleased,
+    SendPrefill,
     StepPlan,
     StepResult,
+    StopPrefill,
     ToScheduler,
 )
+from disagg.remote.decode import (
+    Abort,
+    Command,
+    DecodeRemote,
+    Fail,
+    Forget,
+    Free,
+    Local,
+    OnFailure,
+    Policy,
+    Ready,
+    Send,
+)
 from disagg.scheduling import Batch, Sequence, SeqUpdate, Status
+from disagg.transfer_plan import new_generation
 
 log = logging.getLogger(__name__)
 
-MAX_REMOTE_RETRIES = 1  # --on-prefill-failure retry: new attempts after a fenced failure
-
 
 class DecodeScheduler(SchedulerActor):
-    def __init__(self, *args, local_prefill_max_tokens: int = 0, on_failure: str = "error",
+    def __init__(self, *args, local_prefill_max_tokens: int = 0, on_failure: OnFailure = "error",
+                 prefill_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
                  **kwargs):  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self.on_failure = on_failure  # error | retry | local (retries happen in the messenger)
-        self.peers_alive = 0
-        self.remote_queue: collections.deque[Sequence] = collections.deque()  # no pages yet
-        # (slot, fence) -> pages a write may still reach; fence 0 = cancelled by this side
-        self.quarantine: dict[tuple[int, int], list[int]] = {}
+        self.remote = DecodeRemote(
+            Policy(on_failure, prefill_timeout_s, peer_timeout_s, self.limits.queue_timeout_s),
+            new_generation)
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence, while remote
         self.clock: dict[int, dict[str, float]] = {}  # slot -> TTFT milestones (monotonic s)
-        self.retries: dict[int, int] = {}  # slot -> remote attempts retried with new pages
+        self.sent: dict[int, str] = {}  # slot -> its latest attempt's request id
         self._menc = msgspec.msgpack.Encoder()
 
     def wants_remote(self, seq: Sequence) -> bool:
-        return self.peers_alive > 0 and len(seq.prompt_ids) - 1 > self.local_prefill_max_tokens
+        return (self.remote.peers_alive > 0
+                and len(seq.prompt_ids) - 1 > self.local_prefill_max_tokens)
 
     async def enqueue(self, seq: Sequence) -> None:
         if not self.wants_remote(seq):
             self.sched.add(seq)
             return
+        seq.status = Status.REMOTE
         self.seqs[seq.slot] = seq
         self.clock[seq.slot] = {"admit": time.monotonic()}
-        self.remote_queue.append(seq)
+        self.remote.admit(seq.slot, len(seq.prompt_ids) - 1,
+                          pages_needed(seq.num_tokens, self.page_size), time.monotonic())
         await self._pump()
 
     def in_flight(self) -> int:
-        return super().in_flight() + len(self.sched.remote) + len(self.remote_queue)
+        return super().in_flight() + self.remote.waiting_for_kv()
 
     async def pages_changed(self) -> None:
-        if self.remote_queue:
-            await self._pump()
+        await self._pump()
 
     def next_deadline(self) -> float | None:
-        heads = [d for d in (super().next_deadline(), self._remote_deadline()) if d is not None]
+        heads = [d for d in (super().next_deadline(), self.remote.next_deadline())
+                 if d is not None]
         return min(heads) if heads else None
-
-    def _remote_deadline(self) -> float | None:
-        if not self.remote_queue:
-            return None
-        key = self.by_slot.get(self.remote_queue[0].slot)
-        live = self.live.get(key) if key is not None else None
-        return None if live is None else live.admitted_at + self.limits.queue_timeout_s
 
     async def _expire(self, now: float) -> None:
         await super()._expire(now)
-        while self.remote_queue:  # in admission order (a retry goes first: its clock is older)
-            deadline = self._remote_deadline()
-            if deadline is None or deadline > now:
-                break
-            await self._timeout(self.remote_queue[0])
+        await self._carry_out(self.remote.expire(now))
 
     async def _pump(self) -> None:
         """Reserve pages for queued remote prefills, oldest first, while the pool allows."""
-        while self.remote_queue and self.sched.reserve_remote(self.remote_queue[0]):
-            seq = self.remote_queue.popleft()
-            self.clock.get(seq.slot, {})["sent"] = time.monotonic()
-            n = len(seq.prompt_ids) - 1
-            await self._to_messenger(NeedPrefill(seq.slot, seq.prompt_ids[:-1],
-                                                 seq.block_table[: pages_needed(n, self.page_size)]))
+        while (head := self.remote.head()) is not None:
+            slot, n = head
+            pages = self.pool.allocate(n)
+            if pages is None:
+                return
+            await self._carry_out(self.remote.reserved(slot, pages, time.monotonic()))
+
+    async def _carry_out(self, commands: list[Command]) -> None:
+        """Do what the remote-prefill machine decided, in its order."""
+        for c in commands:
+            match c:
+                case Send():
+                    seq = self.seqs[c.slot]
+                    self.clock.get(c.slot, {})["sent"] = time.monotonic()
+                    self.sent[c.slot] = c.request_id
+                    n = len(seq.prompt_ids) - 1
+                    await self._to_messenger(SendPrefill(
+                        c.request_id, c.key, seq.prompt_ids[:-1],
+                        list(c.pages[: pages_needed(n, self.page_size)]), c.cap_s))
+                case Abort():
+                    await self._to_messenger(StopPrefill(c.request_id, c.blame))
+                case Forget():
+                    await self._to_messenger(ForgetPrefill(c.request_id))
+                case Free():
+                    self.sched.free_pages(list(c.pages))
+                case Ready():
+                    seq = self.seqs.pop(c.slot)
+                    self.clock.get(c.slot, {})["kv"] = time.monotonic()
+                    self.sched.kv_arrived(seq, list(c.pages))
+                case Local():
+                    seq = self.seqs.pop(c.slot)
+                    self.clock.pop(c.slot, None)
+                    log.warning("prefilling %s locally: %s", seq.request_id, c.why)
+                    self.sched.add(seq)
+                case Fail():
+                    seq = self.seqs.pop(c.slot)
+                    self.clock.pop(c.slot, None)
+                    await self._end(seq, Error(c.code, c.message, seq.request_id))
 
     async def handle_messenger(self, msg: ToScheduler) -> None:
+        now = time.monotonic()
         match msg:
-            case KVReady(slot=slot):
-                seq = self.seqs.pop(slot, None)
-                if seq is not None and seq.status is Status.REMOTE:
-                    self.clock.get(slot, {})["kv"] = time.monotonic()
-                    self.sched.kv_arrived(seq)
-            case RemoteFailed(slot=slot, code=code, message=message, pages_free=free,
-                              fence=fence):
-                seq = self.seqs.pop(slot, None)
-                if seq is None or seq.status is not Status.REMOTE:
-                    return
-                pages = self.sched.detach(seq)
-                if free:  # no write can land any more
-                    self.sched.free_pages(pages)
-                else:  # fenced until the messenger's RemoteReleased
-                    self.quarantine[(slot, fence)] = pages
-                self.clock.pop(slot, None)
-                if self.on_failure == "local" or code == "no_prefiller":
-                    log.warning("prefilling %s locally: %s", seq.request_id, message)
-                    seq.status = Status.WAITING
-                    self.sched.add(seq)
-                elif (self.on_failure == "retry" and self.peers_alive > 0
-                      and self.retries.get(slot, 0) < MAX_REMOTE_RETRIES):
-                    # the old pages may still be written: a new attempt gets new pages
-                    log.warning("retrying the prefill of %s: %s", seq.request_id, message)
-                    self.retries[slot] = self.retries.get(slot, 0) + 1
-                    seq.status = Status.WAITING
-                    self.seqs[slot] = seq
-                    self.remote_queue.appendleft(seq)
-                else:
-                    await self._end(seq, Error("timeout" if code == "timeout" else
-                                               "prefill_failed", f"{code}: {message}",
-                                               seq.request_id))
-                await self._pump()
-            case PrefillTimings(slot=slot) as t:
-                clock = self.clock.get(slot)
-                if clock is not None:
-                    clock.update(prefill_queue=t.queue_s, prefill_compute=t.compute_s)
-            case RemoteReleased(slot=slot, fence=fence):
-                self.sched.free_pages(self.quarantine.pop((slot, fence), []))
-                await self._pump()
+            case AttemptEvent(request_id=rid, kind=kind) as ev:
+                if ev.timings is not None:
+                    self._prefiller_timings(rid, ev.timings)
+                if kind == "failed" or kind == "peer_dead":
+                    log.warning("remote prefill %s: %s %s", rid, ev.code or kind, ev.message)
+                await self._carry_out(self.remote.event(rid, kind, now, ev.code, ev.message))
             case PeersAlive(count=n):
-                self.peers_alive = n
-                if n == 0:  # nobody to send queued prompts to: prefill them here
-                    while self.remote_queue:
-                        seq = self.remote_queue.popleft()
-                        self.seqs.pop(seq.slot, None)
-                        self.sched.add(seq)
+                await self._carry_out(self.remote.set_peers_alive(n))
             case _:
                 await super().handle_messenger(msg)
+
+    def _prefiller_timings(self, rid: str, timings: tuple[float, float, float]) -> None:
+        """The prefiller's queue and compute time, from the PrefillDone of the attempt that
+        delivered the KV (it may arrive before or after the KV itself)."""
+        slot = int(rid.split(".")[0])
+        clock = self.clock.get(slot)
+        if clock is not None and self.sent.get(slot) == rid:
+            clock.update(prefill_queue=timings[0], prefill_compute=timings[1])
 
     async def _emit(self, update: SeqUpdate) -> None:
         clock = self.clock.get(update.seq.slot)
@@ -175,30 +177,25 @@ class DecodeScheduler(SchedulerActor):
 
     async def release(self, seq: Sequence) -> None:
         self.clock.pop(seq.slot, None)
-        self.retries.pop(seq.slot, None)
-        if seq in self.remote_queue:
-            self.remote_queue.remove(seq)
-            self.seqs.pop(seq.slot, None)
-        if seq.status is Status.REMOTE:
-            if seq.block_table:  # a write may still land: quarantine until released
-                self.quarantine[(seq.slot, 0)] = self.sched.detach(seq)
-                self.seqs.pop(seq.slot, None)
-                await self._to_messenger(CancelRemote(seq.slot))
-            else:
-                self.sched.detach(seq)
+        self.sent.pop(seq.slot, None)
+        if self.seqs.pop(seq.slot, None) is not None:  # still remote: the machine's pages
+            seq.status = Status.FINISHED
+            await self._carry_out(self.remote.cancel(seq.slot, time.monotonic()))
             return
         await super().release(seq)
 
     async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
                          hidden: bytes | None) -> None:
-        if self.remote_queue:
-            await self._pump()
+        await self._pump()
 
     def pages_fenced(self) -> int:
-        return sum(len(p) for p in self.quarantine.values())
+        return self.remote.pages_fenced()
 
     def waiting_for_kv(self) -> int:
-        return len(self.sched.remote) + len(self.remote_queue)
+        return self.remote.waiting_for_kv()
+
+    def transfers_in_flight(self) -> int:
+        return self.remote.in_flight()
 
     async def _to_messenger(self, msg: object) -> None:
         assert self.mbox is not None

@@ -24,7 +24,6 @@ and no write of it is posted past that deadline; decoders hear of the progress
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import time
@@ -41,7 +40,7 @@ from disagg.actors.connections import disconnected_fds, source_fd
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.transfer import TransferEngine
-from disagg.deadlines import ProgressDeadline, job_cap_s
+from disagg.deadlines import job_cap_s
 from disagg.ownership import (
     CHALLENGE_AREA_BYTES,
     CHALLENGE_SLOTS,
@@ -80,6 +79,16 @@ from disagg.protocol import (
     StepDone,
     ToMessenger,
 )
+from disagg.remote.prefill import Command as LifeCommand
+from disagg.remote.prefill import (
+    JobState,
+    PrefillJobs,
+    Release,
+    Reply,
+    Schedule,
+    Settle,
+    Unschedule,
+)
 from disagg.transfer_plan import (
     ChunkPlan,
     Runs,
@@ -100,25 +109,18 @@ MAX_CHECKS = 64  # ownership checks under way at once, all connections
 
 @dataclass
 class Job:
+    """What this messenger holds for one job: the request and where its writes go. Its
+    lifecycle (state, deadlines, quota) is ``self.life`` (``disagg.remote.prefill``)."""
+
     id: int
     peer: bytes  # decoder's ROUTER identity
     req: PrefillRequest
     dst_kv: list[Any]  # decoded MemoryDescriptor per decoder rank
     dst_ctx: Any
-    pages: int  # its prompt's pages here (the per-peer bound)
-    clock: ProgressDeadline  # idle deadline pushed by progress, under the absolute cap
-    accepted_at: float
-    progress_sent: float = 0.0  # when the decoder last got a PrefillProgress of it
     futures: list[asyncio.Future[None]] = field(default_factory=list)
-    first_step_at: float | None = None
     first_post_at: float | None = None
     writes: int = 0  # posted so far
     bytes: int = 0
-    computed_at: float | None = None
-    computed: bool = False  # last chunk done and context write posted
-    cancelled: bool = False
-    ended: bool = False
-    handed: bool = False  # to the scheduler (else waiting for its peer's page share)
 
 
 @dataclass
@@ -161,8 +163,8 @@ class PrefillMessenger(MessengerBase):
         self.ownership_timeout_s = ownership_timeout_s
         self.parked: dict[Conn, list[tuple[bytes, PrefillRequest]]] = {}  # waiting for a check
         self.answers: dict[tuple[Conn, int], asyncio.Future[bytes]] = {}
-        self.quota = PeerQuota(int(max_jobs * peer_share), int(layout.num_pages * peer_share))
-        self.held_back: dict[bytes, collections.deque[Job]] = {}  # past their peer's page share
+        self.life = PrefillJobs(PeerQuota(int(max_jobs * peer_share),
+                                          int(layout.num_pages * peer_share)))
         self.ctx_of: dict[int, int] = {}
         self.counter = counter
         self.jobs: dict[int, Job] = {}
@@ -255,9 +257,7 @@ class PrefillMessenger(MessengerBase):
                     self.steps[a.step_id] = Step(a)
                     now = time.monotonic()
                     for c in a.chunks:
-                        job = self.jobs.get(c.job)
-                        if job is not None and job.first_step_at is None:
-                            job.first_step_at = now
+                        self.life.step_started(c.job, now)
                     self._progressed(now)
                     assert self.poller is not None
                     self.poller.follow(a.step_id, a.counter_base)
@@ -268,8 +268,8 @@ class PrefillMessenger(MessengerBase):
                     # may predate a job's end it already freed the pages of
                     # jobs held back for their peer's page share, and requests waiting for
                     # the ownership check, are admitted but not running: they are waiting too
-                    held = sum(len(q) for q in self.held_back.values()) + sum(
-                        len(p) for p in self.parked.values())
+                    held = sum(self.life.state(j) is JobState.HELD_BACK for j in self.jobs)
+                    held += sum(len(p) for p in self.parked.values())
                     reply = msgspec.structs.replace(stats, bad_frames=self.bad_frames,
                                                     waiting=stats.waiting + held,
                                                     **msgspec.structs.asdict(self.stats()))
@@ -337,7 +337,7 @@ class PrefillMessenger(MessengerBase):
             await self._park(peer, conn, req, dst_ctx, lanes)
             return
         pages = -(-len(req.prompt_ids) // self.layout.page_size)
-        busy = self.quota.refusal(peer) or (None if self.ctx_free else "too many jobs")
+        busy = self.life.refusal(peer) or (None if self.ctx_free else "too many jobs")
         if busy:
             await self._reply(peer, PrefillFailed(req.request_id, "overloaded", busy))
             return
@@ -346,30 +346,27 @@ class PrefillMessenger(MessengerBase):
             await self._reply(peer, PrefillFailed(req.request_id, "timeout",
                                                   "the request's deadline passed before it was read"))
             return
-        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx, pages,
-                  ProgressDeadline.start(now, req.timeout_s, cap_s), now, progress_sent=now)
-        self.quota.accepted(peer)
+        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx)
         self.jobs[job.id] = job
         self.by_peer[(peer, req.request_id)] = job.id
         self.ctx_of[job.id] = self.ctx_free.pop()
         self.queued_tokens += len(req.prompt_ids)
-        self.held_back.setdefault(peer, collections.deque()).append(job)
-        self._hand(peer)
+        self._carry_out(self.life.accept(job.id, peer, pages, req.timeout_s, cap_s, now))
 
-    def _hand(self, peer: bytes) -> None:
-        """Hand ``peer``'s waiting jobs to the scheduler, in order, while the pages they
-        take stay within its share of the pool."""
-        queue = self.held_back.get(peer)
-        while queue:
-            job = queue[0]
-            if not (job.cancelled or job.ended):
-                if not self.quota.fits(peer, job.pages):
-                    return
-                job.handed = True
-                self.quota.handed(peer, job.pages)
-                self._send_soon(PrefillJob(job.id, job.req.prompt_ids))
-            queue.popleft()
-        self.held_back.pop(peer, None)
+    def _carry_out(self, commands: list[LifeCommand]) -> None:
+        """Do what the job machine decided, in its order."""
+        for c in commands:
+            match c:
+                case Schedule(job=j):
+                    self._send_soon(PrefillJob(j, self.jobs[j].req.prompt_ids))
+                case Unschedule(job=j):
+                    self._send_soon(CancelJob(j))
+                case Settle(job=j):
+                    self._spawn(self._settle(self.jobs[j]))
+                case Reply() as r:
+                    self._answer(r)
+                case Release(job=j, outcome=outcome):
+                    self._spawn(self._pages_back(ReleaseJob(j, outcome)))
 
     async def _park(self, peer: bytes, conn: Conn, req: PrefillRequest, dst_ctx: Any,
                     lanes: list[Any]) -> None:
@@ -377,7 +374,7 @@ class PrefillMessenger(MessengerBase):
         per connection at a time; no job slot or page is taken meanwhile)."""
         parked = self.parked.get(conn, [])
         busy = None
-        if len(parked) >= self.quota.max_jobs:
+        if len(parked) >= self.life.quota.max_jobs:
             busy = "too many requests of this decoder wait for its ownership check"
         elif conn not in self.owners.checks:
             slot = (self.nonce_slots.take(time.monotonic())
@@ -470,18 +467,11 @@ class PrefillMessenger(MessengerBase):
         if job_id is None:
             await self._reply(peer, AbortAck(rid))  # nothing of it can land
             return
-        self._cancel(self.jobs[job_id], ack=True)
+        self._carry_out(self.life.cancel(job_id, "acked"))
 
-    def _cancel(self, job: Job, ack: bool, code: str = "", message: str = "") -> None:
-        """Stop a job: no new writes; reply and free pages once posted writes settle."""
-        if job.cancelled or job.ended:
-            return
-        job.cancelled = True
-        if not job.computed:
-            self._send_soon(CancelJob(job.id))
-        reply: Any = AbortAck(job.req.request_id) if ack else PrefillFailed(
-            job.req.request_id, code, message)
-        self._spawn(self._finish(job, reply))
+    def _fail(self, job: Job, code: str, message: str) -> None:
+        """Stop a job that cannot go on: no new writes; answered once posted writes settle."""
+        self._carry_out(self.life.cancel(job.id, "failed", code, message))
 
     # ------------------------------------------------------------------ layers and steps
 
@@ -495,12 +485,15 @@ class PrefillMessenger(MessengerBase):
             self.metrics.observe_layer_lag(time.monotonic() - seen_at)
         if step.next_layer == 0 and layers_done < self.layout.num_layers and step.announce.chunks:
             self.layerwise_steps += 1  # shipping starts while later layers still compute
+        now = time.monotonic()
         if layers_done > step.next_layer:
-            self._progressed(time.monotonic())
+            self._progressed(now)
         for layer in range(step.next_layer, layers_done):
             for i, chunk in enumerate(step.announce.chunks):
                 job = self.jobs.get(chunk.job)
-                if job is None or job.cancelled:
+                if job is None or not self.life.may_write(job.id, now):
+                    if job is not None and (why := self.life.overdue(job.id, now)):
+                        self._fail(job, "timeout", why)  # the decoder may reuse the pages
                     continue
                 plan = self._plan(step, i, job)
                 if plan is None:
@@ -534,92 +527,77 @@ class PrefillMessenger(MessengerBase):
         if not done.ok:
             for c in step.announce.chunks:
                 if c.job in self.jobs:
-                    self._cancel(self.jobs[c.job], False, "internal", f"step failed: {done.error}")
+                    self._fail(self.jobs[c.job], "internal", f"step failed: {done.error}")
             return
         for c in step.announce.chunks:
             self.queued_tokens -= c.count
         row_bytes = self.layout.context_bytes
         for i, job_id in enumerate(done.context_jobs):
             job = self.jobs.get(job_id)
-            if job is None or job.cancelled or hidden is None:
+            now = time.monotonic()
+            if job is None or hidden is None or not self.life.may_write(job_id, now):
+                if job is not None and (why := self.life.overdue(job_id, now)):
+                    self._fail(job, "timeout", why)
                 continue
             slot = self.ctx_of[job_id]
             self.ctx_buf[slot] = torch.frombuffer(bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]),
                                                   dtype=torch.uint8)
             w = context_write(slot * row_bytes, job.req.ctx_offset, row_bytes)
             self._post(job, self.ctx_region, job.dst_ctx, Runs.of([w]))
-            job.computed = True
-            job.computed_at = time.monotonic()
-            self._spawn(self._finish(job, None))
+            self._carry_out(self.life.computed(job_id, now))
         self._send_soon(self.stats())
 
     def _post(self, job: Job, src: Any, dst: Any, runs: Runs) -> None:
+        """Hand ``runs`` to the transfer engine (the caller checked ``may_write``); no write
+        may still be queued or posted past the job's absolute deadline."""
         now = time.monotonic()
-        left = job.clock.cap - now  # no write may still be queued or posted past the cap
-        if job.clock.expired(now):  # the decoder may reuse the pages: never write
-            self._cancel(job, False, "timeout", job.clock.why(now))
-            return
         if job.first_post_at is None:
-            job.first_post_at = time.monotonic()
+            job.first_post_at = now
         job.writes += len(runs)
         job.bytes += int(runs.length.sum())
+        left = self.life.time_left(job.id, now)
         try:
             job.futures.extend(self.transfer.write(src, dst, runs, job.req.key,
                                                    timeout=min(left, self.transfer.timeout_s)))
         except Exception as e:  # out of range: refuse, never write outside
             log.error("job %d: refused writes: %s", job.id, e)
-            self._cancel(job, False, "transfer_failed", str(e))
+            self._fail(job, "transfer_failed", str(e))
 
-    async def _finish(self, job: Job, reply: Any) -> None:
-        """Wait for every posted write to settle, then answer the decoder and free pages."""
+    async def _settle(self, job: Job) -> None:
+        """Wait for every write of ``job`` posted so far to settle; tell the machine."""
         results = await asyncio.gather(*job.futures, return_exceptions=True)
-        if job.ended:
-            return
-        if reply is None:  # the normal end: all writes done at the source
-            if job.cancelled:
-                return  # a cancel raced the last step; its own _finish answers
-            errors = [r for r in results if isinstance(r, BaseException)]
-            reply = (self._done(job) if not errors else PrefillFailed(
-                job.req.request_id, "transfer_failed", str(errors[0])))
-            if not errors and self.metrics is not None:
-                self.metrics.observe_transfer("sent", job.bytes, job.writes, time.monotonic()
-                                              - (job.first_post_at or job.accepted_at))
-        job.ended = True
-        await self._reply(job.peer, reply)
-        self.jobs.pop(job.id, None)
-        self.quota.ended(job.peer, job.pages if job.handed else 0)
-        self._hand(job.peer)
-        self.by_peer.pop((job.peer, job.req.request_id), None)
-        self.ctx_free.append(self.ctx_of.pop(job.id))
-        outcome = ("finished" if isinstance(reply, PrefillDone)
-                   else "aborted" if isinstance(reply, AbortAck) else "errored")
-        await self._pages_back(ReleaseJob(job.id, outcome))
+        errors = [r for r in results if isinstance(r, BaseException)]
+        self._carry_out(self.life.settled(job.id, str(errors[0]) if errors else None,
+                                          time.monotonic()))
 
-    @staticmethod
-    def _done(job: Job) -> PrefillDone:
-        now = time.monotonic()
-        first = job.first_step_at or job.accepted_at
-        computed = job.computed_at or now
-        return PrefillDone(job.req.request_id, now - job.accepted_at, queue_s=first - job.accepted_at,
-                           compute_s=computed - first, tail_s=now - computed)
+    def _answer(self, r: Reply) -> None:
+        """The decoder's one answer about a job (sent soon); the job is gone here now."""
+        job = self.jobs.pop(r.job)
+        rid = job.req.request_id
+        msg: Any
+        if r.kind == "done":
+            msg = PrefillDone(rid, sum(r.timings), queue_s=r.timings[0], compute_s=r.timings[1],
+                              tail_s=r.timings[2])
+            if self.metrics is not None:
+                self.metrics.observe_transfer("sent", job.bytes, job.writes, time.monotonic()
+                                              - (job.first_post_at or time.monotonic()))
+        elif r.kind == "acked":
+            msg = AbortAck(rid)
+        else:
+            msg = PrefillFailed(rid, r.code, r.message)
+        self.by_peer.pop((job.peer, rid), None)
+        self.ctx_free.append(self.ctx_of.pop(job.id))
+        self._spawn(self._reply(job.peer, msg))
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        for job in [j for j in self.jobs.values() if j.clock.expired(now) and not j.cancelled
-                    and not j.computed]:
-            self._cancel(job, False, "timeout", job.clock.why(now))
+        self._carry_out(self.life.expire(time.monotonic()))
 
     def _progressed(self, now: float) -> None:
         """This prefiller computed something (a step was scheduled, a layer or a step done):
-        progress for every job still to compute, its own or the queue's it waits in; its
-        decoder hears of it at most every quarter of its idle timeout."""
-        for job in self.jobs.values():
-            if job.cancelled or job.computed:
-                continue
-            job.clock.progress(now)
-            if now - job.progress_sent >= job.clock.idle_s / 4:
-                job.progress_sent = now
-                self._spawn(self._reply(job.peer, PrefillProgress(job.req.request_id)))
+        progress for every job still to compute; decoders hear of it now and then."""
+        for job_id in self.life.progressed(now):
+            job = self.jobs[job_id]
+            self._spawn(self._reply(job.peer, PrefillProgress(job.req.request_id)))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -629,7 +607,7 @@ class PrefillMessenger(MessengerBase):
             done = max(0, min(self.layout.num_layers, self.counter.read() - s.announce.counter_base))
             lag = max(lag, done - s.next_layer)
         return MessengerStats(
-            transfers_in_flight=sum(1 for j in self.jobs.values() if j.futures and not j.ended),
+            transfers_in_flight=sum(1 for j in self.jobs.values() if j.futures),
             kv_writes_sent=self.transfer.writes_sent, kv_bytes_sent=self.transfer.bytes_sent,
             layer_lag=lag, layerwise_steps=self.layerwise_steps)
 

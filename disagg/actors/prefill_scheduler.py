@@ -99,6 +99,3 @@ class PrefillScheduler(SchedulerActor):
     async def _to_messenger(self, frames: list[bytes]) -> None:
         assert self.mbox is not None
         await self.mbox.send_multipart(frames)
-
-    def waiting_for_kv(self) -> int:
-        return 0

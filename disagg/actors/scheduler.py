@@ -503,14 +503,23 @@ class SchedulerActor:
             preemptions=self.sched.num_preemptions,
             waiting_for_kv=self.waiting_for_kv(), pages_fenced=self.pages_fenced(),
             max_model_len=self.max_model_len,
-            **msgspec.structs.asdict(self.messenger_stats),
+            **msgspec.structs.asdict(self.messenger_stats)
+            | self._own_transfer_count(),
         )
+
+    def _own_transfer_count(self) -> dict[str, int]:
+        n = self.transfers_in_flight()
+        return {} if n is None else {"transfers_in_flight": n}
 
     def pages_fenced(self) -> int:
         return 0
 
     def waiting_for_kv(self) -> int:
-        return len(self.sched.remote)
+        return 0
+
+    def transfers_in_flight(self) -> int | None:
+        """The role's own count of transfers in flight (None: the messenger's snapshot)."""
+        return None
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:
