@@ -40,7 +40,7 @@ def ceilings(dev: torch.device) -> dict[str, float]:
 
 
 def decode_plan(step: int, batch: int, ctx: int, page: int, pages: list[int], base: int):
-    from disagg.protocol import SeqChunk, StepPlan
+    from disagg.protocol.executor import SeqChunk, StepPlan
 
     rng = random.Random(step)
     per = -(-(ctx + 1) // page)
@@ -86,13 +86,13 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from disagg.attention import get_backend
+    from disagg.engine.attention import get_backend
+    from disagg.engine.kv_memory import KVAllocation, KVLayout
+    from disagg.engine.runner import ModelRunner
     from disagg.kernels.counter import LayerCounter
-    from disagg.kv_memory import KVAllocation, KVLayout
     from disagg.model.config import ModelArch
     from disagg.model.loader import random_model
-    from disagg.protocol import SeqChunk, StepPlan
-    from disagg.runner import ModelRunner
+    from disagg.protocol.executor import SeqChunk, StepPlan
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)

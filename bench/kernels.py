@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disagg.attention import AttentionMetadata  # noqa: E402
 from disagg.kernels import reference  # noqa: E402
+from disagg.kernels.interface import AttentionMetadata  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 RESULTS: dict[str, Any] = {"rows": []}

@@ -16,7 +16,6 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg import security
 from disagg.protocol import (
     Abort,
     Error,
@@ -28,7 +27,8 @@ from disagg.protocol import (
     StatsRequest,
     TokenChunk,
 )
-from disagg.security import CurveKeys
+from disagg.serving import security
+from disagg.serving.security import CurveKeys
 
 
 class RequestError(RuntimeError):

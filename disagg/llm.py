@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.attention import get_backend
-from disagg.cache import PagePool
-from disagg.kv_memory import KVLayout
+from disagg.engine.attention import get_backend
+from disagg.engine.cache import PagePool
+from disagg.engine.kv_memory import KVLayout
+from disagg.engine.runner import ModelRunner
+from disagg.engine.scheduling import BatchScheduler, Sequence
 from disagg.model.transformer import Transformer
-from disagg.protocol import SamplingParams, StepPlan
-from disagg.runner import ModelRunner
-from disagg.scheduling import BatchScheduler, Sequence
+from disagg.protocol import SamplingParams
+from disagg.protocol.executor import StepPlan
 
 
 @dataclass(frozen=True)

@@ -26,18 +26,20 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg import security
 from disagg.actors.executor import ExecutorGroup
 from disagg.actors.frontend import FrontendActor
-from disagg.actors.scheduler import Limits, SchedulerActor
+from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
 from disagg.actors.transfer import TransferEngine
 from disagg.config import NodeConfig
 from disagg.gc_tuning import freeze_startup_objects
-from disagg.metrics import Metrics
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import Tokenizer
-from disagg.protocol import KVLayoutDesc
-from disagg.transfer_plan import shard_kv_heads
+from disagg.protocol import ErrorCode
+from disagg.protocol.peer import KVLayoutDesc
+from disagg.remote.transfer_plan import shard_kv_heads
+from disagg.serving import security
+from disagg.serving.admission import Limits
+from disagg.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +95,20 @@ class Node:
             await self._cleanup()
             raise
         s = cfg.scheduler
-        sched_args = (self.executors, arch, tokenizer, cfg.cache.page_size, s.max_batch_tokens,
-                      s.max_running, s.max_model_len or arch.max_position_embeddings,
-                      Limits(s.max_requests_per_client, s.max_queued_requests,
-                             s.queue_timeout_s))
+        setup = SchedulerSetup(self.executors, arch, tokenizer, cfg.cache.page_size,
+                               s.max_batch_tokens, s.max_running,
+                               s.max_model_len or arch.max_position_embeddings,
+                               Limits(s.max_requests_per_client, s.max_queued_requests,
+                                      s.queue_timeout_s))
         actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
-            await self._start_prefill(cfg, arch, sched_args, actors)
+            await self._start_prefill(cfg, arch, setup, actors)
         else:
             front_sock, sched_sock = self._pair("frontend")
             if cfg.role == "decode":
-                await self._start_decode(cfg, arch, sched_sock, sched_args, actors)
+                await self._start_decode(cfg, arch, sched_sock, setup, actors)
             else:
-                self.scheduler = SchedulerActor(cfg.role, sched_sock, *sched_args)
+                self.scheduler = SchedulerActor(cfg.role, setup, sched_sock)
             self.frontend = FrontendActor(cfg.listen, front_sock, self.ctx,
                                           max_inflight=s.max_frames_per_client)
             self.address = self.frontend.address
@@ -163,7 +166,7 @@ class Node:
             raise RuntimeError("an executor's KV memory is not mapped into the main process")
         return [view[0] for view in self.executors.kv_views]
 
-    async def _start_prefill(self, cfg: NodeConfig, arch: ModelArch, sched_args: tuple,
+    async def _start_prefill(self, cfg: NodeConfig, arch: ModelArch, setup: SchedulerSetup,
                              actors: list) -> None:
         from disagg.actors.prefill_messenger import PrefillMessenger
         from disagg.actors.prefill_scheduler import PrefillScheduler
@@ -175,35 +178,32 @@ class Node:
             raise RuntimeError("the lead executor did not share a layer counter")
         self.counter = LayerCounter.attach(handle)
         m_sock, s_sock = self._pair("messenger")
-        self.scheduler = PrefillScheduler(cfg.role, None, *sched_args)
-        self.scheduler.mbox = s_sock
+        self.scheduler = PrefillScheduler(setup, s_sock)
         self.messenger = PrefillMessenger(
             cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensors(),
             self.counter, vocab_size=arch.vocab_size, kv_fds=self.executors.kv_fds,
-            peer_share=cfg.disagg.peer_share, ownership_timeout_s=cfg.disagg.ownership_timeout_s)
+            peer_share=cfg.disagg.peer_share, ownership_timeout_s=cfg.disagg.ownership_timeout_s,
+            metrics=self.metrics)
         self.address = self.messenger.address
-        self.messenger.metrics = self.metrics
         actors.append(("messenger", self.messenger.run))
 
     async def _start_decode(self, cfg: NodeConfig, arch: ModelArch, sched_sock: zmq.asyncio.Socket,
-                            sched_args: tuple, actors: list) -> None:
+                            setup: SchedulerSetup, actors: list) -> None:
         from disagg.actors.decode_messenger import DecodeMessenger
         from disagg.actors.decode_scheduler import DecodeScheduler
 
         d = cfg.disagg
         m_sock, s_sock = self._pair("messenger")
         self.scheduler = DecodeScheduler(
-            cfg.role, sched_sock, *sched_args,
+            setup, sched_sock, s_sock,
             local_prefill_max_tokens=d.local_prefill_max_tokens, on_failure=d.on_prefill_failure,
             prefill_timeout_s=d.prefill_timeout_s, peer_timeout_s=d.peer_timeout_s)
-        self.scheduler.mbox = s_sock
         self.messenger = DecodeMessenger(
             d.prefill_peers, self.ctx, m_sock, self._transfer(), self._layout(arch),
             self._kv_tensors(), max_slots=2 * cfg.scheduler.max_running,
             timeout_s=d.prefill_timeout_s, heartbeat_s=d.heartbeat_s,
             peer_timeout_s=d.peer_timeout_s,
-            kv_fds=self.executors.kv_fds if self.executors else None)
-        self.messenger.metrics = self.metrics
+            kv_fds=self.executors.kv_fds if self.executors else None, metrics=self.metrics)
         actors.append(("messenger", self.messenger.run))
 
     async def _guard(self, coro: object, name: str) -> None:
@@ -228,15 +228,14 @@ class Node:
         """Fail every live request (``internal`` naming the failure after one, else
         ``shutting_down``), stop the actors and every executor process, release the KV
         memory, its registrations, the sockets and the run directory."""
-        code, message = (("internal", self.failure) if self.failure is not None
-                         else ("shutting_down", "the node is shutting down"))
+        code: ErrorCode = "internal" if self.failure is not None else "shutting_down"
+        message = self.failure or "the node is shutting down"
         if self.scheduler is not None:
             self.scheduler.stop()
             with contextlib.suppress(Exception):
                 await self.scheduler.fail_all(code, message)
                 if self.frontend is not None:  # flush the final replies to clients
-                    await asyncio.wait_for(self.frontend._from_scheduler(), 1.0)
-                    await self.frontend.flush()
+                    await asyncio.wait_for(self.frontend.relay_replies(), 1.0)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import msgspec
 
 from disagg.config import ConfigError, NodeConfig
-from disagg.metrics import Metrics
 from disagg.node import Node
+from disagg.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

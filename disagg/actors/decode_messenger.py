@@ -14,8 +14,8 @@ retried is the scheduler's state machine's call, not this actor's.
 
 Each request names this decoder's challenge slot for that prefiller; a prefiller proves the
 decoder owns the memory by writing a nonce there and asking for it (``Challenge`` ->
-``ChallengeAnswer``, ``disagg.ownership``). A prefiller whose attempts keep failing (timeouts,
-refusals) is suspect for a back-off (``disagg.peer_health``): others are preferred meanwhile.
+``ChallengeAnswer``, ``disagg.remote.ownership``). A prefiller whose attempts keep failing (timeouts,
+refusals) is suspect for a back-off (``disagg.remote.peer_health``): others are preferred meanwhile.
 """
 
 from __future__ import annotations
@@ -34,40 +34,46 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg import security
 from disagg.actors.messenger_base import MessengerBase
+from disagg.actors.sockets import HANDSHAKE_FAILED, dialing, monitor_events, pending
 from disagg.actors.transfer import TransferEngine
 from disagg.fabric.topology import MAX_LANES
-from disagg.ownership import CHALLENGE_SLOTS, CHALLENGE_UNITS, NONCE_BYTES, area_rows, nonce_offset
-from disagg.peer_health import PeerHealth
-from disagg.protocol import (
+from disagg.protocol.inproc import (
+    AttemptEvent,
+    ForgetPrefill,
+    MessengerStats,
+    PeersAlive,
+    SendPrefill,
+    StopPrefill,
+    ToMessenger,
+)
+from disagg.protocol.peer import (
     AbortAck,
     AbortPrefill,
-    AttemptEvent,
     Challenge,
     ChallengeAnswer,
-    ForgetPrefill,
     KVLayoutDesc,
-    MessengerStats,
     PeerReply,
-    PeersAlive,
     Ping,
     Pong,
     PrefillDone,
     PrefillFailed,
     PrefillProgress,
     PrefillRequest,
-    SendPrefill,
-    StopPrefill,
-    ToMessenger,
 )
-from disagg.transfer_plan import incompatibility, make_key, new_generation, request_units
+from disagg.remote.ownership import (
+    CHALLENGE_SLOTS,
+    CHALLENGE_UNITS,
+    NONCE_BYTES,
+    area_rows,
+    nonce_offset,
+)
+from disagg.remote.peer_health import PeerHealth
+from disagg.remote.transfer_plan import incompatibility, make_key, new_generation, request_units
+from disagg.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-# a failed ZMTP/CURVE handshake (an impostor or a plain socket on a prefiller's address)
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 FENCE_GRACE_S = 1.0  # after a peer's connection went down, for bytes already on their way
 CHALLENGE_WAIT_S = 2.0  # for a challenge's nonce to land before reading it anyway
 CHALLENGE_ARMED_S = 3600.0  # an armed challenge key is re-armed after this
@@ -125,21 +131,18 @@ class DecodeMessenger(MessengerBase):
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
         kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
+        metrics: Metrics | None = None,
     ):
         # with a window per attempt the shared registrations need no remote access at all
         self.register_access = "source" if transfer.windows else "target"
         self.peers: list[Peer] = []
         for address in peers:
-            sock = ctx.socket(zmq.DEALER)
-            security.client(sock)
-            sock.setsockopt(zmq.LINGER, 0)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-            sock.connect(address)
+            sock, monitor = dialing(ctx, address)
             self.peers.append(Peer(address, sock, monitor=monitor,
                                    slot=len(self.peers) % CHALLENGE_SLOTS))
         # context slots, then the challenge area (its last bytes), never a context slot
         super().__init__(sched_sock, transfer, layout, kvs, kv_fds,
-                         max_slots + area_rows(layout.context_bytes))
+                         max_slots + area_rows(layout.context_bytes), metrics)
         self.ctx_free = [s for s in self.ctx_free if s < max_slots]
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
@@ -178,11 +181,7 @@ class DecodeMessenger(MessengerBase):
                     await self._connection_events(p)
 
     async def _from_scheduler(self) -> None:
-        while True:
-            try:
-                data = await self.sched.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        async for data in pending(self.sched):
             match self._sched_dec.decode(data):
                 case SendPrefill() as msg:
                     await self._send_request(msg)
@@ -192,11 +191,7 @@ class DecodeMessenger(MessengerBase):
                     self._forget(rid)
 
     async def _from_peer(self, peer: Peer) -> None:
-        while True:
-            try:
-                data = await peer.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        async for data in pending(peer.sock):
             try:
                 msg = self._peer_dec.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -424,14 +419,7 @@ class DecodeMessenger(MessengerBase):
                               kv_junk_immediates=self._junk_reported)
 
     async def _connection_events(self, peer: Peer) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
-        while True:
-            try:
-                frames = await peer.monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(frames)["event"]
+        for event, _ in await monitor_events(peer.monitor):
             if event == zmq.EVENT_DISCONNECTED:
                 peer.epoch += 1
                 peer.down_at = time.monotonic()

@@ -17,17 +17,18 @@ import logging
 import time
 
 import msgspec
+import zmq.asyncio
 
-from disagg.actors.scheduler import SchedulerActor
-from disagg.cache import pages_needed
-from disagg.protocol import (
+from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
+from disagg.engine.cache import pages_needed
+from disagg.engine.scheduling import Batch, Sequence, SeqUpdate, Status
+from disagg.protocol import Error
+from disagg.protocol.executor import StepPlan, StepResult
+from disagg.protocol.inproc import (
     AttemptEvent,
-    Error,
     ForgetPrefill,
     PeersAlive,
     SendPrefill,
-    StepPlan,
-    StepResult,
     StopPrefill,
     ToScheduler,
 )
@@ -44,17 +45,17 @@ from disagg.remote.decode import (
     Ready,
     Send,
 )
-from disagg.scheduling import Batch, Sequence, SeqUpdate, Status
-from disagg.transfer_plan import new_generation
+from disagg.remote.transfer_plan import new_generation
 
 log = logging.getLogger(__name__)
 
 
 class DecodeScheduler(SchedulerActor):
-    def __init__(self, *args, local_prefill_max_tokens: int = 0, on_failure: OnFailure = "error",
-                 prefill_timeout_s: float = 60.0, peer_timeout_s: float = 5.0,
-                 **kwargs):  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(self, setup: SchedulerSetup, inbox: zmq.asyncio.Socket,
+                 mbox: zmq.asyncio.Socket, *, local_prefill_max_tokens: int = 0,
+                 on_failure: OnFailure = "error", prefill_timeout_s: float = 60.0,
+                 peer_timeout_s: float = 5.0):
+        super().__init__("decode", setup, inbox, mbox)
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.remote = DecodeRemote(
             Policy(on_failure, prefill_timeout_s, peer_timeout_s, self.limits.queue_timeout_s),

@@ -32,7 +32,7 @@ import zmq.asyncio
 from disagg.config import NodeConfig
 from disagg.gc_tuning import freeze_startup_objects
 from disagg.model.tp import TensorParallel
-from disagg.protocol import (
+from disagg.protocol.executor import (
     ExecutorCommand,
     ExecutorReady,
     ExecutorReply,
@@ -59,9 +59,9 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
 
     Loop: 1. wait (bounded) for a command; 2. run the step; 3. reply. Exits on ``Shutdown``
     or when the parent process is gone."""
-    from disagg.attention import get_backend
-    from disagg.kv_memory import KVAllocation, KVLayout
-    from disagg.runner import ModelRunner
+    from disagg.engine.attention import get_backend
+    from disagg.engine.kv_memory import KVAllocation, KVLayout
+    from disagg.engine.runner import ModelRunner
 
     parent = os.getppid()
     ecfg = cfg.executor
@@ -227,8 +227,8 @@ def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_
     throwaway cache; its peak torch allocation covers weights and activations. Memory outside
     torch (CUDA context, cuBLAS workspaces, other processes) is what the device reports in use
     beyond torch's reservations. CUDA graphs get the activation peak again as headroom."""
-    from disagg.kv_memory import KVLayout
-    from disagg.runner import profile_peak_memory
+    from disagg.engine.kv_memory import KVLayout
+    from disagg.engine.runner import profile_peak_memory
 
     arch = model.arch
     device = model.device
@@ -284,6 +284,7 @@ class ExecutorGroup:
 
     def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
         self.bad_frames = 0
+        self.foreign_frames = 0  # well-formed frames from an identity not of our executors
         self.cfg = cfg
         self.control = f"ipc://{run_dir}/executors.sock"
         self.sock = ctx.socket(zmq.ROUTER)
@@ -334,7 +335,7 @@ class ExecutorGroup:
             self.kv_views.append(self._map(rank, ready.kv))
 
     def _map(self, rank: int, info: KVMemoryInfo) -> Any:
-        from disagg.kv_memory import map_kv
+        from disagg.engine.kv_memory import map_kv
 
         sock = self._fd_socks[rank]
         sock.settimeout(30)
@@ -389,8 +390,9 @@ class ExecutorGroup:
             if await self.sock.poll(int(min(left, 1.0) * 1000) + 1):
                 frames = await self.sock.recv_multipart()
                 ident, msg = self._decode(frames[:2])
-                if (isinstance(msg, StepResult) and msg.step_id == plan.step_id
-                        and ident in self._identities):
+                if msg is not None and ident not in self._identities:
+                    self.foreign_frames += 1  # not one of ours: never taken as a result
+                elif isinstance(msg, StepResult) and msg.step_id == plan.step_id:
                     results[ident] = msg
                     if ident == self._identities[0]:
                         hidden = frames[2] if len(frames) > 2 else None

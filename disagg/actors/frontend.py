@@ -1,7 +1,8 @@
 """Frontend actor: the client-protocol socket.
 
-Receives: client frames on a ROUTER socket (``--listen``); ``ToClient`` replies from the
-scheduler over ``inproc://``; connection events of the socket (its monitor).
+Receives: client frames on a ROUTER socket (``--listen``); replies from the scheduler over
+``inproc://`` (a ``ToClient`` header, then the encoded reply, forwarded untouched except
+Stats, which get this actor's counters); connection events of the socket (its monitor).
 Sends: decoded, well-formed ``FromClient`` messages to the scheduler, and ``ClientGone`` when a
 client disconnects or stops reading; replies to clients.
 Owns: the listening socket, the count of frames that did not decode, and the ``ClientBook``
@@ -19,25 +20,19 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg import security
-from disagg.actors.connections import disconnected_fds, source_fd
-from disagg.admission import ClientBook, Reply
-from disagg.protocol import (
-    Abort,
-    ClientGone,
-    ClientMessage,
-    Error,
-    Finished,
-    FromClient,
-    GenerateRequest,
-    NodeReply,
-    Stats,
-    ToClient,
+from disagg.actors.sockets import (
+    CLIENT_FRAME_BYTES,
+    disconnected_fds,
+    listening,
+    pending_frames,
+    source_fd,
 )
+from disagg.protocol import Abort, ClientMessage, Error, Finished, GenerateRequest, NodeReply, Stats
+from disagg.protocol.inproc import ClientGone, FromClient, ToClient
+from disagg.serving.admission import ClientBook, Reply
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 16 << 20
 READ_BATCH = 512  # client frames read per wake-up before replies get their turn
 FLUSH_MS = 20  # retry period for replies waiting on a slow reader
 
@@ -59,21 +54,16 @@ def decode_client_frames(frames: list[bytes]) -> tuple[bytes, ClientMessage | st
 class FrontendActor:
     def __init__(self, listen: str, scheduler: zmq.asyncio.Socket, ctx: zmq.asyncio.Context,
                  max_inflight: int = 8192, max_backlog: int = 4096):
-        self.sock = ctx.socket(zmq.ROUTER)
-        security.server(self.sock)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        # a full or unknown route raises instead of dropping the reply silently
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.bind(listen)
+        self.sock, self.monitor = listening(ctx, listen, max_frame=CLIENT_FRAME_BYTES,
+                                            mandatory=True)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler = scheduler
         self.book = ClientBook(max_inflight, max_backlog)
         self.bad_frames = 0
         self.overloaded_frames = 0
         self._enc = msgspec.msgpack.Encoder()
-        self._reply_dec = msgspec.msgpack.Decoder(ToClient)
+        self._header_dec = msgspec.msgpack.Decoder(ToClient)
+        self._stats_dec = msgspec.msgpack.Decoder(Stats)
 
     async def run(self) -> None:
         """Loop: 1. wait for a client frame, a scheduler reply or a connection event (or the
@@ -91,16 +81,12 @@ class FrontendActor:
             if self.sock in events:
                 await self._from_clients()
             if self.scheduler in events:
-                await self._from_scheduler()
-            if self.book.backlog_size:
+                await self.relay_replies()
+            elif self.book.backlog_size:
                 await self.flush()
 
     async def _from_clients(self) -> None:
-        for _ in range(READ_BATCH):
-            try:
-                frames = await self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        async for frames in pending_frames(self.sock, READ_BATCH):
             identity = frames[0].bytes
             if self.book.is_stalled(identity):
                 continue  # it reads nothing: its requests were ended
@@ -125,22 +111,24 @@ class FrontendActor:
                 continue
             await self.scheduler.send(self._enc.encode(FromClient(identity, msg)))
 
-    async def _from_scheduler(self) -> None:
-        while True:
-            try:
-                data = await self.scheduler.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            out = self._reply_dec.decode(data)
+    async def relay_replies(self) -> None:
+        """Route every reply the scheduler has queued (the reply bytes as they are), then
+        retry the replies waiting for slow readers."""
+        async for frames in pending_frames(self.scheduler):
+            out = self._header_dec.decode(frames[0].buffer)
             if out.frames:
                 self.book.handled(out.identity, out.frames)
-            msg = out.msg
-            if msg is None:
+            if out.reply == "none" or len(frames) < 2:
                 continue
-            if isinstance(msg, Stats):
-                msg = msgspec.structs.replace(msg, bad_frames=self.bad_frames,
-                                              replies_dropped=self.book.dropped)
-            await self._deliver(out.identity, msg)
+            payload = frames[1].bytes
+            if out.reply == "stats":
+                stats = msgspec.structs.replace(self._stats_dec.decode(payload),
+                                                bad_frames=self.bad_frames,
+                                                replies_dropped=self.book.dropped)
+                payload = self._enc.encode(stats)
+            await self._route(out.identity, payload, out.reply == "terminal")
+        if self.book.backlog_size:
+            await self.flush()
 
     async def _reject(self, identity: bytes, message: str) -> None:
         self.bad_frames += 1
@@ -148,14 +136,18 @@ class FrontendActor:
         await self._deliver(identity, Error("bad_frame", message))
 
     async def _deliver(self, identity: bytes, msg: NodeReply) -> None:
-        """Send now, or keep it behind the client's waiting replies; a client whose waiting
-        replies pass the bound is stalled: the scheduler ends its requests."""
+        """Reply with a message of this actor's own (a refusal)."""
         terminal = isinstance(msg, Finished) or (isinstance(msg, Error)
                                                  and msg.request_id is not None)
-        reply = Reply(self._enc.encode(msg), terminal)
+        await self._route(identity, self._enc.encode(msg), terminal)
+
+    async def _route(self, identity: bytes, payload: bytes, terminal: bool) -> None:
+        """Send now, or keep it behind the client's waiting replies; a client whose waiting
+        replies pass the bound is stalled: the scheduler ends its requests."""
+        reply = Reply(payload, terminal)
         if not self.book.must_queue(identity):
             try:
-                await self.sock.send_multipart([identity, reply.payload], zmq.NOBLOCK)
+                await self.sock.send_multipart([identity, payload], zmq.NOBLOCK)
                 return
             except zmq.Again:
                 pass

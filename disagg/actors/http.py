@@ -9,7 +9,7 @@ Sends: client-protocol ``GenerateRequest`` / ``Abort`` / ``StatsRequest`` throug
 Owns: the HTTP listener, the tokenizer (chat templates, prompt token counts), the process's
 ``Metrics`` (latency histograms from the streams it relays; gauges from Stats it polls).
 
-Validation and response shapes are pure functions in ``disagg.openai_api``.
+Validation and response shapes are pure functions in ``disagg.serving.openai_api``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import msgspec
 from aiohttp import web
 
 from disagg.client import AsyncClient, RequestError
-from disagg.metrics import CONTENT_TYPE, Metrics, RequestTimer
-from disagg.openai_api import (
+from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, Usage
+from disagg.serving.metrics import CONTENT_TYPE, Metrics, RequestTimer
+from disagg.serving.openai_api import (
     SSE_DONE,
     ApiError,
     ChatBody,
@@ -46,7 +47,6 @@ from disagg.openai_api import (
     sse,
     usage_chunk,
 )
-from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, Usage
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,9 @@ import torch
 import zmq.asyncio
 
 from disagg.actors.transfer import TransferEngine
-from disagg.protocol import KVLayoutDesc, MessengerStats
+from disagg.protocol.inproc import MessengerStats
+from disagg.protocol.peer import KVLayoutDesc
+from disagg.serving.metrics import Metrics
 
 
 class MessengerBase:
@@ -24,7 +26,7 @@ class MessengerBase:
 
     def __init__(self, sched_sock: zmq.asyncio.Socket, transfer: TransferEngine,
                  layout: KVLayoutDesc, kvs: list[torch.Tensor],
-                 kv_fds: list[int | None] | None, ctx_slots: int):
+                 kv_fds: list[int | None] | None, ctx_slots: int, metrics: Metrics | None = None):
         self.sched = sched_sock
         self.transfer = transfer
         self.layout = layout
@@ -35,7 +37,7 @@ class MessengerBase:
         self.ctx_buf = transfer.context_buffer(ctx_slots, layout.context_bytes)
         self.ctx_region = transfer.register(self.ctx_buf.view(-1), access=access)
         self.ctx_free = list(range(ctx_slots - 1, -1, -1))
-        self.metrics: Any = None  # disagg.metrics.Metrics, set by the node
+        self.metrics = metrics
         self.bad_frames = 0
         self._enc = msgspec.msgpack.Encoder()
         self._tasks: set[asyncio.Task[None]] = set()

@@ -14,7 +14,7 @@ import logging
 from aiohttp import web
 
 from disagg.client import AsyncClient
-from disagg.metrics import CONTENT_TYPE, Metrics
+from disagg.serving.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 

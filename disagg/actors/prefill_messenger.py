@@ -9,14 +9,14 @@ Owns: the jobs (one per accepted PrefillRequest), the layer-counter poller threa
 staging buffer.
 
 Only memory the requesting decoder owns is written: before the first write to an endpoint a
-peer connection named, the connection must answer a ``Challenge`` (``disagg.ownership``);
+peer connection named, the connection must answer a ``Challenge`` (``disagg.remote.ownership``);
 until then its requests wait (no job, no pages), and after a failed check they are refused
 ``bad_request``. Each peer connection holds at most ``peer_share`` of the job slots (past that
 its requests get ``overloaded``) and of the page pool (past that its jobs wait here, holding no
-page, until its earlier ones end): ``disagg.peer_quota``.
+page, until its earlier ones end): ``disagg.remote.peer_quota``.
 
 A job expires after the request's ``timeout_s`` without progress (a step or layer computed here:
-the job's own, or the queue's it waits in) or at its absolute deadline (``disagg.deadlines``),
+the job's own, or the queue's it waits in) or at its absolute deadline (``disagg.remote.deadlines``),
 and no write of it is posted past that deadline; decoders hear of the progress
 (``PrefillProgress``) so that their own idle deadline follows it.
 """
@@ -35,50 +35,49 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg import security
-from disagg.actors.connections import disconnected_fds, source_fd
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
-from disagg.actors.transfer import TransferEngine
-from disagg.deadlines import job_cap_s
-from disagg.ownership import (
-    CHALLENGE_AREA_BYTES,
-    CHALLENGE_SLOTS,
-    NONCE_BYTES,
-    SLOT_BYTES,
-    Check,
-    Conn,
-    NonceSlots,
-    OwnershipBook,
-    endpoints,
-    lane_weights,
-    nonce_offset,
+from disagg.actors.ownership_gate import OwnershipGate
+from disagg.actors.sockets import (
+    PEER_FRAME_BYTES,
+    disconnected_fds,
+    listening,
+    pending_frames,
+    source_fd,
 )
-from disagg.peer_quota import PeerQuota
-from disagg.protocol import (
-    AbortAck,
-    AbortPrefill,
+from disagg.actors.transfer import TransferEngine
+from disagg.protocol import StatsRequest
+from disagg.protocol.inproc import (
     CancelJob,
-    Challenge,
-    ChallengeAnswer,
-    KVLayoutDesc,
     MessengerStats,
-    PeerRequest,
-    Ping,
-    Pong,
-    PrefillDone,
-    PrefillFailed,
     PrefillJob,
-    PrefillProgress,
-    PrefillRequest,
     ReleaseJob,
     StatsQuery,
     StatsReply,
-    StatsRequest,
     StepAnnounce,
     StepDone,
     ToMessenger,
 )
+from disagg.protocol.peer import (
+    AbortAck,
+    AbortPrefill,
+    ChallengeAnswer,
+    KVLayoutDesc,
+    PeerRequest,
+    Ping,
+    Pong,
+    PrefillDone,
+    PrefillFailCode,
+    PrefillFailed,
+    PrefillProgress,
+    PrefillRequest,
+)
+from disagg.remote.deadlines import job_cap_s
+from disagg.remote.ownership import (
+    Conn,
+    endpoints,
+)
+from disagg.remote.peer_quota import PeerQuota
 from disagg.remote.prefill import Command as LifeCommand
 from disagg.remote.prefill import (
     JobState,
@@ -89,21 +88,19 @@ from disagg.remote.prefill import (
     Settle,
     Unschedule,
 )
-from disagg.transfer_plan import (
+from disagg.remote.requests import descriptor_problem, request_problem
+from disagg.remote.transfer_plan import (
     ChunkPlan,
     Runs,
-    Write,
     context_write,
-    incompatibility,
     pages_to_send,
     plan_chunk,
 )
+from disagg.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 MAX_STATS_WAITING = 1000  # Stats requests of one peer answered by one query (more: dropped)
-NONCE_SOURCE_SLOTS = 4096  # nonces being written (a failed write's slot rests 10 min)
-MAX_CHECKS = 64  # ownership checks under way at once, all connections
 
 
 
@@ -145,26 +142,17 @@ class PrefillMessenger(MessengerBase):
         kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
         peer_share: float = 0.5,  # of the job slots and the page pool, per peer connection
         ownership_timeout_s: float = 5.0,  # a peer proves it owns its endpoint within this
+        metrics: Metrics | None = None,
     ):
         self.vocab_size = vocab_size
-        self.sock = ctx.socket(zmq.ROUTER)
-        security.server(self.sock, nodes_only=True)  # decoders' node keys only
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.bind(listen)
+        # decoders' node keys only
+        self.sock, self.monitor = listening(ctx, listen, max_frame=PEER_FRAME_BYTES, who="nodes")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_jobs)
-        # nonces are written from their own source buffer (never a context row)
-        self.nonce_buf = transfer.context_buffer(NONCE_SOURCE_SLOTS, SLOT_BYTES)
-        self.nonce_region = transfer.register(self.nonce_buf.view(-1), access="source")
-        self.nonce_slots = NonceSlots(NONCE_SOURCE_SLOTS)
-        self.owners = OwnershipBook()
-        self.ownership_timeout_s = ownership_timeout_s
-        self.parked: dict[Conn, list[tuple[bytes, PrefillRequest]]] = {}  # waiting for a check
-        self.answers: dict[tuple[Conn, int], asyncio.Future[bytes]] = {}
+        super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_jobs, metrics)
         self.life = PrefillJobs(PeerQuota(int(max_jobs * peer_share),
                                           int(layout.num_pages * peer_share)))
+        self.gate = OwnershipGate(transfer, ownership_timeout_s, self.life.quota.max_jobs,
+                                  self._reply, self._accept, self._spawn)
         self.ctx_of: dict[int, int] = {}
         self.counter = counter
         self.jobs: dict[int, Job] = {}
@@ -204,11 +192,7 @@ class PrefillMessenger(MessengerBase):
             self.poller.stop()
 
     async def _from_peers(self) -> None:
-        while True:
-            try:
-                zframes = await self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        async for zframes in pending_frames(self.sock):
             frames = [f.bytes for f in zframes]
             peer = frames[0]
             conn = (peer, source_fd(zframes[0]))
@@ -236,9 +220,7 @@ class PrefillMessenger(MessengerBase):
                 case AbortPrefill(request_id=rid):
                     await self._abort(peer, rid, conn)
                 case ChallengeAnswer(id=cid, nonce=nonce):
-                    fut = self.answers.get((conn, cid))
-                    if fut is not None and not fut.done():
-                        fut.set_result(nonce)
+                    self.gate.answered(conn, cid, nonce)
                 case StatsRequest():
                     # one query in flight per peer: a flood of them costs the scheduler one
                     waiting = self.stats_waiting.get(peer, 0)
@@ -247,11 +229,8 @@ class PrefillMessenger(MessengerBase):
                         await self._to_scheduler(StatsQuery(peer))
 
     async def _from_scheduler(self) -> None:
-        while True:
-            try:
-                frames = await self.sched.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        async for zframes in pending_frames(self.sched):
+            frames = [f.bytes for f in zframes]
             match self._sched_dec.decode(frames[0]):
                 case StepAnnounce() as a:
                     self.steps[a.step_id] = Step(a)
@@ -269,7 +248,7 @@ class PrefillMessenger(MessengerBase):
                     # jobs held back for their peer's page share, and requests waiting for
                     # the ownership check, are admitted but not running: they are waiting too
                     held = sum(self.life.state(j) is JobState.HELD_BACK for j in self.jobs)
-                    held += sum(len(p) for p in self.parked.values())
+                    held += self.gate.waiting()
                     reply = msgspec.structs.replace(stats, bad_frames=self.bad_frames,
                                                     waiting=stats.waiting + held,
                                                     **msgspec.structs.asdict(self.stats()))
@@ -278,31 +257,8 @@ class PrefillMessenger(MessengerBase):
 
     # ------------------------------------------------------------------ requests
 
-    def validate(self, req: PrefillRequest) -> str | None:
-        """Why a PrefillRequest cannot be served, or None (bounds-checks before any write)."""
-        why = incompatibility(self.layout, req.dst_layout)
-        if why:
-            return why
-        n = len(req.prompt_ids)
-        if n == 0:
-            return "empty prompt"
-        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
-            return "token id outside the vocabulary"
-        d = req.dst_layout
-        if len(req.dst_pages) != -(-n // d.page_size):
-            return f"{len(req.dst_pages)} destination pages for {n} tokens of page size {d.page_size}"
-        if len(set(req.dst_pages)) != len(req.dst_pages):
-            return "destination pages repeat"
-        if any(not 0 <= p < d.num_pages for p in req.dst_pages):
-            return "destination page id out of range"
-        if n > self.layout.num_pages * self.layout.page_size:
-            return "prompt larger than this prefiller's KV pool"
-        if not 0 < req.timeout_s <= 3600:
-            return f"timeout_s out of range: {req.timeout_s}"
-        return None
-
     async def _accept(self, peer: bytes, req: PrefillRequest, conn: Conn) -> None:
-        why = self.validate(req)
+        why = request_problem(self.layout, self.vocab_size, req)
         dst_kv: list[Any] = []
         dst_ctx = None
         lanes: list[Any] = []
@@ -311,30 +267,22 @@ class PrefillMessenger(MessengerBase):
                 dst_kv = [self.transfer.decode_descriptor(d)
                           for d in req.dst_kv_ranks or [req.dst_kv]]
                 dst_ctx = self.transfer.decode_descriptor(req.dst_ctx)
-                if len(dst_kv) != req.dst_layout.tp_size:
-                    why = f"{len(dst_kv)} KV descriptors for tp_size {req.dst_layout.tp_size}"
-                elif any(d.length < req.dst_layout.total_bytes for d in dst_kv):
-                    why = "KV descriptor smaller than the advertised layout"
-                elif not 0 <= req.ctx_offset <= (dst_ctx.length - CHALLENGE_AREA_BYTES
-                                                 - self.layout.context_bytes):
-                    why = "context offset outside the context buffer's slots"
-                elif not 0 <= req.challenge_slot < CHALLENGE_SLOTS:
-                    why = f"challenge slot {req.challenge_slot} out of range"
-                else:
+                why = descriptor_problem(self.layout, req, dst_kv, dst_ctx)
+                if why is None:
                     lanes, why = endpoints(dst_kv, dst_ctx, self.transfer.lanes)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 why = f"bad memory descriptor: {e}"
         if why is None and (peer, req.request_id) in self.by_peer:
             why = f"duplicate request id {req.request_id!r}"
         now = time.monotonic()
-        owned = self.owners.status(conn, frozenset(d.address for d in lanes), now)
+        owned = self.gate.status(conn, frozenset(d.address for d in lanes), now)
         if why is None and owned == "refused":
             why = "descriptor not owned by the requester (it failed the ownership check)"
         if why is not None:
             await self._reply(peer, PrefillFailed(req.request_id, "bad_request", why))
             return
         if owned == "unknown":  # no job, no pages before the check
-            await self._park(peer, conn, req, dst_ctx, lanes)
+            await self.gate.park(peer, conn, req, dst_ctx, lanes)
             return
         pages = -(-len(req.prompt_ids) // self.layout.page_size)
         busy = self.life.refusal(peer) or (None if self.ctx_free else "too many jobs")
@@ -368,108 +316,20 @@ class PrefillMessenger(MessengerBase):
                 case Release(job=j, outcome=outcome):
                     self._spawn(self._pages_back(ReleaseJob(j, outcome)))
 
-    async def _park(self, peer: bytes, conn: Conn, req: PrefillRequest, dst_ctx: Any,
-                    lanes: list[Any]) -> None:
-        """Hold a request until its connection proved it owns the endpoints named (one check
-        per connection at a time; no job slot or page is taken meanwhile)."""
-        parked = self.parked.get(conn, [])
-        busy = None
-        if len(parked) >= self.life.quota.max_jobs:
-            busy = "too many requests of this decoder wait for its ownership check"
-        elif conn not in self.owners.checks:
-            slot = (self.nonce_slots.take(time.monotonic())
-                    if len(self.owners.checks) < MAX_CHECKS else None)
-            if slot is None:
-                busy = "too many ownership checks under way"
-            else:
-                check = self.owners.start(conn, frozenset(d.address for d in lanes), len(lanes))
-                self._spawn(self._check(peer, check, slot, req, dst_ctx, lanes))
-        if busy:
-            await self._reply(peer, PrefillFailed(req.request_id, "overloaded", busy))
-            return
-        self.parked.setdefault(conn, []).append((peer, req))
-
-    async def _check(self, peer: bytes, check: Check, slot: int, req: PrefillRequest,
-                     dst_ctx: Any, lanes: list[Any]) -> None:
-        """Write the nonce through every lane, ask the connection for it back, then serve or
-        refuse the requests that waited; all within the ownership timeout."""
-        deadline = time.monotonic() + self.ownership_timeout_s
-        futures: list[asyncio.Future[None]] = []
-        answer = None
-        written = False
-        timed_out = False
-        try:
-            nonce = torch.frombuffer(bytearray(check.nonce), dtype=torch.uint8)
-            self.nonce_buf[slot, :len(check.nonce)] = nonce.to(self.nonce_buf.device)
-            try:
-                for i, (lane, units) in enumerate(zip(lanes, lane_weights(len(lanes)), strict=True)):
-                    w = Write(slot * SLOT_BYTES + i * NONCE_BYTES,
-                              nonce_offset(dst_ctx.length, req.challenge_slot, i), NONCE_BYTES,
-                              units)
-                    counts = self.transfer.writes_sent, self.transfer.bytes_sent
-                    futures += self.transfer.write(self.nonce_region, lane, Runs.of([w]),
-                                                   req.challenge_key,
-                                                   timeout=self.ownership_timeout_s)
-                    # not KV: Stats.kv_writes_sent / kv_bytes_sent count KV only
-                    self.transfer.writes_sent, self.transfer.bytes_sent = counts
-            finally:  # every posted write settles by the timeout
-                results = await asyncio.gather(*futures, return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise errors[0]
-            written = True
-            fut = asyncio.get_running_loop().create_future()
-            self.answers[(check.conn, check.id)] = fut
-            await self._reply(peer, Challenge(check.id, len(lanes), req.request_id))
-            answer = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
-        except Exception as e:  # noqa: BLE001 - any failure is a failed check
-            timed_out = isinstance(e, TimeoutError)
-            log.warning("ownership check %d of a decoder failed: %s", check.id,
-                        e.__class__.__name__ + (f": {e}" if str(e) else ""))
-        finally:
-            self.answers.pop((check.conn, check.id), None)
-            now = time.monotonic()
-            self.nonce_slots.give(slot, written, now)
-        # a write refused at once (say the attempt's window closed) proves nothing either way:
-        # only that request is refused; a wrong or missing answer, or a write that never
-        # completed, refuses the connection's requests naming those endpoints for a while
-        # an empty answer: the decoder abstained, the request named was aborted meanwhile (its
-        # registration may have closed before the nonce landed): only that request is refused
-        # and the others waiting are checked again; a wrong answer, or none, or a write that
-        # never completed, refuses the connection's requests naming those endpoints a while
-        inconclusive = answer == b""
-        ok = self.owners.answered(check, answer or None, now,
-                                  remember_failure=(written or timed_out) and not inconclusive)
-        await self._unpark(check.conn, req if not ok else None)
-
-    async def _unpark(self, conn: Conn, failed: PrefillRequest | None) -> None:
-        """Run the requests that waited on ``conn``'s check again (``failed``: the one whose
-        descriptors failed it, refused)."""
-        for peer, req in self.parked.pop(conn, []):
-            if req is failed:
-                await self._reply(peer, PrefillFailed(
-                    req.request_id, "bad_request",
-                    "descriptor not owned by the requester (it failed the ownership check)"))
-            else:
-                await self._accept(peer, req, conn)
-
     async def _connection_events(self) -> None:
         for fd in await disconnected_fds(self.monitor):
             self.conns = {c for c in self.conns if c[1] != fd}
-            for conn in self.owners.forget(fd):
-                self.parked.pop(conn, None)  # nobody to answer
+            self.gate.disconnected(fd)
 
     async def _abort(self, peer: bytes, rid: str, conn: Conn) -> None:
-        parked = self.parked.get(conn, [])
-        for item in [p for p in parked if p[1].request_id == rid]:
-            parked.remove(item)  # never accepted: nothing of it was or will be written
+        self.gate.withdraw(conn, rid)
         job_id = self.by_peer.get((peer, rid))
         if job_id is None:
             await self._reply(peer, AbortAck(rid))  # nothing of it can land
             return
         self._carry_out(self.life.cancel(job_id, "acked"))
 
-    def _fail(self, job: Job, code: str, message: str) -> None:
+    def _fail(self, job: Job, code: PrefillFailCode, message: str) -> None:
         """Stop a job that cannot go on: no new writes; answered once posted writes settle."""
         self._carry_out(self.life.cancel(job.id, "failed", code, message))
 

@@ -12,30 +12,30 @@ from __future__ import annotations
 import logging
 
 import msgspec
+import zmq.asyncio
 
-from disagg.actors.scheduler import SchedulerActor
-from disagg.protocol import (
+from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
+from disagg.engine.scheduling import Batch, Sequence, Status
+from disagg.protocol import SamplingParams
+from disagg.protocol.executor import StepPlan, StepResult
+from disagg.protocol.inproc import (
     CancelJob,
     ChunkInfo,
     PrefillJob,
     ReleaseJob,
-    SamplingParams,
     StatsQuery,
     StatsReply,
     StepAnnounce,
     StepDone,
-    StepPlan,
-    StepResult,
     ToScheduler,
 )
-from disagg.scheduling import Batch, Sequence, Status
 
 log = logging.getLogger(__name__)
 
 
 class PrefillScheduler(SchedulerActor):
-    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(self, setup: SchedulerSetup, mbox: zmq.asyncio.Socket):
+        super().__init__("prefill", setup, None, mbox)
         self.jobs: dict[int, Sequence] = {}  # job id -> its prefill-only sequence
         self.job_of: dict[int, int] = {}  # slot -> job id
         self.held: dict[int, list[int]] = {}  # cancelled jobs' pages, freed on ReleaseJob

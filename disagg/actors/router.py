@@ -3,7 +3,7 @@
 Receives: client-protocol frames on a ROUTER socket (``listen``, same protocol as a node);
 in-process ``generate()`` / ``stats()`` calls (the HTTP gateway uses the router as its backend);
 replies and Stats from each decode peer on one DEALER socket per peer.
-Sends: each ``GenerateRequest`` to the least loaded live peer (``disagg.routing``) under a
+Sends: each ``GenerateRequest`` to the least loaded live peer (``disagg.serving.routing``) under a
 router-unique request id; ``Abort`` to the peer holding the request; ``StatsRequest`` to every
 peer every ``poll_interval`` seconds; replies back to clients under their own request ids.
 Owns: the in-flight table (router id -> client, peer). A peer silent for ``dead_after`` seconds
@@ -27,10 +27,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg import security
 from disagg.actors.frontend import decode_client_frames
+from disagg.actors.sockets import CLIENT_FRAME_BYTES
 from disagg.client import RequestError
-from disagg.metrics import Metrics, RequestTimer
 from disagg.protocol import (
     Abort,
     Error,
@@ -42,12 +41,13 @@ from disagg.protocol import (
     StatsRequest,
     TokenChunk,
 )
-from disagg.routing import LoadBalancer
+from disagg.serving import security
+from disagg.serving.admission import MAX_REQUEST_ID
+from disagg.serving.metrics import Metrics, RequestTimer
+from disagg.serving.routing import LoadBalancer
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 16 << 20
-MAX_REQUEST_ID = 256
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Router:
             self.front = self.ctx.socket(zmq.ROUTER)
             security.server(self.front)
             self.front.setsockopt(zmq.LINGER, 0)
-            self.front.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self.front.setsockopt(zmq.MAXMSGSIZE, CLIENT_FRAME_BYTES)
             self.front.bind(self.listen)
             self.address = self.front.getsockopt_string(zmq.LAST_ENDPOINT)
             self._tasks.append(asyncio.create_task(self._guard(self._from_clients())))

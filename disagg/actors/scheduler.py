@@ -20,41 +20,50 @@ import random
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from disagg.actors.executor import ExecutorError, ExecutorGroup
-from disagg.admission import FairQueue
-from disagg.cache import PagePool
+from disagg.actors.sockets import pending
+from disagg.engine.cache import PagePool
+from disagg.engine.scheduling import Batch, BatchScheduler, Sequence, SeqUpdate
 from disagg.model.config import ModelArch
-from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer, too_long_to_fit
+from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.protocol import (
     Abort,
-    ClientGone,
     Error,
+    ErrorCode,
     Finished,
-    FromClient,
     GenerateRequest,
-    MessengerStats,
     NodeReply,
-    SchedulerInbox,
     Stats,
     StatsRequest,
-    StepPlan,
-    StepResult,
-    ToClient,
     TokenChunk,
-    ToScheduler,
     Usage,
 )
-from disagg.scheduling import Batch, BatchScheduler, Sequence, SeqUpdate
+from disagg.protocol.executor import StepPlan, StepResult
+from disagg.protocol.inproc import (
+    ClientGone,
+    FromClient,
+    MessengerStats,
+    SchedulerInbox,
+    ToClient,
+    ToScheduler,
+)
+from disagg.serving.admission import (
+    Counters,
+    FairQueue,
+    Limits,
+    RequestRejected,
+    prepare_prompt,
+    prompt_size_problem,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_ID = 256
 SLOW_STEP_S = 0.5  # a step slower than this is logged (compiles, stalls)
 INLINE_TOKENIZE_CHARS = 16 << 10  # longer prompt texts are tokenized on a worker thread
 
@@ -68,95 +77,33 @@ class Live:
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Admission bounds (``--max-requests-per-client``, ``--max-queued-requests``,
-    ``--queue-timeout``): live requests per client connection, requests admitted but not
-    started, and how long one may wait to start."""
+class SchedulerSetup:
+    """What every scheduler is built from (``Node`` fills it from the config)."""
 
-    per_client: int = 4096
-    queued: int = 16384
-    queue_timeout_s: float = 600.0
-
-
-@dataclass
-class Counters:
-    started: int = 0
-    finished: int = 0
-    aborted: int = 0
-    errored: int = 0
-    rejected: int = 0
-
-
-def prompt_size_problem(prompt: str, tokenizer: Tokenizer | None, max_model_len: int) -> str | None:
-    """Why a prompt text cannot fit the context, judged from its length alone (no
-    tokenizing): every token covers at most ``tokenizer.max_token_chars`` characters."""
-    if tokenizer is None or not too_long_to_fit(len(prompt), tokenizer, max_model_len):
-        return None
-    return (f"the prompt has {len(prompt)} characters, more than {max_model_len} tokens can "
-            f"hold (at most {tokenizer.max_token_chars} characters per token)")
-
-
-class RequestRejected(ValueError):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def prepare_prompt(req: GenerateRequest, tokenizer: Tokenizer | None, vocab_size: int,
-                   max_model_len: int, raise_hint: str = "--max-model-len") -> list[int]:
-    """Validate a GenerateRequest and return its prompt token ids (pure; raises RequestRejected)."""
-    if not 1 <= len(req.request_id) <= MAX_REQUEST_ID:
-        raise RequestRejected("bad_request", f"request_id must have 1-{MAX_REQUEST_ID} characters")
-    problem = req.validate()
-    if problem:
-        raise RequestRejected("bad_request", problem)
-    if (req.prompt is None) == (req.prompt_token_ids is None):
-        raise RequestRejected("bad_request", "give exactly one of prompt and prompt_token_ids")
-    bad_stop = next((t for t in req.sampling.stop_token_ids if t >= vocab_size), None)
-    if bad_stop is not None:
-        raise RequestRejected("bad_request", f"stop_token_ids: token id {bad_stop} is outside "
-                              f"the vocabulary [0, {vocab_size})")
-    if req.prompt is not None:
-        if tokenizer is None:
-            raise RequestRejected("bad_request", "this model has no tokenizer; send prompt_token_ids")
-        ids = tokenizer.encode(req.prompt)
-    else:
-        ids = list(req.prompt_token_ids or [])
-    if not ids:
-        raise RequestRejected("bad_request", "the prompt is empty")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestRejected("bad_request", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(ids) >= max_model_len:
-        raise RequestRejected(
-            "bad_request",
-            f"the prompt has {len(ids)} tokens but the context holds {max_model_len} "
-            f"(prompt + at least one output token); shorten it or raise {raise_hint}",
-        )
-    return ids
+    executors: ExecutorGroup
+    arch: ModelArch
+    tokenizer: Tokenizer | None
+    page_size: int
+    max_batch_tokens: int
+    max_running: int
+    max_model_len: int
+    limits: Limits = Limits()
 
 
 class SchedulerActor:
-    def __init__(
-        self,
-        role: str,
-        inbox: zmq.asyncio.Socket | None,
-        executors: ExecutorGroup,
-        arch: ModelArch,
-        tokenizer: Tokenizer | None,
-        page_size: int,
-        max_batch_tokens: int,
-        max_running: int,
-        max_model_len: int,
-        limits: Limits | None = None,
-    ):
+    def __init__(self, role: str, setup: SchedulerSetup, inbox: zmq.asyncio.Socket | None = None,
+                 mbox: zmq.asyncio.Socket | None = None):
+        """``inbox``: the frontend link (None on a prefill node: it has no clients);
+        ``mbox``: the messenger link (prefill and decode roles)."""
         self.role = role
-        self.limits = limits or Limits()
+        self.limits = setup.limits
         self.inbox = inbox
-        self.executors = executors
-        self.arch = arch
-        self.tokenizer = tokenizer
-        self.page_size = page_size
+        self.executors = executors = setup.executors
+        self.arch = arch = setup.arch
+        self.tokenizer = setup.tokenizer
+        self.page_size = page_size = setup.page_size
+        max_model_len, max_batch_tokens = setup.max_model_len, setup.max_batch_tokens
+        max_running = setup.max_running
         self.pool = PagePool(executors.num_pages)
         capacity = self.pool.num_pages * page_size
         self.raise_hint = "--max-model-len"  # what a user raises for longer contexts
@@ -181,7 +128,7 @@ class SchedulerActor:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)
         self._stopping = False
-        self.mbox: zmq.asyncio.Socket | None = None  # messenger link (prefill/decode roles)
+        self.mbox = mbox
         self._mdec = msgspec.msgpack.Decoder(ToScheduler)
         self.messenger_stats = MessengerStats()
 
@@ -236,11 +183,7 @@ class SchedulerActor:
             if not await poller.poll(timeout_ms):
                 return
         for sock in socks:
-            while True:
-                try:
-                    data = await sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            async for data in pending(sock):
                 if sock is self.inbox:
                     msg = self._dec.decode(data)
                     if isinstance(msg, ClientGone):
@@ -312,7 +255,7 @@ class SchedulerActor:
         """Count handled frames that no reply carried (an admitted request, say)."""
         while self._acks:
             identity, n = self._acks.popitem()
-            await self._to_frontend(ToClient(identity, None, n))
+            await self._to_frontend(ToClient(identity, n))
 
     # ------------------------------------------------------------------ role hooks
 
@@ -357,7 +300,7 @@ class SchedulerActor:
             await self._refuse(identity, req, "duplicate_request",
                                f"request_id {req.request_id!r} is already live")
             return
-        why = self._overload(identity)
+        why = self.limits.overload(self.per_client[identity], len(self.queue))
         if why is not None:
             await self._refuse(identity, req, "overloaded", why)
             return
@@ -382,17 +325,8 @@ class SchedulerActor:
         self.per_client[identity] += 1
         self._accept(identity, req, ids)
 
-    def _overload(self, identity: bytes) -> str | None:
-        """Why admitting one more request of ``identity`` would pass a bound, or None."""
-        lim = self.limits
-        if self.per_client[identity] >= lim.per_client:
-            return (f"this client has {lim.per_client} live requests "
-                    "(--max-requests-per-client); wait for some to finish")
-        if len(self.queue) >= lim.queued:
-            return f"{lim.queued} requests are queued (--max-queued-requests); retry later"
-        return None
-
-    async def _refuse(self, identity: bytes, req: GenerateRequest, code: str, why: str) -> None:
+    async def _refuse(self, identity: bytes, req: GenerateRequest, code: ErrorCode,
+                      why: str) -> None:
         self.counters.rejected += 1
         await self._send(identity, Error(code, why, req.request_id))
 
@@ -475,10 +409,15 @@ class SchedulerActor:
         """Take an ended sequence out of batching and free its pages."""
         self.sched.remove(seq)
 
-    async def fail_all(self, code: str, message: str) -> None:
+    async def fail_all(self, code: ErrorCode, message: str) -> None:
         """End every live request with an Error (shutdown, executor failure)."""
         for live in list(self.live.values()):
-            await self._end(live.seq, Error(code, message, live.seq.request_id))
+            rid = live.seq.request_id
+            try:
+                await self._end(live.seq, Error(code, message, rid))
+            except Exception:  # noqa: BLE001 - a broken state (the failure) still answers all
+                log.exception("ending %s", rid)
+                await self._send(live.identity, Error(code, message, rid))
         for identity, rid in list(self.tokenizing):
             del self.tokenizing[(identity, rid)]
             self._forget_client(identity)
@@ -527,10 +466,15 @@ class SchedulerActor:
 
     async def _send(self, identity: bytes, msg: NodeReply) -> None:
         """Reply to a client, counting the frames of it handled since the last reply."""
-        await self._to_frontend(ToClient(identity, msg, self._acks.pop(identity, 0)))
+        kind: Literal["reply", "terminal", "stats"] = (
+            "stats" if isinstance(msg, Stats) else "terminal" if isinstance(msg, Finished) or (
+                isinstance(msg, Error) and msg.request_id is not None) else "reply")
+        await self._to_frontend(ToClient(identity, self._acks.pop(identity, 0), kind),
+                                self._enc.encode(msg))
 
-    async def _to_frontend(self, out: ToClient) -> None:
+    async def _to_frontend(self, out: ToClient, reply: bytes | None = None) -> None:
         if self.inbox is None:  # a prefill node has no clients
             return
-        await self.inbox.send(self._enc.encode(out))
+        header = self._enc.encode(out)
+        await self.inbox.send_multipart([header] if reply is None else [header, reply])
 

@@ -15,7 +15,7 @@ from typing import Literal
 import zmq
 import zmq.asyncio
 
-from disagg import security
+from disagg.serving import security
 
 CLIENT_FRAME_BYTES = 16 << 20  # the client protocol (node frontend, router): one frame at most
 PEER_FRAME_BYTES = 64 << 20  # a prefill node's peer socket (a PrefillRequest of a long prompt)

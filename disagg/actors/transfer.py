@@ -30,16 +30,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from disagg.fabric import decode_descriptor, make_backend
+from disagg.fabric.backend import FabricBackend, TransferBackend
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.fabric.expectations import TransferTimeout
-from disagg.protocol import KVLayoutDesc
-from disagg.transfer_plan import UNIT_BITS, Runs, make_imm, page_runs
+from disagg.protocol.peer import KVLayoutDesc
+from disagg.remote.transfer_plan import UNIT_BITS, Runs, make_imm, page_runs
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class TransferEngine:
         self.stripe_bytes = stripe_bytes
         if backend == "cuda-ipc":
             kw["device"] = (device.index or 0) if device is not None else 0
-            self.engine = make_backend(backend, **kw)
+            self.engine: TransferBackend = make_backend(backend, **kw)
         else:
             nearest = nearest_nics(self.device) if lanes > 1 else ()
             self.engine = make_backend(backend, provider=provider, lanes=lanes, nearest=nearest,
@@ -134,18 +135,22 @@ class TransferEngine:
         cuda-ipc peers import; ignored elsewhere. ``access`` (fabric): ``source``, ``target``
         or ``both`` (see the module docstring)."""
         if self.backend == "cuda-ipc":
-            return self.engine.register(tensor, fd=fd if tensor.is_cuda else None)
+            from disagg.fabric.cuda_ipc import CudaIpcEngine
+
+            return cast(CudaIpcEngine, self.engine).register(tensor,
+                                                             fd=fd if tensor.is_cuda else None)
+        fabric = cast(FabricBackend, self.engine)
         if tensor.is_cuda:
             from disagg.fabric.staging import HostMirror
 
             mirror = HostMirror(tensor)
             self._mirrors.append(mirror)
-            region = self.engine.register_address(int(mirror.host.data_ptr()), mirror.nbytes,
+            region = fabric.register_address(int(mirror.host.data_ptr()), mirror.nbytes,
                                                   owner=mirror, access=access)
             log.info("fabric over host staging: %d MiB pinned mirror of %s memory",
                      mirror.nbytes >> 20, tensor.device)
             return StagedRegion(region, mirror)
-        return self.engine.register_address(int(tensor.data_ptr()),
+        return fabric.register_address(int(tensor.data_ptr()),
                                             tensor.numel() * tensor.element_size(), owner=tensor,
                                             access=access)
 
@@ -155,7 +160,7 @@ class TransferEngine:
         refuses its writes. Without per-attempt windows: the regions' own descriptors, and
         ``close`` revokes nothing."""
         if not self.windows:
-            from disagg.fabric.engine import Window
+            from disagg.fabric.regions import Window
 
             return Window([r.descriptor for r in regions])
         return self.engine.window([r.region if isinstance(r, StagedRegion) else r
@@ -190,11 +195,12 @@ class TransferEngine:
         return desc
 
     def write(self, src: Any, dst: MemoryDescriptor, runs: Runs, key: int,
-              timeout: float | None = None) -> list[asyncio.Future[None]]:
+              timeout: float | None = None, counted: bool = True) -> list[asyncio.Future[None]]:
         """Post ``runs`` (one batch per distinct unit count: the immediate carries it).
         Raises ``OutOfRange`` before posting anything that falls outside ``dst``. ``timeout``
         counts from now, host staging included: nothing is posted after it (the engines drop
-        batches still queued at their deadline)."""
+        batches still queued at their deadline). ``counted``: KV writes, counted in
+        ``writes_sent`` / ``bytes_sent`` (an ownership nonce is not)."""
         if self.lanes > 1:  # long runs in pieces, so that every lane gets a share
             runs = runs.split(self.stripe_bytes)
         groups = [(u, runs.units == u) for u in np.unique(runs.units).tolist()]
@@ -211,8 +217,9 @@ class TransferEngine:
                 futures.append(self.engine.submit(
                     src, dst, runs.src_offset[m], runs.dst_offset[m], runs.length[m],
                     make_imm(key, units), timeout=timeout))
-        self.writes_sent += len(runs)
-        self.bytes_sent += int(runs.length.sum())
+        if counted:
+            self.writes_sent += len(runs)
+            self.bytes_sent += int(runs.length.sum())
         return futures
 
     async def _staged_write(self, src: StagedRegion, dst: MemoryDescriptor, runs: Runs,

@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 SUBCOMMANDS = {
-    "fabric": ("disagg.fabric.bench", "page-write bandwidth over libfabric vs. a plain C loop"),
+    "fabric": ("disagg.bench.fabric", "page-write bandwidth over libfabric vs. a plain C loop"),
     "serve": ("disagg.bench.serve", "open-loop serving load: TTFT, TPOT, ITL, throughput, goodput"),
     "plot": ("disagg.bench.plot", "compare disagg-bench serve runs (JSON) in one PNG"),
 }

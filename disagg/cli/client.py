@@ -50,7 +50,7 @@ def wait_for_node(client: Client, seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from disagg.security import KeyFileError, keys_from_env, load_client
+    from disagg.serving.security import KeyFileError, keys_from_env, load_client
 
     try:
         keys = load_client(args.curve_keys) if args.curve_keys else keys_from_env()

@@ -244,8 +244,8 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
 def keygen(argv: list[str]) -> None:
     """``disagg-node keygen DIR [--add-client NAME]``: make a CURVE key set for --curve-keys,
     split by role (``security.LAYOUT``), or mint and authorise one more client keypair."""
-    from disagg.security import LAYOUT, KeyFileError, add_client
-    from disagg.security import keygen as make_keys
+    from disagg.serving.security import LAYOUT, KeyFileError, add_client
+    from disagg.serving.security import keygen as make_keys
 
     ap = argparse.ArgumentParser(
         prog="disagg-node keygen", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = build_parser().parse_args(argv)
     if args.curve_keys:  # in-process clients (HTTP gateway, metrics, router) read it here
-        from disagg.security import KeyFileError, load_node
+        from disagg.serving.security import KeyFileError, load_node
 
         try:
             load_node(args.curve_keys)

@@ -13,7 +13,7 @@ load it, so the pure parts (descriptors, counters, topology) work without libfab
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg.fabric.counter import ImmCounter
 from disagg.fabric.descriptor import (
@@ -28,11 +28,14 @@ __all__ = [
     "make_backend", "BACKENDS",
 ]
 
+if TYPE_CHECKING:
+    from disagg.fabric.backend import TransferBackend
+
 BACKENDS = ("fabric", "cuda-ipc")
 
 
 def make_backend(name: str = "fabric", provider: str | None = "tcp", lanes: int = 1,
-                 nearest: tuple[str, ...] = (), **kw: Any) -> Any:
+                 nearest: tuple[str, ...] = (), **kw: Any) -> TransferBackend:
     """Build a transfer engine by ``--transfer-backend`` name (not started). ``fabric`` with
     ``lanes`` > 1 stripes writes over that many endpoints, on the interfaces named in
     ``nearest`` first (see ``disagg.fabric.striped``)."""

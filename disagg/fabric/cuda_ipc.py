@@ -50,30 +50,26 @@ from typing import Any
 
 import numpy as np
 
-from disagg.fabric.cuda_mem import check_rc, cu_result, driver, fetch_fd
+from disagg.fabric.cuda_mem import (
+    CUMEM_HANDLE,
+    PeerMappings,
+    check_rc,
+    driver,
+    serve_fds,
+)
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
-from disagg.fabric.engine import EngineClosed, LocalRegion, Window, _settle
 from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
+from disagg.fabric.regions import EngineClosed, LocalRegion, Window, settle_futures
 
 log = logging.getLogger("disagg.fabric")
 
 _IMM = struct.Struct("<QQ")  # (imm, count) per notification datagram
-_CUMEM = struct.Struct("<QQQ")  # region id, mapping size, offset of byte 0 of the region
 _PREFIX = b"\0disagg-cuda-ipc-"
 COPY_MODES = ("auto", "kernel", "ce", "loop")
 KERNEL_MAX_MEAN_RUN = 4 << 20  # auto: kernel for batches whose mean run is shorter
 RING_ENTRIES = 1 << 19  # int64 entries of the tile-table ring (4 MiB pinned + 4 MiB device)
 _GRANULE = 2 << 20
 MAX_NOTE_COUNT = 1 << 32  # writes one notification may report (a batch's run count)
-@dataclass(eq=False)
-class _Mapping:
-    ptr: int  # where the peer region's byte 0 is in this process
-    base: int  # what to release
-    size: int
-    kind: str  # "M" (cuMem) or "L" (legacy IPC)
-    handle: Any = None  # cuMem generic allocation handle
-
-
 @dataclass(eq=False)
 class _Job:
     src: np.ndarray
@@ -102,6 +98,7 @@ class CudaIpcEngine:
         self.copy = copy or os.environ.get("DISAGG_CUDA_IPC_COPY", "auto")
         if self.copy.split(":")[0] not in COPY_MODES:
             raise ValueError(f"cuda-ipc copy mode must be one of {COPY_MODES}, got {self.copy!r}")
+        self.stats = collections.Counter[str]()
         env_ctas = os.environ.get("DISAGG_CUDA_IPC_CTAS")
         self.ctas = ctas or (int(env_ctas) if env_ctas else 0)  # 0: 4 per SM, set on start
         self._name = f"\0disagg-cuda-ipc-{os.getpid()}-{id(self):x}".encode()
@@ -118,7 +115,7 @@ class CudaIpcEngine:
         self._expectations = ExpectationTable(weight_bits)
         self._inbox: collections.deque[_Job] = collections.deque()
         self._pending: collections.deque[_Job] = collections.deque()
-        self._opened: dict[tuple[bytes, bytes], _Mapping] = {}
+        self._peers = PeerMappings(device, self.stats)
         self._regions: dict[int, LocalRegion] = {}
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,7 +128,6 @@ class CudaIpcEngine:
         self._kernel_broken = False
         self._opts = ""  # the copy mode's options: kernel:CTAS:WARPS:BLOCK:HINTS, ce:STREAMS
         self._side: list[Any] = []  # extra streams of ce:S
-        self.stats = collections.Counter[str]()
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> CudaIpcEngine:
         if self._thread is None:
@@ -151,20 +147,7 @@ class CudaIpcEngine:
         self._release()
 
     def _release(self) -> None:
-        for m in self._opened.values():
-            try:
-                if m.kind == "L":
-                    _ffi_, drv = driver()
-                    drv.cuIpcCloseMemHandle(m.base)
-                else:
-                    from cuda.bindings import driver as cu
-
-                    cu_result(cu.cuMemUnmap(m.base, m.size))
-                    cu_result(cu.cuMemAddressFree(m.base, m.size))
-                    cu_result(cu.cuMemRelease(m.handle))
-            except Exception as e:  # noqa: BLE001 - best effort at shutdown
-                log.debug("cuda-ipc: releasing a peer mapping failed: %s", e)
-        self._opened.clear()
+        self._peers.release()
         for fd in self._exports.values():
             os.close(fd)
         self._exports.clear()
@@ -200,7 +183,7 @@ class CudaIpcEngine:
             off = ptr - base
             size = max(size, -(-(off + length) // _GRANULE) * _GRANULE)
             self._exports[rid] = os.dup(fd)
-            handle = b"M" + _CUMEM.pack(rid, size, off)
+            handle = b"M" + CUMEM_HANDLE.pack(rid, size, off)
         elif ranged:
             h = ffi.new("CUipcMemHandle *")
             rc = drv.cuIpcGetMemHandle(h, base)
@@ -224,12 +207,12 @@ class CudaIpcEngine:
             raise RuntimeError("engine not started")
         h = dst.handle
         if dst.backend != "cuda-ipc" or not (
-                (h[:1] == b"L" and len(h) == 73) or (h[:1] == b"M" and len(h) == 1 + _CUMEM.size)):
+                (h[:1] == b"L" and len(h) == 73) or (h[:1] == b"M" and len(h) == 1 + CUMEM_HANDLE.size)):
             raise OutOfRange("descriptor is not a writable cuda-ipc region")
         if not dst.address.startswith(_PREFIX) or len(dst.address) > 100:
             raise OutOfRange("cuda-ipc notification address is not ours")
         if h[:1] == b"M":
-            _, size, off = _CUMEM.unpack(h[1:])
+            _, size, off = CUMEM_HANDLE.unpack(h[1:])
             if off + dst.length > size:
                 raise OutOfRange("cuda-ipc region lies outside its advertised mapping")
         if not 0 <= imm < 1 << 64:
@@ -270,47 +253,9 @@ class CudaIpcEngine:
     def _emit(self, events: list[Any]) -> None:
         """The one door into asyncio."""
         if events and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_settle, events)
+            self._loop.call_soon_threadsafe(settle_futures, events)
 
     # ---- the progress thread -----------------------------------------------------------------
-
-    def _open(self, address: bytes, handle: bytes) -> int:
-        """This process's address of byte 0 of the peer region (mapped once)."""
-        key = (address, handle)
-        m = self._opened.get(key)
-        if m is None:
-            m = self._map_cumem(address, handle) if handle[:1] == b"M" else self._map_legacy(handle)
-            self._opened[key] = m
-        return m.ptr
-
-    def _map_legacy(self, handle: bytes) -> _Mapping:
-        ffi, drv = driver()
-        h = ffi.new("CUipcMemHandle *")
-        ffi.memmove(h, handle[1:65], 64)
-        out = ffi.new("CUdeviceptr *")
-        check_rc("cuIpcOpenMemHandle", drv.cuIpcOpenMemHandle_v2(out, h[0], 1))
-        base = int(out[0])
-        return _Mapping(base + struct.unpack("<Q", handle[65:73])[0], base, 0, "L")
-
-    def _map_cumem(self, address: bytes, handle: bytes) -> _Mapping:
-        from cuda.bindings import driver as cu
-
-        rid, size, off = _CUMEM.unpack(handle[1:])
-        fd = fetch_fd(address, rid)
-        try:
-            h = cu_result(cu.cuMemImportFromShareableHandle(
-                fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
-        finally:
-            os.close(fd)
-        ptr = cu_result(cu.cuMemAddressReserve(size, 0, 0, 0))
-        cu_result(cu.cuMemMap(ptr, size, 0, h, 0))
-        access = cu.CUmemAccessDesc()
-        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = self.device
-        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        cu_result(cu.cuMemSetAccess(ptr, size, [access], 1))
-        self.stats["cumem_imports"] += 1
-        return _Mapping(int(ptr) + off, int(ptr), size, "M", h)
 
     def _setup(self) -> Any:
         torch = self.torch
@@ -344,7 +289,7 @@ class CudaIpcEngine:
         return mode
 
     def _issue(self, job: _Job, stream: Any, events: list[Any]) -> None:
-        base = self._open(job.address, job.dst_handle)
+        base = self._peers.open(job.address, job.dst_handle)
         dst = job.dst + np.uint64(base)
         mode = self._mode(job, dst)
         if mode == "kernel":
@@ -481,7 +426,7 @@ class CudaIpcEngine:
                         events.append((job.future, e))
                 work |= self._retire(events)
                 work |= self._read_notes(events)
-                self._serve_fds()
+                serve_fds(self._fd_srv, self._exports, self.stats)
                 self._expire(events)
                 if events:
                     self._emit(events)
@@ -502,30 +447,6 @@ class CudaIpcEngine:
             events += [(j.future, err) for j in list(self._pending) + list(self._inbox)]
             events += self._expectations.fail_all(err)
             self._emit(events)
-
-    def _serve_fds(self) -> None:
-        """Hand a registered cuMem fd to a same-user peer that asks for it (SCM_RIGHTS)."""
-        while True:
-            try:
-                conn, _ = self._fd_srv.accept()
-            except (BlockingIOError, OSError):
-                return
-            with conn:
-                try:
-                    conn.settimeout(2.0)
-                    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                            struct.calcsize("3i"))
-                    _pid, uid, _gid = struct.unpack("3i", creds)
-                    data = conn.recv(8)
-                    fd = self._exports.get(struct.unpack("<Q", data)[0]) if len(data) == 8 else None
-                    if uid != os.getuid() or fd is None:
-                        self.stats["fd_refused"] += 1
-                        conn.sendall(b"no")
-                        continue
-                    socket.send_fds(conn, [b"ok"], [fd])
-                    self.stats["fd_served"] += 1
-                except OSError as e:
-                    log.debug("cuda-ipc: fd request failed: %s", e)
 
     def _read_notes(self, events: list[Any]) -> bool:
         got = False

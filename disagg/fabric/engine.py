@@ -28,7 +28,6 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,79 +35,22 @@ import numpy as np
 from disagg.fabric import lib as fl
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
+from disagg.fabric.lib import discover
+from disagg.fabric.regions import (
+    EngineClosed,
+    LocalRegion,
+    Window,
+    buffer_address,
+    settle_futures,
+)
+from disagg.fabric.slots import Batch, CQReader, WriteSlots
 
 __all__ = ["EngineClosed", "Expectation", "FabricEngine", "LocalRegion", "TransferTimeout",
-           "Window", "discover"]
+           "Window", "discover"]  # discover: from disagg.fabric.lib
 
 log = logging.getLogger("disagg.fabric")
 
 U64_MAX = (1 << 64) - 1
-
-
-class EngineClosed(RuntimeError):
-    """The engine stopped while the operation was pending."""
-
-
-def discover(provider: str | None = "tcp", node: str | None = "127.0.0.1") -> fl.FabricInfo:
-    """The first RDM/RMA-capable interface of ``provider`` ("tcp", "shm", "net", "verbs", ...)."""
-    infos = fl.getinfo(provider, node)
-    if not infos:
-        raise fl.FabricError(f"fi_getinfo(provider={provider!r})", -fl.lib.FI_ENODATA)
-    usable = [i for i in infos if i.cq_data_size >= 4]
-    if not usable:
-        raise fl.FabricError(f"{provider}: no interface carries remote CQ data", -fl.lib.FI_ENOSYS)
-    return usable[0]
-
-
-@dataclass(eq=False)
-class LocalRegion:
-    """A registered local buffer. ``descriptor`` is what peers need to write into it."""
-
-    id: int
-    addr: int
-    length: int
-    descriptor: MemoryDescriptor
-    mr: Any  # fl.MemoryRegion, or a backend's own handle
-    owner: Any = None  # the Python object keeping the memory alive
-
-    def view(self) -> memoryview:
-        """The region's bytes (host memory only)."""
-        return memoryview(fl.ffi.buffer(fl.ffi.cast("char *", self.addr), self.length))
-
-
-class Window:
-    """Remote-write access to some regions for one transfer: the same memory under fresh
-    registrations (new random keys). ``descriptors`` (one per region, in order) go to the one
-    sender; ``close()`` revokes them: the provider then refuses every write carrying their keys,
-    late or forged. Idempotent."""
-
-    def __init__(self, descriptors: list[MemoryDescriptor],
-                 revoke: Callable[[], None] | None = None) -> None:
-        self.descriptors = descriptors
-        self._revoke = revoke
-        self.closed = False
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self._revoke is not None:
-                self._revoke()
-
-
-@dataclass(eq=False)
-class _Batch:
-    src: np.ndarray  # absolute source addresses, uint64
-    dst: np.ndarray  # remote addresses, uint64
-    lens: np.ndarray  # bytes, uint64
-    desc: Any  # local MR descriptor (fi_mr_desc)
-    peer: bytes  # destination endpoint name
-    key: int
-    imm: int
-    future: asyncio.Future[None]
-    deadline: float
-    posted: int = 0
-    remaining: int = 0
-    finished: bool = False
 
 
 class FabricEngine:
@@ -138,28 +80,16 @@ class FabricEngine:
         self.idle_sleep_max = idle_sleep_max
         self.capacity = max(1, min(max_inflight, info.tx_size or max_inflight))
         self.imm_max = U64_MAX if info.cq_data_size >= 8 else (1 << (8 * info.cq_data_size)) - 1
-        # Per-write completion contexts: the provider owns each fi_context2 while a write flies.
-        self._ctx = fl.ffi.new("char[]", self.capacity * int(fl.lib.dg_context_size()))
-        self._ctx_int = int(fl.ffi.cast("uintptr_t", self._ctx))
-        self._ctx_size = int(fl.lib.dg_context_size())
-        self._free = list(range(self.capacity - 1, -1, -1))
-        self._slot_batch: list[_Batch | None] = [None] * self.capacity
-        self._nbuf = 256
-        self._cqbuf = fl.ffi.new("struct fi_cq_data_entry[]", self._nbuf)
-        self._slot_out = fl.ffi.new("int64_t[]", self._nbuf)
-        self._flags_out = fl.ffi.new("uint64_t[]", self._nbuf)
-        self._data_out = fl.ffi.new("uint64_t[]", self._nbuf)
-        self._slots_np = np.frombuffer(fl.ffi.buffer(self._slot_out), dtype=np.int64)
-        self._data_np = np.frombuffer(fl.ffi.buffer(self._data_out), dtype=np.uint64)
-        self._flags_np = np.frombuffer(fl.ffi.buffer(self._flags_out), dtype=np.uint64)
+        self._slots = WriteSlots(self.capacity)
+        self._cqr = CQReader()
 
         self._regions: dict[int, LocalRegion] = {}
         self._region_ids = itertools.count(1)
         self._expectations = (expectations if expectations is not None
                               else ExpectationTable(weight_bits))
         self._inbox: collections.deque[Any] = collections.deque()
-        self._sending: collections.deque[_Batch] = collections.deque()
-        self._active: set[_Batch] = set()
+        self._sending: collections.deque[Batch] = collections.deque()
+        self._active: set[Batch] = set()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -185,22 +115,10 @@ class FabricEngine:
         self._thread.start()
         return self
 
-    async def __aenter__(self) -> FabricEngine:
-        return self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     async def close(self) -> None:
         """Stop the thread, fail every pending future with EngineClosed, release resources."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread is not None:
-            self._running = False
-            self._wake()
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._release()
+        if not self._closed:
+            await asyncio.get_running_loop().run_in_executor(None, self.close_sync)
 
     def close_sync(self) -> None:
         if self._closed:
@@ -337,7 +255,7 @@ class FabricEngine:
             fut.set_result(None)
             return fut
         t = self.default_timeout if timeout is None else timeout
-        batch = _Batch(
+        batch = Batch(
             src=(so + src.addr).astype(np.uint64), dst=(do + dst.base).astype(np.uint64),
             lens=ln.astype(np.uint64), desc=src.mr.desc, peer=dst.address, key=dst.key,
             imm=imm, future=fut, deadline=time.monotonic() + t, remaining=n,
@@ -361,6 +279,10 @@ class FabricEngine:
     def pending_expectations(self) -> int:
         return len(self._expectations)
 
+    def batches_in_flight(self) -> int:
+        """Write batches the progress thread holds (posting, queued or awaiting completion)."""
+        return len(self._active)
+
     # ---- the progress thread -----------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -372,7 +294,7 @@ class FabricEngine:
     def _emit(self, events: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
         """The one door from the progress thread into asyncio."""
         if events and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_settle, events)
+            self._loop.call_soon_threadsafe(settle_futures, events)
 
     def _run(self) -> None:
         """Loop: run inbox jobs, post writes, drain the CQ, expire deadlines, emit, then wait."""
@@ -409,7 +331,7 @@ class FabricEngine:
 
     def _idle(self, poller: select.poll, sleep: float) -> None:
         # Where writes are queued behind EAGAIN the provider needs progress calls, not sleep.
-        if self._sending and self._free:
+        if self._sending and self._slots.free:
             os.sched_yield()
             return
         if self.cq.fd >= 0:
@@ -436,7 +358,7 @@ class FabricEngine:
         while self._inbox:
             item = self._inbox.popleft()
             work = True
-            if isinstance(item, _Batch):
+            if isinstance(item, Batch):
                 self._sending.append(item)
                 self._active.add(item)
             else:
@@ -447,7 +369,8 @@ class FabricEngine:
         work = False
         lib = fl.lib
         ffi = fl.ffi
-        while self._sending and self._free:
+        free = self._slots.free
+        while self._sending and free:
             b = self._sending[0]
             if not b.finished and b.deadline <= time.monotonic():  # never post past it
                 self._finish(b, TransferTimeout(
@@ -462,8 +385,8 @@ class FabricEngine:
                 self._finish(b, e, events)
                 self._sending.popleft()
                 continue
-            k = min(len(self._free), b.src.shape[0] - b.posted)
-            slots = np.array(self._free[-k:][::-1], dtype=np.uint32)
+            k = min(len(free), b.src.shape[0] - b.posted)
+            slots = self._slots.take(k)
             p = b.posted
             rc = lib.dg_post_writes(
                 self.ep.ptr, k,
@@ -471,7 +394,7 @@ class FabricEngine:
                 ffi.cast("uint64_t *", b.lens.ctypes.data + 8 * p),
                 b.desc, peer,
                 ffi.cast("uint64_t *", b.dst.ctypes.data + 8 * p),
-                b.key, b.imm, self._ctx,
+                b.key, b.imm, self._slots.ctx,
                 ffi.cast("uint32_t *", slots.ctypes.data),
             )
             if rc < 0:
@@ -480,9 +403,7 @@ class FabricEngine:
                 continue
             if rc:
                 work = True
-                del self._free[len(self._free) - rc:]
-                for s in slots[:rc].tolist():
-                    self._slot_batch[s] = b
+                self._slots.posted(slots, rc, b)
                 b.posted += rc
                 self.stats["posted"] += rc
             if b.posted == b.src.shape[0]:
@@ -494,13 +415,9 @@ class FabricEngine:
 
     def _drain(self, events: list[Any]) -> bool:
         work = False
-        lib = fl.lib
         for _ in range(64):
-            n = lib.dg_cq_drain(
-                self.cq.ptr, self._cqbuf, self._nbuf, self._ctx, self.capacity,
-                self._slot_out, self._flags_out, self._data_out,
-            )
-            if n == -lib.FI_EAVAIL:
+            n = self._cqr.read(self.cq, self._slots)
+            if n == -fl.lib.FI_EAVAIL:
                 self._read_error(events)
                 work = True
                 continue
@@ -509,23 +426,18 @@ class FabricEngine:
             if n == 0:
                 break
             work = True
-            slots = self._slots_np[:n]
-            local = slots[slots >= 0]
-            if local.size:
-                self._complete_slots(local.tolist(), events)
-            if local.size != n:
-                remote = (self._flags_np[:n] & np.uint64(int(lib.FI_REMOTE_CQ_DATA))) != 0
-                self._arrive(self._data_np[:n][remote].tolist(), events)
-            if n < self._nbuf:
+            local = self._cqr.local(n)
+            if local:
+                self._complete_slots(local, events)
+            if len(local) != n:
+                self._arrive(self._cqr.immediates(n), events)
+            if n < self._cqr.n:
                 break
         return work
 
     def _complete_slots(self, slots: list[int], events: list[Any]) -> None:
-        sb = self._slot_batch
         for s in slots:
-            b = sb[s]
-            sb[s] = None
-            self._free.append(s)
+            b = self._slots.release(s)
             if b is None:
                 continue
             b.remaining -= 1
@@ -544,17 +456,16 @@ class FabricEngine:
     def _read_error(self, events: list[Any]) -> None:
         ctx, err, flags, text = self.cq.readerr()
         self.stats["cq_errors"] += 1
-        off = ctx - self._ctx_int
-        if 0 <= off < self.capacity * self._ctx_size and not flags & int(fl.lib.FI_REMOTE_CQ_DATA):
-            s = off // self._ctx_size
-            b = self._slot_batch[s]
+        s = self._slots.slot_of(ctx)
+        if s is not None and not flags & int(fl.lib.FI_REMOTE_CQ_DATA):
+            b = self._slots.batch[s]
             self._complete_slots([s], events)
             if b is not None and not b.finished:
                 self._finish(b, fl.FabricError("write completion", -err, text), events)
         else:
             log.warning("fabric: target-side completion error %d: %s", err, text)
 
-    def _finish(self, b: _Batch, exc: BaseException | None, events: list[Any]) -> None:
+    def _finish(self, b: Batch, exc: BaseException | None, events: list[Any]) -> None:
         b.finished = True
         self._active.discard(b)
         events.append((b.future, exc))
@@ -569,28 +480,6 @@ class FabricEngine:
 
     def _fail_all(self, exc: BaseException) -> list[Any]:
         out: list[Any] = [(b.future, exc) for b in self._active]
-        out += [(b.future, exc) for b in self._inbox if isinstance(b, _Batch)]
+        out += [(b.future, exc) for b in self._inbox if isinstance(b, Batch)]
         self._active.clear()
         return out + self._expectations.fail_all(exc)
-
-
-def _settle(events: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
-    for fut, exc in events:
-        if fut.done():
-            continue
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
-
-def buffer_address(buffer: Any) -> tuple[int, int]:
-    """(address, byte length) of a contiguous host buffer."""
-    if hasattr(buffer, "data_ptr") and hasattr(buffer, "element_size"):
-        if getattr(buffer, "is_cuda", False):
-            raise ValueError("GPU tensors need the cuda-ipc or staged backend")
-        if not buffer.is_contiguous():
-            raise ValueError("tensor must be contiguous")
-        return int(buffer.data_ptr()), int(buffer.numel() * buffer.element_size())
-    cdata = fl.ffi.from_buffer(buffer)
-    return int(fl.ffi.cast("uintptr_t", cdata)), len(cdata)

@@ -366,3 +366,14 @@ class MemoryRegion(_Fid):
 
 def pid() -> int:
     return os.getpid()
+
+
+def discover(provider: str | None = "tcp", node: str | None = "127.0.0.1") -> FabricInfo:
+    """The first RDM/RMA-capable interface of ``provider`` ("tcp", "shm", "net", "verbs", ...)."""
+    infos = getinfo(provider, node)
+    if not infos:
+        raise FabricError(f"fi_getinfo(provider={provider!r})", -lib.FI_ENODATA)
+    usable = [i for i in infos if i.cq_data_size >= 4]
+    if not usable:
+        raise FabricError(f"{provider}: no interface carries remote CQ data", -lib.FI_ENOSYS)
+    return usable[0]

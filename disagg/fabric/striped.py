@@ -32,8 +32,9 @@ from disagg.fabric.descriptor import (
     OutOfRange,
     check_writes,
 )
-from disagg.fabric.engine import FabricEngine, LocalRegion, Window, buffer_address
+from disagg.fabric.engine import FabricEngine
 from disagg.fabric.expectations import Expectation, ExpectationTable
+from disagg.fabric.regions import LocalRegion, Window, buffer_address
 from disagg.fabric.topology import MAX_LANES, lane_domains, stripe
 
 LANES_TAG = b"S"

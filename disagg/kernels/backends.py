@@ -1,6 +1,6 @@
 """Attention backends over the HND paged cache: ``triton`` (CUDA default) and ``flashinfer``.
 
-Both implement ``disagg.attention.AttentionBackend``. Sequences come decodes first
+Each implements ``disagg.kernels.interface.AttentionBackend``; ``torch`` is the plain reference. Sequences come decodes first
 (``meta.num_decodes``), so a step runs the decode kernel on rows ``0:num_decodes`` and the
 chunked-prefill kernel on the rest; a pure decode step is one split-kv launch plus its merge.
 
@@ -16,7 +16,22 @@ from typing import Any
 
 import torch
 
-from disagg.attention import AttentionMetadata
+from disagg.kernels import reference
+from disagg.kernels.interface import AttentionMetadata
+
+
+class TorchBackend:
+    """The plain torch reference: correct everywhere, fast nowhere."""
+
+    name = "torch"
+
+    def append_kv(self, k, v, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
+        reference.append_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        return reference.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale
+        )
 
 
 class TritonBackend:

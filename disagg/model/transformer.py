@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.attention import AttentionBackend, AttentionMetadata
 from disagg.config import env
+from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import ModelArch
 from disagg.model.tp import TensorParallel
 

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from disagg.deadlines import DEADLINE_GRACE_S, ProgressDeadline, prefill_cap_s
-from disagg.protocol import AttemptEventKind
-from disagg.transfer_plan import make_key
+from disagg.protocol.inproc import AttemptEventKind
+from disagg.remote.deadlines import DEADLINE_GRACE_S, ProgressDeadline, prefill_cap_s
+from disagg.remote.transfer_plan import make_key
 
 MAX_ATTEMPTS = 2  # --on-prefill-failure retry: the first attempt and one retry
 

@@ -12,7 +12,7 @@ Ending answers the decoder exactly once (``PrefillDone`` when every write comple
 the job's pages (``Release``): no page is reused while a write reading it may still be posted
 or in flight. A job's writes may be posted only while it is QUEUED, COMPUTING (or SETTLING for
 its context write), never past its deadline. Each peer connection holds at most its share of
-the job slots and of the page pool (``disagg.peer_quota``); past the page share its jobs wait
+the job slots and of the page pool (``disagg.remote.peer_quota``); past the page share its jobs wait
 here, HELD_BACK, holding no page. Time is passed in (monotonic seconds).
 """
 
@@ -23,8 +23,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-from disagg.deadlines import ProgressDeadline
-from disagg.peer_quota import PeerQuota
+from disagg.protocol.peer import PrefillFailCode
+from disagg.remote.deadlines import ProgressDeadline
+from disagg.remote.peer_quota import PeerQuota
 
 
 class JobState(enum.Enum):
@@ -66,7 +67,7 @@ class Reply:
 
     job: int
     kind: Literal["done", "acked", "failed"]
-    code: str = ""
+    code: PrefillFailCode = "internal"
     message: str = ""
     timings: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
@@ -94,7 +95,7 @@ class Job:
     first_step_at: float | None = None
     computed_at: float | None = None
     handed: bool = False  # its pages count against its peer's share
-    answer: tuple[str, str, str] | None = None  # CANCELLING: (kind, code, message)
+    answer: tuple[str, PrefillFailCode, str] | None = None  # CANCELLING: kind, code, message
 
 
 @dataclass
@@ -133,7 +134,7 @@ class PrefillJobs:
         job.computed_at = now
         return [Settle(job_id)]
 
-    def cancel(self, job_id: int, kind: Literal["acked", "failed"], code: str = "",
+    def cancel(self, job_id: int, kind: Literal["acked", "failed"], code: PrefillFailCode = "internal",
                message: str = "") -> list[Command]:
         """Stop ``job``: an abort (answered ``acked``) or a failure. No new writes; the answer
         and the pages wait for the writes already posted."""

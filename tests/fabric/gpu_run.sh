@@ -14,7 +14,7 @@ timeout 80 $B --backend cuda-ipc --page-sizes 262144,1048576,4194304,16777216 \
   --total-bytes 1073741824 --rounds 5 --copy auto,kernel:32,ce,loop \
   > "$OUT/cuda_ipc.json" 2> "$OUT/cuda_ipc.err"; echo "cuda-ipc rc=$?"; cat "$OUT/cuda_ipc.err"
 timeout 130 python3 -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" \
-  tests/test_gpu_transfer.py --basetemp=/tmp/gt > "$OUT/pytest.log" 2>&1
+  tests/procs/test_gpu_transfer.py --basetemp=/tmp/gt > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -n 25 "$OUT/pytest.log"
 for pv in shm tcp; do
   timeout 40 $B --backend staged --provider $pv --page-sizes 1048576 --total-bytes 268435456 \

@@ -1,4 +1,4 @@
-"""What a stranger with plain libfabric can do to a registered region (tests/attack's raw
+"""What a stranger with plain libfabric can do to a registered region (tests/fabric_attacker.py's raw
 endpoint, none of the engine's checks): nothing without a live key, and no reads ever."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from attack.fabric_attacker import READ, WRITEDATA, Attacker
 
 from disagg.fabric.engine import FabricEngine, discover
+from fabric_attacker import READ, WRITEDATA, Attacker
 
 pytestmark = pytest.mark.fabric
 
@@ -110,7 +110,7 @@ async def test_forged_immediates_on_a_live_window_are_junk(pair) -> None:
 
 
 def test_generations_are_random_and_fit_the_immediate() -> None:
-    from disagg.transfer_plan import (
+    from disagg.remote.transfer_plan import (
         GEN_BITS,
         SLOT_BITS,
         UNIT_BITS,

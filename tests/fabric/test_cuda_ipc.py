@@ -13,7 +13,7 @@ def test_cuda_ipc_pages_verified() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from disagg.fabric.bench import add_arguments, run
+    from disagg.bench.fabric import add_arguments, run
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)

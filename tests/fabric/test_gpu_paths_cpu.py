@@ -81,7 +81,7 @@ def test_compiled_copy_loop_calls_the_driver_per_run():
 @pytest.mark.fabric
 def test_cumem_fd_handed_over_to_a_peer_of_the_same_user():
     from disagg.fabric.cuda_ipc import CudaIpcEngine
-    from disagg.fabric.cuda_mem import fetch_fd
+    from disagg.fabric.cuda_mem import fetch_fd, serve_fds
 
     engine = CudaIpcEngine()
     fd = os.memfd_create("kv-standin")
@@ -103,7 +103,7 @@ def test_cumem_fd_handed_over_to_a_peer_of_the_same_user():
     t.start()
     deadline = time.monotonic() + 10
     while t.is_alive() and time.monotonic() < deadline:
-        engine._serve_fds()
+        serve_fds(engine._fd_srv, engine._exports, engine.stats)
         time.sleep(0.01)
     t.join(1)
     assert isinstance(got[0], int), got

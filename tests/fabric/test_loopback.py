@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from disagg.fabric.descriptor import OutOfRange, decode_descriptor
-from disagg.fabric.engine import EngineClosed, FabricEngine, TransferTimeout, discover
+from disagg.fabric.engine import FabricEngine, TransferTimeout, discover
 from disagg.fabric.lib import FabricError
 from disagg.fabric.loopback import PeerConfig, receiver_main, seeded_pages, sender_main
+from disagg.fabric.regions import EngineClosed
 
-pytestmark = pytest.mark.fabric
+pytestmark = [pytest.mark.fabric, pytest.mark.procs]  # libfabric peers in child processes
 
 PROVIDERS = ["tcp", "shm"]
 DEADLINE = 60.0  # a guard against hangs only; the engine's own deadlines are shorter
@@ -125,7 +126,8 @@ async def test_out_of_range_rejected_before_posting(engine: FabricEngine) -> Non
 
 @engine_for(PROVIDERS)
 async def test_receiver_dies_mid_transfer(engine: FabricEngine) -> None:
-    """The receiver is frozen with writes in flight, then killed: the batch fails in time."""
+    """The receiver is frozen while a batch to it is in the engine (posting or queued behind
+    it), then killed: the batch fails in time."""
     pages, page_size = 512, 256 * 1024
     cfg = PeerConfig(provider=engine.info.provider.split(";")[0], pages=pages,
                      page_size=page_size, expected=pages, verify=False)
@@ -136,7 +138,11 @@ async def test_receiver_dies_mid_transfer(engine: FabricEngine) -> None:
         offs = np.arange(pages) * page_size
         os.kill(child.proc.pid, signal.SIGSTOP)
         fut = engine.submit(src, desc, offs, offs, page_size, 3, timeout=3)
-        await asyncio.sleep(0.3)
+        for _ in range(300):  # until the progress thread holds the batch for the frozen peer
+            if engine.batches_in_flight():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.batches_in_flight() == 1 and not fut.done()
         os.kill(child.proc.pid, signal.SIGKILL)
         child.proc.join(10)
         with pytest.raises((FabricError, TransferTimeout)):

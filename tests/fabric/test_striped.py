@@ -14,7 +14,7 @@ from disagg.fabric.engine import FabricEngine, discover
 from disagg.fabric.loopback import seeded_pages
 from disagg.fabric.striped import LANES_TAG, StripedEngine, discover_lanes, lanes_of
 
-pytestmark = pytest.mark.fabric
+pytestmark = [pytest.mark.fabric, pytest.mark.procs]  # libfabric peers in child processes
 
 DEADLINE = 30.0
 

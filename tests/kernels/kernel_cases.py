@@ -141,7 +141,8 @@ def run_case(cid: str) -> float:
         )
         return _rel(out, ref)
     if kind == "backend":
-        from disagg.attention import AttentionMetadata, get_backend
+        from disagg.engine.attention import get_backend
+        from disagg.kernels.interface import AttentionMetadata
 
         shapes = [(page + 2, 1), (0, 1), (2, 9), (page, page + 1)]  # two decodes, two chunks
         lens = [c + n for c, n in shapes]

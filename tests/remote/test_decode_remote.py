@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.deadlines import DEADLINE_GRACE_S, prefill_cap_s
+from disagg.remote.deadlines import DEADLINE_GRACE_S, prefill_cap_s
 from disagg.remote.decode import (
     Abort,
     AttemptState,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.peer_quota import PeerQuota
+from disagg.remote.peer_quota import PeerQuota
 from disagg.remote.prefill import (
     JobState,
     PrefillJobs,

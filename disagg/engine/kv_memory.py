@@ -1,0 +1,99 @@
+"""The executor's KV cache allocation, mappable by the node's main process.
+
+One allocation per executor holds every layer, so it is registered with the fabric once:
+``[num_layers, num_pages, 2 (K, V), num_kv_heads_local, page_size, head_dim]`` (HND). K and V of
+one page of one layer are adjacent, so that page is one contiguous run of
+``2 * num_kv_heads * page_size * head_dim`` elements.
+
+- CPU: a memfd; the executor passes the fd to the main process (SCM_RIGHTS), which mmaps it.
+- CUDA: cuMem with a POSIX-fd exportable handle; the main process imports it with
+  cuMemImportFromShareableHandle and maps it into its own address space.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from disagg.protocol.executor import KVMemoryInfo
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_pages: int
+    num_kv_heads: int
+    page_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.num_pages, 2, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer (K and V)."""
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * self.num_pages * self.page_bytes
+
+    @staticmethod
+    def pages_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, page_size: int,
+                         head_dim: int, dtype: torch.dtype) -> int:
+        per_page = num_layers * 2 * num_kv_heads * page_size * head_dim * torch.empty(
+            (), dtype=dtype).element_size()
+        return budget_bytes // per_page
+
+
+class KVAllocation:
+    """An executor-side KV tensor plus what another process needs to map it."""
+
+    def __init__(self, tensor: torch.Tensor, info: KVMemoryInfo, fd: int | None, keepalive: Any):
+        self.tensor = tensor
+        self.info = info
+        self.fd = fd
+        self._keepalive = keepalive
+
+    @classmethod
+    def create(cls, layout: KVLayout, device: torch.device) -> KVAllocation:
+        dtype_name = str(layout.dtype).removeprefix("torch.")
+        if device.type == "cpu":
+            fd = os.memfd_create("disagg-kv", 0)
+            os.ftruncate(fd, layout.nbytes)
+            mm = mmap.mmap(fd, layout.nbytes)
+            tensor = torch.frombuffer(mm, dtype=layout.dtype).view(layout.shape)
+            info = KVMemoryInfo("memfd", layout.nbytes, dtype_name, list(layout.shape), "cpu")
+            return cls(tensor, info, fd, mm)
+        if device.type == "cuda":
+            from disagg.fabric.cuda_mem import CuMemAllocation
+
+            alloc = CuMemAllocation.create(layout.nbytes, device)
+            tensor = alloc.as_tensor(layout.dtype, layout.shape)
+            info = KVMemoryInfo("cuda", layout.nbytes, dtype_name, list(layout.shape), str(device))
+            return cls(tensor, info, alloc.export_fd(), alloc)
+        raise ValueError(f"unsupported KV device {device}")
+
+
+def map_kv(info: KVMemoryInfo, fd: int) -> tuple[torch.Tensor, Any]:
+    """Main-process view of an executor's KV cache; returns (tensor, keepalive)."""
+    dtype = getattr(torch, info.dtype)
+    if info.kind == "memfd":
+        mm = mmap.mmap(fd, info.nbytes)
+        return torch.frombuffer(mm, dtype=dtype).view(info.shape), mm
+    if info.kind == "cuda":
+        from disagg.fabric.cuda_mem import CuMemAllocation
+
+        alloc = CuMemAllocation.import_fd(fd, info.nbytes, torch.device(info.device))
+        return alloc.as_tensor(dtype, tuple(info.shape)), alloc
+    raise ValueError(f"cannot map KV memory of kind {info.kind!r}")

@@ -1,0 +1,256 @@
+"""Model runner: turns a ``StepPlan`` into tensors, runs the model, samples.
+
+Owned by an executor process (or used in-process by ``disagg.llm.LLM``). Holds the model, the
+KV cache and the attention backend; keeps no per-request state between steps.
+
+Host work per step is vectorised (numpy over the flattened plan: one pass builds token ids,
+positions, slots, block tables and checks the bounds). On CUDA, ``enable_cuda_graphs`` makes
+decode-only steps replay a captured graph (``disagg.engine.cuda_graphs``); prefill and mixed steps run
+eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from disagg.config import env
+from disagg.engine.sampling import sample
+from disagg.kernels.counter import LayerCounter
+from disagg.kernels.interface import AttentionBackend, AttentionMetadata
+from disagg.model.transformer import Transformer
+from disagg.protocol.executor import SeqChunk, StepPlan
+
+if TYPE_CHECKING:
+    from disagg.engine.cuda_graphs import DecodeGraphs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostStep:
+    """A plan flattened into host arrays (one row per token / per sequence)."""
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64, page * page_size + offset
+    tables: np.ndarray  # [B, max_pages] int32, zero-padded
+    seq_lens: np.ndarray  # [B] int32
+    cu: np.ndarray  # [B + 1] int32
+    sample_rows: list[int]
+    hidden_rows: list[int]
+    max_q_len: int
+    max_seq_len: int
+
+
+def flatten_plan(plan: StepPlan, page_size: int, num_pages: int, vocab: int) -> HostStep:
+    """Flatten and bounds-check a plan (it crossed a process boundary) before it touches the
+    cache. Raises ValueError naming the offending slot."""
+    chunks = plan.chunks
+    if not chunks:
+        raise ValueError("empty plan")
+    n = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
+    start = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
+    npages = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=len(chunks))
+    end = start + n
+    bad = (n < 1) | (start < 0)
+    if bad.any():
+        raise ValueError(f"slot {chunks[int(bad.argmax())].slot}: empty chunk or negative start")
+    short = npages * page_size < end
+    if short.any():
+        i = int(short.argmax())
+        raise ValueError(f"slot {chunks[i].slot}: block table too short for position {end[i] - 1}")
+    flat_tables = np.fromiter(chain.from_iterable(c.block_table for c in chunks), dtype=np.int64,
+                              count=int(npages.sum()))
+    if flat_tables.size and (flat_tables.min() < 0 or flat_tables.max() >= num_pages):
+        row = np.repeat(np.arange(len(chunks)), npages)
+        bad_pages = (flat_tables < 0) | (flat_tables >= num_pages)
+        raise ValueError(f"slot {chunks[int(row[bad_pages.argmax()])].slot}: page id out of range")
+    total = int(n.sum())
+    ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
+                      count=total)
+    if ids.min() < 0 or ids.max() >= vocab:
+        row = np.repeat(np.arange(len(chunks)), n)
+        bad_ids = (ids < 0) | (ids >= vocab)
+        raise ValueError(f"slot {chunks[int(row[bad_ids.argmax()])].slot}: token id out of "
+                         "vocabulary")
+    b = len(chunks)
+    cu = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(n, out=cu[1:])
+    tok_row = np.repeat(np.arange(b), n)
+    positions = start[tok_row] + (np.arange(total) - cu[:-1][tok_row])
+    width = int(npages.max())
+    tables = np.zeros((b, width), dtype=np.int64)
+    tstart = np.zeros(b, dtype=np.int64)
+    np.cumsum(npages[:-1], out=tstart[1:])
+    page_row = np.repeat(np.arange(b), npages)
+    tables[page_row, np.arange(flat_tables.size) - tstart[page_row]] = flat_tables
+    slots = tables[tok_row, positions // page_size] * page_size + positions % page_size
+    last = cu[1:] - 1
+    return HostStep(
+        token_ids=ids, positions=positions, slots=slots, tables=tables.astype(np.int32),
+        seq_lens=end.astype(np.int32), cu=cu.astype(np.int32),
+        sample_rows=[int(last[i]) for i, c in enumerate(chunks) if c.sample],
+        hidden_rows=[int(last[i]) for i, c in enumerate(chunks) if c.want_hidden],
+        max_q_len=int(n.max()), max_seq_len=int(end.max()))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Transformer,
+        kv: torch.Tensor,
+        backend: AttentionBackend,
+        counter: LayerCounter | None = None,
+    ):
+        self.model = model
+        self.kv = kv  # [L, P, 2, Hkv, S, D]
+        self.page_size = kv.shape[4]
+        self.num_pages = kv.shape[1]
+        self.backend = backend
+        self.counter = counter  # bumped to base + layer + 1 after each layer's o_proj
+        self.layer_hook: Callable[[int], None] | None = None
+        if counter is not None:
+            delay = float(env("TEST_LAYER_DELAY_S") or 0)  # tests: make layers observably slow
+
+            def bump(layer: int) -> None:
+                if delay:
+                    time.sleep(delay)
+                counter.bump(layer + 1)
+
+            self.layer_hook = bump
+        self.device = model.device
+        self.split_bound = 0  # CUDA: decode split count chosen for this bound (graph-stable)
+        self.graphs: DecodeGraphs | None = None  # disagg.engine.cuda_graphs.DecodeGraphs once enabled (CUDA only)
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
+        """Capture decode-only steps for batch buckets up to ``max_batch`` (CUDA only; a no-op
+        elsewhere). Returns the capture time in seconds."""
+        if self.device.type != "cuda":
+            return 0.0
+        from disagg.engine.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv, self.backend, max_batch, max_model_len,
+                              self.layer_hook)
+        seconds = graphs.capture_all()
+        self.graphs = graphs
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", graphs.buckets,
+                 seconds)
+        self.split_bound = max_model_len
+        t0 = time.perf_counter()
+        n = self._warm_eager_decode(graphs, max_batch)
+        log.info("compiled %d eager decode launch shapes in %.1f s", n, time.perf_counter() - t0)
+        return seconds
+
+    @torch.inference_mode()
+    def _warm_eager_decode(self, graphs: DecodeGraphs, max_batch: int) -> int:
+        """Eager (mixed) steps pin the decode split count to ``split_bound`` too, so it depends
+        on the batch size only; compile each distinct launch now rather than mid-serving."""
+        from disagg.kernels.decode import default_num_splits
+
+        arch = self.model.arch
+        seen: set[int] = set()
+        k, v = self.kv[0, :, 0], self.kv[0, :, 1]
+        for b in range(1, min(max_batch, graphs.buckets[-1]) + 1):
+            splits = default_num_splits(b, arch.num_kv_heads, self.split_bound, 64)
+            if splits in seen:
+                continue
+            seen.add(splits)
+            q = torch.zeros((b, arch.num_heads, arch.head_dim), dtype=self.model.dtype,
+                            device=self.device)
+            self.backend.attend(q, k, v, graphs._meta(b), arch.head_dim**-0.5)
+        torch.cuda.synchronize(self.device)
+        return len(seen)
+
+    def check_plan(self, plan: StepPlan) -> None:
+        """Bounds-check a plan before it touches the cache (it crossed a process boundary)."""
+        flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
+
+    def build(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                             list[int], list[int]]:
+        host = flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
+        return (*self._to_device(host, plan.num_decodes), host.sample_rows, host.hidden_rows)
+
+    def _to_device(self, host: HostStep, num_decodes: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=put(host.slots), block_tables=put(host.tables),
+            seq_lens=put(host.seq_lens), cu_seqlens_q=put(host.cu), num_decodes=num_decodes,
+            max_q_len=host.max_q_len, max_seq_len=max(host.max_seq_len, self.split_bound))
+        return put(host.token_ids), put(host.positions), meta
+
+    def _graphable(self, plan: StepPlan, host: HostStep) -> bool:
+        if self.graphs is None or plan.num_decodes != len(plan.chunks):
+            return False
+        if host.max_q_len != 1 or len(host.sample_rows) != len(plan.chunks) or host.hidden_rows:
+            return False
+        return self.graphs.fits(len(plan.chunks), int(host.tables.shape[1]))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None]:
+        """Run one step. Returns one sampled token per chunk with ``sample=True`` and the final
+        hidden states ``[k, H]`` of the chunks with ``want_hidden`` (None when there are none)."""
+        host = flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
+        if self.counter is not None:
+            self.counter.set_base(plan.counter_base)
+        if self.graphs is not None and self._graphable(plan, host):
+            logits, greedy = self.graphs.run(host.token_ids, host.positions, host.slots,
+                                             host.tables)
+            return sample(logits, plan.chunks, greedy), None
+        input_ids, positions, meta = self._to_device(host, plan.num_decodes)
+        hidden = self.model(input_ids, positions, self.kv, meta, self.backend, self.layer_hook)
+        rows, hidden_rows = host.sample_rows, host.hidden_rows
+        ctx = hidden[hidden_rows] if hidden_rows else None
+        if not rows:
+            return [], ctx
+        logits = self.model.logits(hidden[rows])
+        sampled: list[SeqChunk] = [c for c in plan.chunks if c.sample]
+        return sample(logits, sampled), ctx
+
+
+@torch.inference_mode()
+def profile_peak_memory(model: Transformer, backend: AttentionBackend, page_size: int,
+                        max_batch_tokens: int, max_running: int, max_model_len: int) -> int:
+    """Peak bytes torch allocates on the model's CUDA device for the largest step the scheduler
+    can send: ``max_batch_tokens`` prefill tokens (sequences of at most ``max_model_len``) on a
+    throwaway cache, then logits for ``min(max_running, max_batch_tokens)`` rows."""
+    dev = model.device
+    arch = model.arch
+    lens = []
+    left = max_batch_tokens
+    while left > 0:
+        lens.append(min(left, max_model_len))
+        left -= lens[-1]
+    pages = [-(-n // page_size) for n in lens]
+    kv = torch.zeros((arch.num_layers, sum(pages), 2, arch.num_kv_heads, page_size,
+                      arch.head_dim), dtype=model.dtype, device=dev)
+    chunks: list[SeqChunk] = []
+    first = 0
+    for n, p in zip(lens, pages, strict=True):
+        chunks.append(SeqChunk(len(chunks), [1] * n, 0, list(range(first, first + p)), True))
+        first += p
+    runner = ModelRunner(model, kv, backend)
+    host = flatten_plan(StepPlan(0, chunks, 0), page_size, sum(pages), arch.vocab_size)
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    input_ids, positions, meta = runner._to_device(host, 0)
+    hidden = model(input_ids, positions, kv, meta, backend)
+    rows = min(max_running, max_batch_tokens)
+    model.logits(hidden[:rows]).argmax(dim=-1)
+    torch.cuda.synchronize(dev)
+    peak = int(torch.cuda.max_memory_allocated(dev))
+    del kv, hidden, runner
+    torch.cuda.empty_cache()
+    return peak

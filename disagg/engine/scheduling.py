@@ -1,0 +1,283 @@
+"""Batch formation: continuous batching with chunked prefill under a token budget.
+
+Pure logic (no sockets, no asyncio, no torch): the Scheduler actor drives it and the tests drive
+it directly. Each step holds, in order: one decode token for every running sequence whose prompt
+is done, the next chunks of running prefills, then new sequences admitted from the waiting queue.
+When pages run out, the most recently arrived running sequence is preempted (recompute): its
+pages are freed and it goes back to the head of the waiting queue with prompt + outputs so far.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from disagg.engine.cache import PagePool, pages_needed
+from disagg.protocol import SamplingParams
+from disagg.protocol.executor import SeqChunk
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    REMOTE = "remote"  # decode side: waiting for a prefiller's KV (disagg.remote.decode)
+    HELD = "held"  # prefill side: computed, pages held until their transfers complete
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's token state. ``block_table`` pages belong to the scheduler's pool."""
+
+    slot: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens of all_ids whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    prefill_only: bool = False  # prefill role: never sample; hold pages when computed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, index: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < p else self.output_ids[index - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens - self.num_computed == 1 and self.num_computed > 0
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed in this step
+    count: int  # tokens computed in this step
+    sample: bool  # this chunk reaches the end of the sequence's tokens
+
+    def to_wire(self) -> SeqChunk:
+        s, p = self.seq, self.seq.params
+        return SeqChunk(
+            slot=s.slot,
+            token_ids=s.tokens(self.start, self.start + self.count),
+            start_pos=self.start,
+            block_table=list(s.block_table),
+            sample=self.sample and not s.prefill_only,
+            want_hidden=self.sample and s.prefill_only,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            seed=s.seed,
+            output_index=len(s.output_ids),
+        )
+
+
+@dataclass(frozen=True)
+class Batch:
+    chunks: list[ScheduledChunk]  # decodes first
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.count for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    seq: Sequence
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None while running
+
+
+class BatchScheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        page_size: int,
+        max_batch_tokens: int,
+        max_running: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        self.pool = pool
+        self.page_size = page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []  # by arrival, preempted ones re-inserted in order
+        self.running: list[Sequence] = []  # by arrival
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- admission
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self._insert_waiting(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].arrival > seq.arrival:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (abort, error, transfers done) and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+
+    def detach(self, seq: Sequence) -> list[int]:
+        """Take a sequence out WITHOUT freeing its pages; the caller owns them now (writes may
+        still land in them) and frees them with ``free_pages`` when it is safe."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        pages, seq.block_table = seq.block_table, []
+        seq.num_computed = 0
+        seq.status = Status.FINISHED
+        return pages
+
+    def free_pages(self, pages: list[int]) -> None:
+        if pages:
+            self.pool.free(pages)
+
+    # ---------------------------------------------------------------- remote prefill (decode)
+
+    def kv_arrived(self, seq: Sequence, pages: list[int]) -> None:
+        """A prefiller's KV for all but the last prompt token has landed in ``pages`` (held by
+        the remote-prefill machine until now): decode from here; the next step runs the last
+        prompt token as an ordinary decode (SEED.md 26)."""
+        seq.block_table = list(pages)
+        seq.num_computed = seq.num_tokens - 1
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        """Something to compute now (REMOTE sequences wait for their KV, not for a step)."""
+        return bool(self.running or self.waiting)
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> Batch | None:
+        budget = self.max_batch_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        for seq in sorted(self.running, key=lambda s: (not s.is_decode, s.arrival)):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve(seq, count, scheduled):
+                continue  # preempted itself
+            chunk = self._chunk(seq, count)
+            (decodes if seq.is_decode else prefills).append(chunk)
+            scheduled.add(seq.slot)
+            budget -= count
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            need = pages_needed(seq.num_computed + count, self.page_size) - len(seq.block_table)
+            pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None)
+            if pages is None:
+                break
+            seq.block_table.extend(pages)
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            prefills.append(self._chunk(seq, count))
+            budget -= count
+        if not decodes and not prefills:
+            return None
+        return Batch(decodes + prefills, len(decodes))
+
+    def _chunk(self, seq: Sequence, count: int) -> ScheduledChunk:
+        return ScheduledChunk(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens)
+
+    def _reserve(self, seq: Sequence, count: int, scheduled: set[int]) -> bool:
+        """Give ``seq`` pages for ``count`` more tokens, preempting others if needed."""
+        need = pages_needed(seq.num_computed + count, self.page_size) - len(seq.block_table)
+        while True:
+            pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None)
+            if pages is not None:
+                seq.block_table.extend(pages)
+                return True
+            victims = [s for s in self.running if s.slot not in scheduled and s is not seq]
+            victim = max(victims, key=lambda s: s.arrival) if victims else seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self._insert_waiting(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+
+    # ---------------------------------------------------------------- results
+
+    def update(self, batch: Batch, sampled: list[int]) -> list[SeqUpdate]:
+        """Apply a step's sampled tokens (one per sampling chunk, in order)."""
+        updates: list[SeqUpdate] = []
+        tokens = iter(sampled)
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            token = next(tokens) if chunk.sample and not seq.prefill_only else None
+            if seq.status is not Status.RUNNING:
+                continue  # removed (aborted) while the step ran
+            seq.num_computed = chunk.start + chunk.count
+            if seq.prefill_only and seq.num_computed == seq.num_tokens:
+                self.running.remove(seq)
+                seq.status = Status.HELD  # pages stay until the transfers complete
+                seq.finish_reason = "prefilled"
+                updates.append(SeqUpdate(seq, [], "prefilled"))
+                continue
+            if token is None:
+                continue
+            seq.output_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.running.remove(seq)
+                self._release(seq)
+                seq.status = Status.FINISHED
+            updates.append(SeqUpdate(seq, [token], reason))
+        return updates
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        n = len(seq.output_ids)
+        if n >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop"
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,200 @@
+"""Every wire message of disagg, as msgspec tagged Structs encoded with msgpack: the client
+protocol here; the executor, peer and in-process links in ``disagg.protocol.executor``,
+``.peer`` and ``.inproc``.
+
+Messages are grouped by receiver; each receiving socket decodes with one typed decoder over the
+union of what it accepts and dispatches with one ``match``. Every struct carries a string tag
+(its field ``type`` on the wire) and the protocol version travels in ``GenerateRequest`` and in
+every reply from a node as ``v``.
+
+Client protocol (client DEALER -> node ROUTER, one msgpack map per frame):
+
+- ``{"type": "generate", "request_id": str, "prompt": str | null, "prompt_token_ids":
+  [int] | null, "sampling": {...}}`` -> a stream of ``token`` chunks then one ``finished``
+  (or one ``error``);
+- ``{"type": "abort", "request_id": str}`` -> ``finished`` with reason ``abort`` (if running);
+- ``{"type": "stats"}`` -> one ``stats``.
+
+Executor protocol (main process <-> executor process over ``ipc://``): ``StepPlan`` ->
+``StepResult``; ``ExecutorReady`` once at start-up; ``Shutdown`` to stop.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# ------------------------------------------------------------------ client -> node
+
+
+MAX_TOKENS_LIMIT = 2**31 - 1  # sanity bound on max_tokens (the context limit stops earlier)
+MIN_TEMPERATURE = 1e-5  # below this (except 0) float32 logits / temperature overflow
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def as_float32(x: float) -> float:
+    """``x`` as the sampling kernels see it (float32): rounds, underflows to 0, overflows to inf."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to pick tokens. ``temperature == 0`` is greedy."""
+
+    max_tokens: int = 16  # number of output tokens, in [1, MAX_TOKENS_LIMIT]
+    temperature: float = 0.0  # 0 = greedy, else in [MIN_TEMPERATURE, 100]
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1 = disabled; > 0 in float32
+    seed: int | None = None  # per-request seed; same seed -> same tokens, alone or batched
+    stop_token_ids: list[int] = []  # finish (reason "stop") when one of these is sampled
+    ignore_eos: bool = False  # keep going past the model's EOS tokens
+    min_tokens: int = 0  # EOS/stop tokens are ignored before this many outputs
+
+    def validate(self) -> str | None:
+        """Return a message naming the first bad field, or None.
+
+        Floats are checked as the sampler sees them (float32): a tiny positive temperature
+        (1/T overflows) or a top_p that rounds to 0 is refused, not passed on. Token ids are
+        checked against the vocabulary by the node (``prepare_prompt``)."""
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            return f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}"
+        t = self.temperature  # 0 or >= MIN_TEMPERATURE: 1/T and logits/T stay finite in float32
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0):
+            return (f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], "
+                    f"got {self.temperature}")
+        if self.top_k < 0:
+            return f"top_k must be >= 0, got {self.top_k}"
+        if not 0.0 < as_float32(self.top_p) <= 1.0 or self.top_p > 1.0:
+            return f"top_p must be in (0, 1] (and above 0 in float32), got {self.top_p}"
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            return f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            return f"seed must be in [0, 2**63), got {self.seed}"
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            return (f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries, "
+                    f"got {len(self.stop_token_ids)}")
+        bad = next((tid for tid in self.stop_token_ids if tid < 0), None)
+        if bad is not None:
+            return f"stop_token_ids must be token ids >= 0, got {bad}"
+        return None
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
+    """Start a generation. Exactly one of ``prompt`` / ``prompt_token_ids`` is set."""
+
+    request_id: str  # client-chosen, unique among the client's live requests, 1-256 chars
+    prompt: str | None = None  # text, tokenized by the node (no chat template applied)
+    prompt_token_ids: list[int] | None = None  # token ids, each in [0, vocab_size)
+    sampling: SamplingParams = SamplingParams()
+    v: int = PROTOCOL_VERSION  # must be PROTOCOL_VERSION
+
+    def validate(self) -> str | None:
+        """The protocol version, then the sampling parameters: a message naming the first bad
+        field, or None (the prompt is checked by the node, which knows the vocabulary)."""
+        if self.v != PROTOCOL_VERSION:
+            return f"v must be {PROTOCOL_VERSION} (the protocol version of this node), got {self.v}"
+        return self.sampling.validate()
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
+    """Stop a live request; its pages return to the pool."""
+
+    request_id: str
+
+
+class StatsRequest(msgspec.Struct, tag="stats", frozen=True, forbid_unknown_fields=True):
+    """Ask for one ``Stats`` reply."""
+
+
+ClientMessage = GenerateRequest | Abort | StatsRequest
+
+# ------------------------------------------------------------------ node -> client
+
+
+class TokenChunk(msgspec.Struct, tag="token", frozen=True):
+    """New output tokens of one request, in order."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str  # detokenized text delta ("" when the node has no tokenizer)
+    v: int = PROTOCOL_VERSION
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+FinishReason = Literal["stop", "length", "abort"]
+# Error.code and PrefillFailed.code. The wire fields are plain ``str`` so that a client decodes
+# a code a newer node adds; the node's own code builds errors through these types (mypy).
+ErrorCode = Literal["bad_frame", "bad_request", "duplicate_request", "unknown_request",
+                    "overloaded", "timeout", "prefill_failed", "unavailable", "shutting_down",
+                    "internal"]
+
+
+class Finished(msgspec.Struct, tag="finished", frozen=True):
+    """Terminal message of a request; no more messages follow for this id.
+
+    ``stop``: EOS or a stop token; ``length``: max_tokens or the context limit;
+    ``abort``: the client aborted."""
+
+    request_id: str
+    reason: str  # FinishReason (plain str on the wire, see ErrorCode)
+    usage: Usage
+    v: int = PROTOCOL_VERSION
+    # Where the time to first token went (milliseconds), for requests prefilled remotely:
+    # decode_queue (admitted -> sent to a prefiller), prefill_queue, prefill_compute (the
+    # prefiller's view), kv_wait (sent -> every unit landed), exposed_transfer (kv_wait minus
+    # the prefiller's queue and compute: what the transfer added), first_step (KV landed ->
+    # first token). None for requests prefilled locally.
+    timings: dict[str, float] | None = None
+
+
+class Error(msgspec.Struct, tag="error", frozen=True):
+    """A request (or a frame) was refused or failed. Terminal for ``request_id`` if set."""
+
+    code: str  # machine-readable: an ErrorCode
+
+    message: str  # human-readable reason naming the field
+    request_id: str | None = None
+    v: int = PROTOCOL_VERSION
+
+
+class Stats(msgspec.Struct, tag="stats", frozen=True):
+    """A snapshot of the node."""
+
+    role: str
+    pages_total: int
+    pages_free: int
+    page_size: int
+    running: int
+    waiting: int
+    started: int  # requests accepted since start
+    finished: int  # reached Finished with stop/length
+    aborted: int  # ended by the client's Abort
+    errored: int  # ended with Error after acceptance
+    rejected: int  # refused before acceptance (bad input, duplicates)
+    bad_frames: int  # frames that did not decode
+    preemptions: int
+    waiting_for_kv: int = 0  # decode: requests whose pages wait for a prefiller's KV
+    transfers_in_flight: int = 0
+    kv_writes_sent: int = 0
+    kv_bytes_sent: int = 0
+    kv_units_received: int = 0  # pages (per layer) + contexts landed on this node
+    kv_junk_immediates: int = 0  # decode: immediates refused (unknown/finished key, overflow)
+    layer_lag: int = 0  # prefill: layers computed but not yet handed to the engine
+    prefill_peers_alive: int = 0
+    layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
+    pages_fenced: int = 0  # decode: pages a write of a failed attempt may still reach (not free)
+    max_model_len: int = 0  # the context limit enforced here: prompt + output tokens
+    replies_dropped: int = 0  # replies to clients that vanished or stopped reading
+    v: int = PROTOCOL_VERSION
+
+
+NodeReply = TokenChunk | Finished | Error | Stats
+

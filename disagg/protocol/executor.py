@@ -1,0 +1,77 @@
+"""Main process <-> executor process (``ipc://``): ``StepPlan`` -> ``StepResult``;
+``ExecutorReady`` once at start-up (the KV memory fd follows over a unix socket); ``Shutdown``."""
+
+from __future__ import annotations
+
+import msgspec
+
+# ------------------------------------------------------------------ main <-> executor
+
+
+class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One sequence's slice of a step: ``token_ids`` at positions ``start_pos...``.
+
+    Pages are owned by the main process's page pool; the executor only reads/writes them."""
+
+    slot: int  # scheduler-local sequence id (stable while the request lives)
+    token_ids: list[int]
+    start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
+    block_table: list[int]  # the sequence's page ids covering positions [0, start_pos + len)
+    sample: bool  # sample a token after the last position of this chunk
+    want_hidden: bool = False  # return the last position's hidden state (prefill context)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # sampling seed of the request
+    output_index: int = 0  # index of the output token being sampled (seeds its draw)
+
+
+class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):
+    """One forward pass. Decode chunks (one token, no prefix beyond the cache) come first."""
+
+    step_id: int
+    chunks: list[SeqChunk]
+    num_decodes: int
+    counter_base: int = 0  # layer counter value before this step (lead rank bumps base+layer+1)
+
+
+class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen=True):
+    """Sampled tokens, one per chunk with ``sample=True``, in chunk order.
+
+    When ``hidden_rows > 0`` a second zmq frame follows: the final hidden states of the chunks
+    with ``want_hidden``, in chunk order, ``[hidden_rows, hidden_size]`` in the model dtype."""
+
+    step_id: int
+    token_ids: list[int]
+    error: str | None = None  # set when the step failed; the executor keeps serving
+    hidden_rows: int = 0
+
+
+class KVMemoryInfo(msgspec.Struct, frozen=True):
+    """Where an executor's KV cache lives, so the main process can map it.
+
+    kind ``memfd``: the file descriptor arrives out of band (SCM_RIGHTS) on the executor's
+    handshake socket; ``cuda``: ``handle`` is the cuMem POSIX fd, also passed by SCM_RIGHTS."""
+
+    kind: str  # "memfd" | "cuda" | "none"
+    nbytes: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: list[int]  # [num_layers, num_pages, 2, num_kv_heads_local, page_size, head_dim]
+    device: str
+
+
+class ExecutorReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):
+    rank: int
+    num_pages: int
+    kv: KVMemoryInfo
+    counter: str | None = None  # LayerCounter handle (lead rank only), for the main process
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
+    pass
+
+
+ExecutorCommand = StepPlan | Shutdown
+ExecutorReply = StepResult | ExecutorReady
+
+

@@ -1,0 +1,173 @@
+"""In-process links between the actors of one node (``inproc://``): frontend <-> scheduler
+and scheduler <-> messenger (prefill and decode sides)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from disagg.protocol import ClientMessage, Stats
+
+# ------------------------------------------------------------------ frontend <-> scheduler (inproc)
+
+
+class FromClient(msgspec.Struct, tag="from_client", array_like=True, frozen=True):
+    """A decoded client message and the ROUTER identity it came from."""
+
+    identity: bytes
+    msg: ClientMessage
+
+
+class ToClient(msgspec.Struct, tag="to_client", array_like=True, frozen=True):
+    """The header of a reply for the frontend to route to ``identity``; the reply itself, an
+    encoded ``NodeReply``, follows as a second frame (``reply`` not "none") and is forwarded
+    as it is. ``frames``: how many of that client's frames the scheduler finished handling with
+    it (the frontend's count of the client's frames in flight). ``reply``: ``terminal`` ends a
+    request (kept for a slow reader past its backlog), ``stats`` gets the frontend's counters."""
+
+    identity: bytes
+    frames: int = 0
+    reply: Literal["none", "reply", "terminal", "stats"] = "none"
+
+
+class ClientGone(msgspec.Struct, tag="client_gone", array_like=True, frozen=True):
+    """The frontend's word that a client disconnected or stopped reading its replies: end
+    its live requests (``reason`` says which, for the log)."""
+
+    identity: bytes
+    reason: str
+
+
+SchedulerInbox = FromClient | ClientGone  # what the scheduler reads from the frontend
+
+
+
+# ------------------------------------------------------------------ scheduler <-> messenger (inproc)
+#
+# Prefill node: the messenger hands accepted PrefillRequests to the scheduler as jobs; before
+# every step the scheduler announces which chunks it holds (SEED.md 12) and after it reports
+# the step done (with the context rows as a second frame). Pages stay with the scheduler's
+# pool; the messenger says when a job's pages may be freed (all its writes completed).
+# Decode node: the scheduler asks for remote prefills of requests whose pages it reserved; the
+# messenger reports KV arrival, or failure once no write can land any more.
+
+
+class ChunkInfo(msgspec.Struct, array_like=True, frozen=True):
+    job: int  # the messenger's job id
+    start: int  # first position computed by this chunk
+    count: int  # positions computed by this chunk
+    total: int  # the job's prefill length (positions)
+    pages: list[int]  # the job's source pages so far (block table)
+
+
+class StepAnnounce(msgspec.Struct, tag="announce", array_like=True, frozen=True):
+    """Sent BEFORE the step runs: the prefill chunks it holds and its layer-counter base."""
+
+    step_id: int
+    counter_base: int
+    chunks: list[ChunkInfo]
+
+
+class StepDone(msgspec.Struct, tag="step_done", array_like=True, frozen=True):
+    """The step finished. ``context_jobs[i]`` owns row i of the hidden-state frame that follows
+    (when ``ok``); a failed step writes nothing more for its jobs."""
+
+    step_id: int
+    ok: bool
+    context_jobs: list[int]
+    error: str | None = None
+
+
+class PrefillJob(msgspec.Struct, tag="job", array_like=True, frozen=True):
+    """Schedule a prefill-only sequence (never sampled) for messenger job ``job``."""
+
+    job: int
+    prompt_ids: list[int]
+
+
+class CancelJob(msgspec.Struct, tag="cancel_job", array_like=True, frozen=True):
+    """Stop scheduling ``job``; keep its pages until ``ReleaseJob``."""
+
+    job: int
+
+
+class ReleaseJob(msgspec.Struct, tag="release_job", array_like=True, frozen=True):
+    """No write reads ``job``'s pages any more: free them. ``outcome``: finished (every write
+    completed), aborted (the decoder's AbortPrefill) or errored (writes failed, deadline)."""
+
+    job: int
+    outcome: str = "finished"
+
+
+AttemptEventKind = Literal["landed", "progress", "failed", "done", "acked", "peer_dead",
+                          "conn_down"]
+
+
+class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=True):
+    """Decode side (``disagg.remote.decode.Send``): ask a prefiller for the KV of
+    ``prompt_ids`` under ``request_id`` / ``key``, written into ``dst_pages``."""
+
+    request_id: str
+    key: int
+    prompt_ids: list[int]  # without the last prompt token
+    dst_pages: list[int]  # pages covering prompt_ids, block-table order
+    cap_s: float  # the attempt's absolute budget (sent as deadline_unix)
+
+
+class StopPrefill(msgspec.Struct, tag="stop_prefill", array_like=True, frozen=True):
+    """Decode side (``disagg.remote.decode.Abort``): no KV of ``request_id`` is wanted any
+    more; ``blame``: count it against its prefiller's health."""
+
+    request_id: str
+    blame: bool = False
+
+
+class ForgetPrefill(msgspec.Struct, tag="forget_prefill", array_like=True, frozen=True):
+    """Decode side (``disagg.remote.decode.Forget``): nothing of ``request_id`` can land any
+    more; drop its registrations and context slot."""
+
+    request_id: str
+
+
+class AttemptEvent(msgspec.Struct, tag="attempt_event", array_like=True, frozen=True):
+    """Decode side: what the messenger saw of an attempt, fed to the scheduler's
+    ``DecodeRemote.event`` (``kind``: landed, progress, failed, done, acked, peer_dead,
+    conn_down). ``timings``: with ``done``, the prefiller's queue / compute / tail seconds."""
+
+    request_id: str
+    kind: AttemptEventKind
+    code: str = ""
+    message: str = ""
+    timings: tuple[float, float, float] | None = None
+
+
+class PeersAlive(msgspec.Struct, tag="peers_alive", array_like=True, frozen=True):
+    count: int
+
+
+class MessengerStats(msgspec.Struct, tag="messenger_stats", array_like=True, frozen=True):
+    transfers_in_flight: int = 0  # requests with writes outstanding (prefill) or awaited (decode)
+    kv_writes_sent: int = 0
+    kv_bytes_sent: int = 0
+    kv_units_received: int = 0  # pages + contexts landed here
+    layer_lag: int = 0  # prefill: layers computed but not yet handed to the engine, last step
+    prefill_peers_alive: int = 0
+    layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
+    kv_junk_immediates: int = 0  # decode: immediates refused (unknown/finished key, overflow)
+
+
+class StatsQuery(msgspec.Struct, tag="stats_query", array_like=True, frozen=True):
+    """Prefill node: a peer asked for Stats; the scheduler answers with ``StatsReply``."""
+
+    peer: bytes
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True):
+    peer: bytes
+    stats: Stats
+
+
+ToScheduler = (PrefillJob | CancelJob | ReleaseJob | AttemptEvent | PeersAlive | MessengerStats
+               | StatsQuery)
+ToMessenger = StepAnnounce | StepDone | SendPrefill | StopPrefill | ForgetPrefill | StatsReply

@@ -1,0 +1,184 @@
+"""Decode node <-> prefill node (the prefill node's peer socket): prefill requests, aborts,
+pings, the ownership challenge, and their answers. KV bytes never ride here."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from disagg.protocol import PROTOCOL_VERSION, Stats, StatsRequest
+
+# ------------------------------------------------------------------ decode node <-> prefill node
+#
+# Decode DEALER -> prefill ROUTER (the prefill node's --listen). KV bytes never ride here: only
+# page ids and memory descriptors; the pages move through the transfer engine.
+
+
+PrefillFailCode = Literal["bad_request", "incompatible", "overloaded", "transfer_failed",
+                          "timeout", "internal"]
+
+
+class KVLayoutDesc(msgspec.Struct, frozen=True):
+    """A node's KV cache as a peer must know it; see transfer_plan.
+
+    Every rank of a node has its own buffer of ``total_bytes`` laid out
+    ``[num_layers, num_pages, 2 (K, V), num_kv_heads, page_size, head_dim]`` (HND), and the same
+    page ids on every rank. Rank ``r`` holds the global kv heads ``rank_heads(r)``: block
+    ``r // kv_replicas`` of ``num_kv_heads`` heads, so with ``kv_replicas`` > 1 (kv heads < TP,
+    or MLA's single latent) consecutive ranks hold the same heads, and replica set
+    ``j = r % kv_replicas`` (ranks j, j + kv_replicas, ...) holds one whole KV cache."""
+
+    num_layers: int
+    num_pages: int  # pages per rank (page ids are node-local, the same on every rank)
+    num_kv_heads: int  # kv heads held by each rank
+    page_size: int  # tokens per page
+    head_dim: int
+    dtype: str  # torch dtype name
+    element_size: int  # bytes per element
+    hidden_size: int  # context (hidden state) elements per request
+    tp_size: int = 1  # ranks (one KV buffer each, all in one node's transfer engine)
+    kv_replicas: int = 1  # ranks holding each kv head (divides tp_size); 1 = no replication
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer on one rank: K and V of every local kv head."""
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one kv head's K (or V) in one page: one contiguous run (HND)."""
+        return self.page_size * self.head_dim * self.element_size
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of one rank's KV buffer."""
+        return self.num_layers * self.num_pages * self.page_bytes
+
+    @property
+    def total_kv_heads(self) -> int:
+        """kv heads of the model (over all ranks, each counted once)."""
+        return self.num_kv_heads * self.tp_size // max(1, self.kv_replicas)
+
+    @property
+    def context_bytes(self) -> int:
+        return self.hidden_size * self.element_size
+
+    def page_offset(self, layer: int, page: int) -> int:
+        """Byte offset of page ``page`` of ``layer`` in a rank's buffer."""
+        return (layer * self.num_pages + page) * self.page_bytes
+
+    def rank_heads(self, rank: int) -> range:
+        """Global kv heads held by ``rank`` (in local order)."""
+        block = rank // self.kv_replicas
+        return range(block * self.num_kv_heads, (block + 1) * self.num_kv_heads)
+
+
+class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_fields=True):
+    """Prefill ``prompt_ids`` and write their KV into the decoder's ``dst_pages``.
+
+    The decoder owns ``dst_pages`` and the context slot until it gets ``PrefillDone``,
+    ``PrefillFailed`` or ``AbortAck`` (or declares the prefiller dead): only then may it reuse
+    them, since a write may land until then."""
+
+    request_id: str  # the decoder's id for this attempt (unique per decoder)
+    key: int  # immediate key (slot, generation) every write carries
+    prompt_ids: list[int]  # the prompt WITHOUT its last token (SEED.md 26)
+    dst_pages: list[int]  # decoder page ids, in block-table order; len = pages for prompt_ids
+    dst_layout: KVLayoutDesc
+    dst_kv: bytes  # encoded MemoryDescriptor of the decoder's (lead rank's) KV region
+    dst_ctx: bytes  # encoded MemoryDescriptor of the decoder's context buffer
+    ctx_offset: int  # byte offset of this request's context slot in dst_ctx
+    timeout_s: float  # idle timeout: the prefiller gives up (and frees its pages) after this
+    # long without progress (disagg.remote.deadlines)
+    dst_kv_ranks: list[bytes] = []  # one descriptor per decoder rank when its tp_size > 1
+    deadline_unix: float = 0.0  # absolute cap, wall clock (time.time()), after which the
+    # prefiller posts no write of this request, whenever it received it, progress or not
+    # (0 = the rule's cap from reading it: ``prefill_cap_s``); the decoder keeps the pages
+    # fenced until then (plus a grace) when it cannot get an acknowledgement
+    challenge_slot: int = 0  # the slot of dst_ctx's challenge area this prefiller writes
+    # nonces into (disagg.remote.ownership), in [0, CHALLENGE_SLOTS)
+    challenge_key: int = 0  # the immediate key the decoder expects a challenge's writes under
+    v: int = PROTOCOL_VERSION
+
+
+class AbortPrefill(msgspec.Struct, tag="abort_prefill", frozen=True, forbid_unknown_fields=True):
+    """Stop a prefill; answered by ``AbortAck`` once no write of it can land any more."""
+
+    request_id: str
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
+    seq: int
+
+
+class ChallengeAnswer(msgspec.Struct, tag="challenge_answer", frozen=True,
+                      forbid_unknown_fields=True):
+    """The bytes the decoder read from its challenge slot after a ``Challenge``; empty: the
+    decoder abstains, the request named no longer wants KV (aborted: its registration may
+    have closed before the nonce landed)."""
+
+    id: int
+    nonce: Annotated[bytes, msgspec.Meta(max_length=4096)]
+
+
+PeerRequest = PrefillRequest | AbortPrefill | Ping | StatsRequest | ChallengeAnswer
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    """Liveness and load of a prefiller."""
+
+    seq: int
+    queued_tokens: int  # prompt tokens accepted and not yet prefilled
+    layout: KVLayoutDesc
+    transport: str = ""  # "backend/provider" of its transfer engine; decoders must match it
+    v: int = PROTOCOL_VERSION
+
+
+class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
+    """Every write of the request was posted and completed at the source (not delivery: the
+    decoder counts the units that landed itself); the prefiller posts nothing more of it and
+    freed its pages."""
+
+    request_id: str
+    prefill_s: float  # seconds from acceptance to the last write's completion at the source
+    queue_s: float = 0.0  # acceptance -> its first chunk was scheduled
+    compute_s: float = 0.0  # first chunk scheduled -> last step done
+    tail_s: float = 0.0  # last step done -> last write completed at the source
+
+
+class PrefillProgress(msgspec.Struct, tag="prefill_progress", frozen=True):
+    """The prefiller is making progress with the request or the queue it waits in (a step or
+    layer computed): the decoder pushes the attempt's idle deadline forward. Sent at most every
+    quarter of ``timeout_s`` per request."""
+
+    request_id: str
+
+
+class PrefillFailed(msgspec.Struct, tag="prefill_failed", frozen=True):
+    """The prefill was refused or failed; no write of it will be posted any more (those
+    already posted completed or failed at the source)."""
+
+    request_id: str
+    code: str  # a PrefillFailCode
+    message: str
+
+
+class AbortAck(msgspec.Struct, tag="abort_ack", frozen=True):
+    """No write of the request will land any more."""
+
+    request_id: str
+
+
+class Challenge(msgspec.Struct, tag="challenge", frozen=True):
+    """Prove you own the endpoint your request named: a nonce was just written through
+    ``lanes`` lanes into your challenge slot; answer with what you read (``ChallengeAnswer``)."""
+
+    id: int
+    lanes: int
+    request_id: str = ""  # the request whose descriptors the nonce went through
+
+
+PeerReply = Pong | PrefillDone | PrefillFailed | AbortAck | PrefillProgress | Stats | Challenge
+
+

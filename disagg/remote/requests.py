@@ -1,0 +1,48 @@
+"""Checks of a PrefillRequest before a prefiller takes it: pure, every bound checked before
+any write is planned (the prefiller answers ``bad_request`` with the reason)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg.protocol.peer import KVLayoutDesc, PrefillRequest
+from disagg.remote.ownership import CHALLENGE_AREA_BYTES, CHALLENGE_SLOTS
+from disagg.remote.transfer_plan import incompatibility
+
+
+def request_problem(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest) -> str | None:
+    """Why a PrefillRequest cannot be served, or None (bounds-checks before any write)."""
+    why = incompatibility(layout, req.dst_layout)
+    if why:
+        return why
+    n = len(req.prompt_ids)
+    if n == 0:
+        return "empty prompt"
+    if any(not 0 <= t < vocab_size for t in req.prompt_ids):
+        return "token id outside the vocabulary"
+    d = req.dst_layout
+    if len(req.dst_pages) != -(-n // d.page_size):
+        return f"{len(req.dst_pages)} destination pages for {n} tokens of page size {d.page_size}"
+    if len(set(req.dst_pages)) != len(req.dst_pages):
+        return "destination pages repeat"
+    if any(not 0 <= p < d.num_pages for p in req.dst_pages):
+        return "destination page id out of range"
+    if n > layout.num_pages * layout.page_size:
+        return "prompt larger than this prefiller's KV pool"
+    if not 0 < req.timeout_s <= 3600:
+        return f"timeout_s out of range: {req.timeout_s}"
+    return None
+
+
+def descriptor_problem(layout: KVLayoutDesc, req: PrefillRequest, dst_kv: list[Any],
+                       dst_ctx: Any) -> str | None:
+    """Why the decoded memory descriptors of ``req`` cannot take its writes, or None."""
+    if len(dst_kv) != req.dst_layout.tp_size:
+        return f"{len(dst_kv)} KV descriptors for tp_size {req.dst_layout.tp_size}"
+    if any(d.length < req.dst_layout.total_bytes for d in dst_kv):
+        return "KV descriptor smaller than the advertised layout"
+    if not 0 <= req.ctx_offset <= dst_ctx.length - CHALLENGE_AREA_BYTES - layout.context_bytes:
+        return "context offset outside the context buffer's slots"
+    if not 0 <= req.challenge_slot < CHALLENGE_SLOTS:
+        return f"challenge slot {req.challenge_slot} out of range"
+    return None

@@ -1,0 +1,317 @@
+"""KV transfer planning: the pure functions both sides of a transfer must agree on.
+
+A prefiller writes each finished layer's pages straight into the decoder's reserved pages
+(SEED.md 11, 17, 18-24). Both sides import this module: the prefiller to plan writes, the
+decoder to know how many units of immediate data to expect. Nothing here touches sockets or
+memory.
+
+Memory (``KVLayoutDesc``): each rank has its own buffer ``[layers, pages, 2 (K, V), kv_heads
+of the rank, page_size, head_dim]``, so page ``p`` of layer ``l`` (K and V together) is one
+contiguous run of ``page_bytes`` at ``(l * num_pages + p) * page_bytes``, and the K (or V) of a
+range of the rank's heads within one page is one contiguous run (HND, SEED.md 24).
+
+Sharding. For every destination rank ``d`` the planner takes the source ranks of ONE source
+replica set (the one its replica set is assigned to, ``replica_assignment``) and, for each
+source rank whose heads overlap ``d``'s, moves the overlap (a *piece*) page by page:
+
+- the piece is all heads of both ranks (equal sharding): K and V are adjacent on both sides, so
+  a page is one run, and runs of pages adjacent on BOTH sides coalesce into one write;
+- otherwise (prefiller wider: a destination page is rebuilt from several source ranks; decoder
+  wider: a source page is split over several destination ranks) K and V of the piece are two
+  separate runs per page, and pages never coalesce (the next page's run is not adjacent).
+
+Units. An *elementary run* is one page of one piece on one side of K/V: 1 per page for a whole
+piece (K and V together), 2 per page (K, V) for a partial one. A write's immediate carries the
+request's key and the elementary runs it moved (``Write.units``), so the decoder's target
+depends only on the two layouts and the prompt length, never on chunking, coalescing, page ids
+or which replica sends::
+
+    request_units(src, dst, tokens) = num_layers * pages(tokens) * units_per_page(src, dst)
+                                      + CONTEXT_UNITS
+
+Context. One write (``CONTEXT_UNITS`` = 1) from the prefiller's context buffer (lead source
+rank) to the decoder's context buffer (lead destination rank): the hidden state is identical on
+every rank after the all-reduce and the decoder keeps one context buffer per node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg.engine.cache import pages_needed
+from disagg.protocol.peer import KVLayoutDesc
+
+# An immediate (64 bits): slot (low SLOT_BITS of the request's slot, for logs) | generation
+# (random per attempt: what makes a key unguessable) | units carried by the write.
+UNIT_BITS = 16  # low bits of an immediate: elementary runs carried by the write
+MAX_RUN = (1 << UNIT_BITS) - 1
+SLOT_BITS = 8
+GEN_BITS = 40
+CONTEXT_UNITS = 1  # the one context write of a request (lead rank -> lead rank)
+
+
+def shard_kv_heads(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(kv heads per rank, kv_replicas) of a model with ``total_kv_heads`` over ``tp_size``
+    ranks: heads split evenly when TP divides them, else each head replicated on
+    ``tp_size // total_kv_heads`` consecutive ranks (TP must then be a multiple)."""
+    if total_kv_heads < 1 or tp_size < 1:
+        raise ValueError(f"kv heads ({total_kv_heads}) and tp size ({tp_size}) must be >= 1")
+    if total_kv_heads % tp_size == 0:
+        return total_kv_heads // tp_size, 1
+    if tp_size % total_kv_heads == 0:
+        return 1, tp_size // total_kv_heads
+    raise ValueError(f"{total_kv_heads} kv heads cannot be sharded over --tp {tp_size}: "
+                     "one must divide the other")
+
+
+def layout_problem(layout: KVLayoutDesc) -> str | None:
+    """Why ``layout`` is not a valid sharded layout, or None."""
+    for field in ("num_layers", "num_kv_heads", "page_size", "head_dim", "element_size",
+                  "tp_size", "kv_replicas"):
+        if getattr(layout, field) < 1:
+            return f"invalid layout: {field}={getattr(layout, field)} (must be >= 1)"
+    if layout.num_pages < 0 or layout.hidden_size < 0:
+        return f"invalid layout: num_pages={layout.num_pages}, hidden_size={layout.hidden_size}"
+    if layout.tp_size % layout.kv_replicas:
+        return (f"invalid layout: kv_replicas={layout.kv_replicas} does not divide "
+                f"tp_size={layout.tp_size}")
+    return None
+
+
+def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
+    """Why pages of ``src`` (the prefiller) cannot be written into ``dst`` (the decoder), or
+    None. Sharding (tp_size, kv heads per rank, kv_replicas) may differ; the model may not."""
+    for side, lay in (("prefiller", src), ("decoder", dst)):
+        why = layout_problem(lay)
+        if why:
+            return f"{side} {why}"
+    for field in ("num_layers", "total_kv_heads", "page_size", "head_dim", "dtype",
+                  "element_size", "hidden_size"):
+        a, b = getattr(src, field), getattr(dst, field)
+        if a != b:
+            return f"layout mismatch: prefiller {field}={a}, decoder {field}={b}"
+    return None
+
+
+def rank_heads(layout: KVLayoutDesc, rank: int) -> range:
+    """Global kv heads held by ``rank`` of ``layout`` (``KVLayoutDesc.rank_heads``)."""
+    return layout.rank_heads(rank)
+
+
+def replica_ranks(layout: KVLayoutDesc, replica: int) -> list[int]:
+    """Ranks of replica set ``replica`` (together one whole KV cache), in head order."""
+    return list(range(replica, layout.tp_size, layout.kv_replicas))
+
+
+def replica_assignment(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int) -> list[int]:
+    """Source replica set of each destination replica set: a seeded random order of the source
+    sets, dealt round-robin, so with as many destination sets as source sets every source
+    device sends, and with fewer the senders vary from request to request (SEED.md 23, 29).
+    Deterministic in ``seed`` (the prefiller passes the request key) and platform-independent.
+    The decoder's count does not depend on it."""
+    def draw(i: int) -> bytes:
+        return hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+
+    order = sorted(range(src.kv_replicas), key=draw)
+    return [order[j % len(order)] for j in range(dst.kv_replicas)]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Global kv heads ``[head, head + count)`` that source rank ``src_rank`` gives destination
+    rank ``dst_rank``; ``whole`` when they are all heads of both ranks (K+V of a page is then
+    one run)."""
+
+    src_rank: int
+    dst_rank: int
+    head: int
+    count: int
+    whole: bool
+
+    @property
+    def units_per_page(self) -> int:
+        return 1 if self.whole else 2
+
+
+def pieces(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int = 0) -> list[Piece]:
+    """Every (source rank, destination rank, head range) a page is moved by."""
+    assign = replica_assignment(src, dst, seed)
+    out: list[Piece] = []
+    for d in range(dst.tp_size):
+        dh = dst.rank_heads(d)
+        for s in replica_ranks(src, assign[d % dst.kv_replicas]):
+            sh = src.rank_heads(s)
+            lo, hi = max(dh.start, sh.start), min(dh.stop, sh.stop)
+            if lo < hi:
+                out.append(Piece(s, d, lo, hi - lo, dh == sh))
+    return out
+
+
+def units_per_page(src: KVLayoutDesc, dst: KVLayoutDesc) -> int:
+    """Elementary runs moving one page of one layer to every destination rank."""
+    return sum(p.units_per_page for p in pieces(src, dst))
+
+
+@dataclass(frozen=True)
+class Write:
+    src_offset: int
+    dst_offset: int
+    length: int
+    units: int  # elementary runs moved (the immediate's weight): pages, or page K/V halves
+    src_rank: int = 0  # offsets are into this rank's KV buffer on the prefiller
+    dst_rank: int = 0  # ... and this rank's KV buffer on the decoder
+
+
+def page_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of runs adjacent on both sides, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_pages, dst_pages, strict=True):
+        if runs:
+            rs, rd, n = runs[-1]
+            if s == rs + n and d == rd + n and n < MAX_RUN:
+                runs[-1] = (rs, rd, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def plan_layer_writes(
+    src: KVLayoutDesc, dst: KVLayoutDesc, src_pages: list[int], dst_pages: list[int], layer: int,
+    seed: int = 0,
+) -> list[Write]:
+    """Writes that copy ``src_pages`` of ``layer`` (on every source rank) into ``dst_pages``
+    (on every destination rank), grouped by piece (see the module docstring). ``seed`` picks
+    the source replica sets (``replica_assignment``); pass the request key so every layer and
+    chunk of a request uses the same senders."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    writes: list[Write] = []
+    runs: list[tuple[int, int, int]] | None = None
+    for pc in pieces(src, dst, seed):
+        if pc.whole:
+            runs = runs if runs is not None else page_runs(src_pages, dst_pages)
+            pb = src.page_bytes
+            writes.extend(
+                Write(src.page_offset(layer, s), dst.page_offset(layer, d), n * pb, n,
+                      pc.src_rank, pc.dst_rank)
+                for s, d, n in runs)
+            continue
+        length = pc.count * src.head_bytes
+        s_head = pc.head - src.rank_heads(pc.src_rank).start
+        d_head = pc.head - dst.rank_heads(pc.dst_rank).start
+        for kv in (0, 1):
+            s_in = (kv * src.num_kv_heads + s_head) * src.head_bytes
+            d_in = (kv * dst.num_kv_heads + d_head) * dst.head_bytes
+            writes.extend(
+                Write(src.page_offset(layer, s) + s_in, dst.page_offset(layer, d) + d_in, length,
+                      1, pc.src_rank, pc.dst_rank)
+                for s, d in zip(src_pages, dst_pages, strict=True))
+    return writes
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Writes as arrays (int64): what the transfer engine posts."""
+
+    src_offset: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+    units: np.ndarray
+
+    @staticmethod
+    def of(writes: list[Write]) -> Runs:
+        a = np.array([(w.src_offset, w.dst_offset, w.length, w.units) for w in writes],
+                     dtype=np.int64).reshape(-1, 4)
+        return Runs(a[:, 0], a[:, 1], a[:, 2], a[:, 3])
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    def split(self, max_bytes: int) -> Runs:
+        """Cut runs longer than ``max_bytes`` at unit boundaries (the units of a run are the
+        same size), weights following the bytes, so that several lanes can share a long run.
+        The units of all pieces add up to the run's: what the receiver counts does not change."""
+        unit = self.length // self.units
+        step = np.maximum(1, max_bytes // unit)
+        pieces = -(-self.units // step)
+        if int(pieces.max(initial=1)) <= 1:
+            return self
+        run = np.repeat(np.arange(len(self)), pieces)
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        k = np.arange(run.shape[0]) - first  # piece index within its run
+        u0 = k * step[run]
+        u = np.minimum(step[run], self.units[run] - u0)
+        shift = u0 * unit[run]
+        return Runs(self.src_offset[run] + shift, self.dst_offset[run] + shift, u * unit[run], u)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The writes of one chunk's pages for every layer, planned once: offsets are linear in
+    the layer (``page_offset``), so layer ``l``'s writes are layer 0's shifted by ``l`` times
+    each side's layer stride. ``by_pair`` holds them per (source rank, destination rank)."""
+
+    by_pair: dict[tuple[int, int], Runs]
+    src_stride: int
+    dst_stride: int
+
+    def layer(self, pair: tuple[int, int], layer: int) -> Runs:
+        r = self.by_pair[pair]
+        return Runs(r.src_offset + layer * self.src_stride, r.dst_offset + layer * self.dst_stride,
+                    r.length, r.units)
+
+
+def plan_chunk(src: KVLayoutDesc, dst: KVLayoutDesc, src_pages: list[int], dst_pages: list[int],
+               seed: int = 0) -> ChunkPlan:
+    """``plan_layer_writes`` for every layer at the cost of one."""
+    by_pair: dict[tuple[int, int], list[Write]] = {}
+    for w in plan_layer_writes(src, dst, src_pages, dst_pages, 0, seed):
+        by_pair.setdefault((w.src_rank, w.dst_rank), []).append(w)
+    return ChunkPlan({k: Runs.of(v) for k, v in by_pair.items()},
+                     src.num_pages * src.page_bytes, dst.num_pages * dst.page_bytes)
+
+
+def pages_to_send(start: int, end: int, total: int, page_size: int) -> range:
+    """Page indices (into the request's block table) a chunk covering positions
+    ``[start, end)`` of a ``total``-token prefill completes: full pages, plus the partial last
+    page when the chunk is the last one. A page a chunk fills only partly goes with the chunk
+    that completes it."""
+    first = start // page_size
+    last = pages_needed(total, page_size) if end >= total else end // page_size
+    return range(first, max(first, last))
+
+
+def request_units(src: KVLayoutDesc, dst: KVLayoutDesc, prefill_tokens: int) -> int:
+    """Units the decoder (layout ``dst``) waits for from a prefiller advertising ``src``:
+    every elementary run of every page of every layer on every destination rank, plus the
+    context write. Equals the units of all ``plan_layer_writes`` of the request, whatever the
+    chunking, page ids or seed."""
+    pages = pages_needed(prefill_tokens, dst.page_size)
+    return dst.num_layers * pages * units_per_page(src, dst) + CONTEXT_UNITS
+
+
+def context_write(src_offset: int, dst_offset: int, length: int) -> Write:
+    """The request's context write: lead source rank -> lead destination rank."""
+    return Write(src_offset, dst_offset, length, CONTEXT_UNITS)
+
+
+def make_key(slot: int, generation: int) -> int:
+    """The immediate key of one transfer attempt. A new attempt (retry) of the same slot gets
+    a new generation, so a late write of an old attempt can never count for a new one."""
+    return ((slot & ((1 << SLOT_BITS) - 1)) << GEN_BITS) | (generation & ((1 << GEN_BITS) - 1))
+
+
+def new_generation() -> int:
+    """A random nonzero generation of ``GEN_BITS`` bits (``secrets``): a peer that was not sent
+    an attempt cannot guess its key, and a retry's key differs from its predecessor's."""
+    return secrets.randbits(GEN_BITS) or 1
+
+
+def make_imm(key: int, units: int) -> int:
+    if not 0 < units <= MAX_RUN:
+        raise ValueError(f"a write carries 1..{MAX_RUN} units, got {units}")
+    return (key << UNIT_BITS) | units

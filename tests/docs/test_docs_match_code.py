@@ -1,0 +1,95 @@
+"""The documents a newcomer reads name what the code has: error codes, Stats fields, the
+architecture's modules."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import get_args
+
+from disagg.protocol import ErrorCode, FinishReason, Stats
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+ARCH = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+
+
+def test_the_readme_lists_every_error_code_and_finish_reason():
+    section = README[README.index("Error codes:"):README.index("A bad\nmessage never stops")]
+    listed = set(re.findall(r"`([a-z_]+)`", section))
+    assert set(get_args(ErrorCode)) <= listed
+    for reason in get_args(FinishReason):
+        assert f"`{reason}`" in README
+
+
+def test_the_readme_lists_every_stats_field():
+    row = [line for line in README.splitlines() if line.startswith("| `stats` |")][-1]
+    listed = set(re.findall(r"`([a-z_]+)`", row)) - {"stats"}
+    assert listed == set(Stats.__struct_fields__) - {"v"}
+
+
+def test_every_module_the_architecture_names_exists():
+    files = [p.relative_to(ROOT).as_posix() for p in ROOT.glob("**/*.py")
+             if ".venv" not in p.parts]
+    for path in set(re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py)`", ARCH)):
+        assert any(f == path or f.endswith("/" + path) for f in files), path
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """disagg module -> the disagg modules it imports at module level (not under
+    TYPE_CHECKING, not inside functions: those run after every module loaded)."""
+    import ast
+
+    root = ROOT / "disagg"
+    names = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for mod, path in names.items():
+        deps: set[str] = set()
+        for node in ast.parse(path.read_text()).body:
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            deps |= {t for t in targets if t in names and t != mod}
+        graph[mod] = deps
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    graph = _module_imports()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if d.startswith(m + "."):
+                continue  # a package's __init__ importing its own submodule
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                if not all(a.startswith(b + ".") or b.startswith(a + ".")
+                           for a, b in zip(cycle, cycle[1:], strict=False)):
+                    raise AssertionError("import cycle: " + " -> ".join(cycle))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_no_module_is_over_about_450_lines():
+    """Modules are split along their seams before they grow much past ~450 lines."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "disagg").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 490}
+    assert not long, long

@@ -1,0 +1,159 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.engine.sampling import draw_seed, filter_logits, sample, usable_or_greedy
+from disagg.protocol import (
+    MAX_STOP_TOKEN_IDS,
+    MIN_TEMPERATURE,
+    GenerateRequest,
+    SamplingParams,
+    as_float32,
+)
+from disagg.protocol.executor import SeqChunk
+from disagg.serving.admission import RequestRejected, prepare_prompt
+
+
+def chunk(**kw):
+    return SeqChunk(slot=0, token_ids=[1], start_pos=0, block_table=[0], sample=True, **kw)
+
+
+def test_top_k_keeps_k_largest():
+    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
+    out = filter_logits(logits, top_k=2, top_p=1.0)
+    assert torch.isfinite(out).tolist() == [False, True, False, True, False]
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    kept = torch.isfinite(filter_logits(logits, 0, 0.8)).tolist()
+    assert kept == [True, True, False, False]
+    kept = torch.isfinite(filter_logits(logits, 0, 0.81)).tolist()
+    assert kept == [True, True, True, False]
+    assert torch.isfinite(filter_logits(logits, 0, 0.01)).tolist() == [True, False, False, False]
+
+
+def test_greedy_is_argmax_and_sampling_respects_filters():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3)
+    chunks = [chunk(), chunk(temperature=1.0, top_k=1, seed=1), chunk(temperature=5.0, seed=2)]
+    got = sample(logits, chunks)
+    assert got[0] == 1 and got[1] == 1
+    assert 0 <= got[2] < 4
+
+
+def test_seeded_draws_are_reproducible_and_vary_with_index():
+    logits = torch.zeros(1, 1000)
+    a = [sample(logits, [chunk(temperature=1.0, seed=9, output_index=i)])[0] for i in range(5)]
+    b = [sample(logits, [chunk(temperature=1.0, seed=9, output_index=i)])[0] for i in range(5)]
+    assert a == b and len(set(a)) > 1
+    assert draw_seed(1, 0) != draw_seed(1, 1) != draw_seed(2, 0)
+    assert all(0 <= draw_seed(s, i) < 2**63 for s in (0, 2**63 - 1) for i in (0, 10**6))
+
+
+def test_sampling_distribution_follows_temperature():
+    logits = torch.tensor([[0.0, 1.0]])
+    draws = [sample(logits, [chunk(temperature=1.0, seed=3, output_index=i)])[0] for i in range(400)]
+    frac = sum(draws) / len(draws)
+    expected = torch.softmax(torch.tensor([0.0, 1.0]), 0)[1].item()  # ~0.73
+    assert abs(frac - expected) < 0.08
+
+
+POISONS = [  # rows torch.multinomial refuses: probabilities not finite, or nothing kept
+    dict(temperature=1e-45, seed=4),  # logits / T overflow to inf
+    dict(temperature=1.0, top_p=1e-300, seed=5),  # 0 in float32: top-p drops every token
+    dict(temperature=float("nan"), seed=6),
+    dict(temperature=1.0, top_p=-1.0, seed=7),
+]
+
+
+def test_poison_rows_fall_back_to_greedy_and_leave_the_other_rows_alone():
+    gen = torch.Generator().manual_seed(0)
+    normal = [chunk(temperature=0.7, seed=1), chunk(), chunk(temperature=1.3, top_k=20, seed=2),
+              chunk(temperature=1.0, top_p=0.8, seed=3, output_index=5)]
+    logits = torch.randn(len(normal) + len(POISONS) + 1, 300, generator=gen) * 3
+    logits[-1] = float("nan")  # a row whose logits are not finite at all
+    rows = normal + [chunk(**p) for p in POISONS] + [chunk(temperature=1.0, seed=8)]
+    got = sample(logits, rows)
+    assert got[:len(normal)] == sample(logits[:len(normal)], normal)
+    poison_rows = logits[len(normal):]
+    assert got[len(normal):] == poison_rows.argmax(dim=-1).tolist()
+    assert all(0 <= t < 300 for t in got)
+
+
+def test_poison_rows_in_any_position():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    good = [chunk(temperature=0.9, seed=11), chunk(temperature=0.9, seed=12)]
+    alone = sample(logits[[0, 2]], good)
+    for p in POISONS:
+        got = sample(logits, [good[0], chunk(**p), good[1]])
+        assert [got[0], got[2]] == alone and got[1] == int(logits[1].argmax())
+
+
+def test_usable_or_greedy():
+    probs = torch.tensor([0.2, 0.5, 0.3])
+    logits = torch.tensor([0.0, 1.0, 5.0])
+    assert torch.equal(usable_or_greedy(probs, logits), probs)
+    for bad in (torch.tensor([float("nan"), 0.5, 0.5]), torch.zeros(3),
+                torch.tensor([float("inf"), 0.0, 0.0])):
+        assert usable_or_greedy(bad, logits).tolist() == [0.0, 0.0, 1.0]
+
+
+# ---- validation: values as the sampler sees them (float32)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=1e-45), "temperature"),  # a float32 denormal: logits / T overflow
+    (dict(temperature=1e-6), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1e-300), "top_p"),  # > 0 as a double, 0 in float32
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_p=1.0000001), "top_p"),
+    (dict(max_tokens=2**31), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(stop_token_ids=[7] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
+    (dict(stop_token_ids=[3, -1]), "stop_token_ids"),
+])
+def test_sampling_params_refusals_name_the_field(kw, field):
+    problem = SamplingParams(**kw).validate()
+    assert problem is not None and problem.startswith(field), problem
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(temperature=0.0), dict(temperature=MIN_TEMPERATURE), dict(temperature=100.0),
+    dict(top_p=1e-40),  # tiny but above 0 in float32: keeps the top token
+    dict(max_tokens=2**31 - 1), dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))),
+])
+def test_sampling_params_accepted(kw):
+    assert SamplingParams(**kw).validate() is None
+
+
+def test_accepted_extremes_sample_without_failing():
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(2)) * 30
+    rows = [chunk(temperature=MIN_TEMPERATURE, seed=1), chunk(temperature=1.0, top_p=1e-40,
+                                                              seed=2)]
+    assert sample(logits, rows) == logits.argmax(dim=-1).tolist()
+
+
+def test_as_float32():
+    assert as_float32(1e-300) == 0.0 and as_float32(1e39) == float("inf")
+    assert as_float32(0.5) == 0.5 and 0 < as_float32(1e-40) < 1e-39
+
+
+def test_prepare_prompt_checks_version_and_stop_token_ids():
+    def req(**kw):
+        return GenerateRequest("r", prompt_token_ids=[1, 2], **kw)
+
+    assert prepare_prompt(req(), None, 100, 64) == [1, 2]
+    assert prepare_prompt(req(sampling=SamplingParams(stop_token_ids=[0, 99])), None, 100,
+                          64) == [1, 2]
+    with pytest.raises(RequestRejected, match=r"^v must be 1.*got 99") as e:
+        prepare_prompt(req(v=99), None, 100, 64)
+    assert e.value.code == "bad_request"
+    with pytest.raises(RequestRejected, match="stop_token_ids.*100.*outside the vocabulary"):
+        prepare_prompt(req(sampling=SamplingParams(stop_token_ids=[5, 100])), None, 100, 64)
+    with pytest.raises(RequestRejected, match="temperature"):
+        prepare_prompt(req(sampling=SamplingParams(temperature=1e-45)), None, 100, 64)
