@@ -62,7 +62,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 class ExecutorConfig(msgspec.Struct, frozen=True):
     model: str | None = None  # local HF directory; None = the embedded default (--model)
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (--dtype)
-    device: str = "cpu"  # one torch device per executor (--devices)
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (--attention-backend)
     threads: int = 0  # torch intra-op threads; 0 = torch's default / executors (--threads)
     seed: int = 0  # seed for --random-weights
@@ -82,8 +81,6 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
             raise ConfigError(
                 f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"--devices entries must be 'cpu' or 'cuda:N', got {self.device!r}")
 
 
 class DisaggConfig(msgspec.Struct, frozen=True):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
 import tempfile
@@ -169,7 +170,7 @@ class Node:
     async def _start_prefill(self, cfg: NodeConfig, arch: ModelArch, setup: SchedulerSetup,
                              actors: list) -> None:
         from disagg.actors.prefill_messenger import PrefillMessenger
-        from disagg.actors.prefill_scheduler import PrefillScheduler
+        from disagg.actors.prefill_scheduler import PrefillSide
         from disagg.kernels.counter import LayerCounter
 
         assert self.executors is not None
@@ -178,7 +179,7 @@ class Node:
             raise RuntimeError("the lead executor did not share a layer counter")
         self.counter = LayerCounter.attach(handle)
         m_sock, s_sock = self._pair("messenger")
-        self.scheduler = PrefillScheduler(setup, s_sock)
+        self.scheduler = SchedulerActor("prefill", setup, None, s_sock, side=PrefillSide)
         self.messenger = PrefillMessenger(
             cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensors(),
             self.counter, vocab_size=arch.vocab_size, kv_fds=self.executors.kv_fds,
@@ -190,14 +191,14 @@ class Node:
     async def _start_decode(self, cfg: NodeConfig, arch: ModelArch, sched_sock: zmq.asyncio.Socket,
                             setup: SchedulerSetup, actors: list) -> None:
         from disagg.actors.decode_messenger import DecodeMessenger
-        from disagg.actors.decode_scheduler import DecodeScheduler
+        from disagg.actors.decode_scheduler import DecodeSide
 
         d = cfg.disagg
         m_sock, s_sock = self._pair("messenger")
-        self.scheduler = DecodeScheduler(
-            setup, sched_sock, s_sock,
-            local_prefill_max_tokens=d.local_prefill_max_tokens, on_failure=d.on_prefill_failure,
-            prefill_timeout_s=d.prefill_timeout_s, peer_timeout_s=d.peer_timeout_s)
+        self.scheduler = SchedulerActor("decode", setup, sched_sock, s_sock, side=functools.partial(
+            DecodeSide, local_prefill_max_tokens=d.local_prefill_max_tokens,
+            on_failure=d.on_prefill_failure, prefill_timeout_s=d.prefill_timeout_s,
+            peer_timeout_s=d.peer_timeout_s))
         self.messenger = DecodeMessenger(
             d.prefill_peers, self.ctx, m_sock, self._transfer(), self._layout(arch),
             self._kv_tensors(), max_slots=2 * cfg.scheduler.max_running,

@@ -1,14 +1,15 @@
-"""Scheduler actor of a decode node.
+"""The decode node's side of the scheduler: remote prefill (``disagg.actors.sides``).
 
-Receives: client requests from the frontend; ``KVReady`` / ``RemoteFailed`` /
-``RemoteReleased`` / ``PeersAlive`` / ``MessengerStats`` from the messenger.
-Sends: tokens to clients; ``NeedPrefill`` / ``CancelRemote`` to the messenger.
-Owns: the page pool. A prompt longer than ``--local-prefill-max-tokens`` gets un-evictable
-pages and waits out of decode scheduling until its KV has landed (SEED.md 8); then its last
-prompt token runs as an ordinary decode step (SEED.md 26). Short prompts, and every prompt
-while no prefiller is alive, are prefilled here in mixed steps. Prompts waiting for pages (the
-remote queue) are served whenever pages return to the pool, and end with ``timeout`` if they
-wait past ``--queue-timeout``.
+Receives (through the scheduler): ``AttemptEvent`` / ``PeersAlive`` from the messenger.
+Sends: ``SendPrefill`` / ``StopPrefill`` / ``ForgetPrefill`` to the messenger.
+Owns: the remote-prefill machine (``disagg.remote.decode.DecodeRemote``), which holds every
+page reserved for a remote request until its KV landed or no write can reach it any more; the
+sequences prefilled remotely; their TTFT milestones. A prompt longer than
+``--local-prefill-max-tokens`` waits out of decode scheduling until its KV has landed; then its
+last prompt token runs as an ordinary decode step. Short prompts, and every prompt while no
+prefiller is alive, are prefilled here in mixed steps. Prompts waiting for pages (the remote
+queue) are served whenever pages return to the pool, and end with ``timeout`` if they wait
+past ``--queue-timeout``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ import logging
 import time
 
 import msgspec
-import zmq.asyncio
 
-from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
+from disagg.actors.sides import SchedulerPort, SchedulerSide
 from disagg.engine.cache import pages_needed
-from disagg.engine.scheduling import Batch, Sequence, SeqUpdate, Status
+from disagg.engine.scheduling import Batch, Sequence, Status
 from disagg.protocol import Error
 from disagg.protocol.executor import StepPlan, StepResult
 from disagg.protocol.inproc import (
@@ -50,15 +50,14 @@ from disagg.remote.transfer_plan import new_generation
 log = logging.getLogger(__name__)
 
 
-class DecodeScheduler(SchedulerActor):
-    def __init__(self, setup: SchedulerSetup, inbox: zmq.asyncio.Socket,
-                 mbox: zmq.asyncio.Socket, *, local_prefill_max_tokens: int = 0,
+class DecodeSide(SchedulerSide):
+    def __init__(self, port: SchedulerPort, *, local_prefill_max_tokens: int = 0,
                  on_failure: OnFailure = "error", prefill_timeout_s: float = 60.0,
                  peer_timeout_s: float = 5.0):
-        super().__init__("decode", setup, inbox, mbox)
+        super().__init__(port)
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.remote = DecodeRemote(
-            Policy(on_failure, prefill_timeout_s, peer_timeout_s, self.limits.queue_timeout_s),
+            Policy(on_failure, prefill_timeout_s, peer_timeout_s, port.limits.queue_timeout_s),
             new_generation)
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence, while remote
         self.clock: dict[int, dict[str, float]] = {}  # slot -> TTFT milestones (monotonic s)
@@ -69,37 +68,34 @@ class DecodeScheduler(SchedulerActor):
         return (self.remote.peers_alive > 0
                 and len(seq.prompt_ids) - 1 > self.local_prefill_max_tokens)
 
-    async def enqueue(self, seq: Sequence) -> None:
+    async def enqueue(self, seq: Sequence) -> bool:
         if not self.wants_remote(seq):
-            self.sched.add(seq)
-            return
+            return False
         seq.status = Status.REMOTE
         self.seqs[seq.slot] = seq
         self.clock[seq.slot] = {"admit": time.monotonic()}
         self.remote.admit(seq.slot, len(seq.prompt_ids) - 1,
-                          pages_needed(seq.num_tokens, self.page_size), time.monotonic())
+                          pages_needed(seq.num_tokens, self.port.page_size), time.monotonic())
         await self._pump()
+        return True
 
     def in_flight(self) -> int:
-        return super().in_flight() + self.remote.waiting_for_kv()
+        return self.remote.waiting_for_kv()
 
     async def pages_changed(self) -> None:
         await self._pump()
 
     def next_deadline(self) -> float | None:
-        heads = [d for d in (super().next_deadline(), self.remote.next_deadline())
-                 if d is not None]
-        return min(heads) if heads else None
+        return self.remote.next_deadline()
 
-    async def _expire(self, now: float) -> None:
-        await super()._expire(now)
+    async def expire(self, now: float) -> None:
         await self._carry_out(self.remote.expire(now))
 
     async def _pump(self) -> None:
         """Reserve pages for queued remote prefills, oldest first, while the pool allows."""
         while (head := self.remote.head()) is not None:
             slot, n = head
-            pages = self.pool.allocate(n)
+            pages = self.port.pool.allocate(n)
             if pages is None:
                 return
             await self._carry_out(self.remote.reserved(slot, pages, time.monotonic()))
@@ -115,26 +111,26 @@ class DecodeScheduler(SchedulerActor):
                     n = len(seq.prompt_ids) - 1
                     await self._to_messenger(SendPrefill(
                         c.request_id, c.key, seq.prompt_ids[:-1],
-                        list(c.pages[: pages_needed(n, self.page_size)]), c.cap_s))
+                        list(c.pages[: pages_needed(n, self.port.page_size)]), c.cap_s))
                 case Abort():
                     await self._to_messenger(StopPrefill(c.request_id, c.blame))
                 case Forget():
                     await self._to_messenger(ForgetPrefill(c.request_id))
                 case Free():
-                    self.sched.free_pages(list(c.pages))
+                    self.port.sched.free_pages(list(c.pages))
                 case Ready():
                     seq = self.seqs.pop(c.slot)
                     self.clock.get(c.slot, {})["kv"] = time.monotonic()
-                    self.sched.kv_arrived(seq, list(c.pages))
+                    self.port.sched.kv_arrived(seq, list(c.pages))
                 case Local():
                     seq = self.seqs.pop(c.slot)
                     self.clock.pop(c.slot, None)
                     log.warning("prefilling %s locally: %s", seq.request_id, c.why)
-                    self.sched.add(seq)
+                    self.port.sched.add(seq)
                 case Fail():
                     seq = self.seqs.pop(c.slot)
                     self.clock.pop(c.slot, None)
-                    await self._end(seq, Error(c.code, c.message, seq.request_id))
+                    await self.port.end(seq, Error(c.code, c.message, seq.request_id))
 
     async def handle_messenger(self, msg: ToScheduler) -> None:
         now = time.monotonic()
@@ -147,8 +143,6 @@ class DecodeScheduler(SchedulerActor):
                 await self._carry_out(self.remote.event(rid, kind, now, ev.code, ev.message))
             case PeersAlive(count=n):
                 await self._carry_out(self.remote.set_peers_alive(n))
-            case _:
-                await super().handle_messenger(msg)
 
     def _prefiller_timings(self, rid: str, timings: tuple[float, float, float]) -> None:
         """The prefiller's queue and compute time, from the PrefillDone of the attempt that
@@ -158,11 +152,10 @@ class DecodeScheduler(SchedulerActor):
         if clock is not None and self.sent.get(slot) == rid:
             clock.update(prefill_queue=timings[0], prefill_compute=timings[1])
 
-    async def _emit(self, update: SeqUpdate) -> None:
-        clock = self.clock.get(update.seq.slot)
+    def emitting(self, seq: Sequence) -> None:
+        clock = self.clock.get(seq.slot)
         if clock is not None and "first" not in clock:
             clock["first"] = time.monotonic()
-        await super()._emit(update)
 
     def timings_of(self, seq: Sequence) -> dict[str, float] | None:
         c = self.clock.get(seq.slot)
@@ -176,14 +169,14 @@ class DecodeScheduler(SchedulerActor):
                                             - c["prefill_compute"]))
         return {k: round(1000 * v, 3) for k, v in out.items()}
 
-    async def release(self, seq: Sequence) -> None:
+    async def release(self, seq: Sequence) -> bool:
         self.clock.pop(seq.slot, None)
         self.sent.pop(seq.slot, None)
-        if self.seqs.pop(seq.slot, None) is not None:  # still remote: the machine's pages
-            seq.status = Status.FINISHED
-            await self._carry_out(self.remote.cancel(seq.slot, time.monotonic()))
-            return
-        await super().release(seq)
+        if self.seqs.pop(seq.slot, None) is None:
+            return False
+        seq.status = Status.FINISHED  # still remote: the machine holds its pages
+        await self._carry_out(self.remote.cancel(seq.slot, time.monotonic()))
+        return True
 
     async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
                          hidden: bytes | None) -> None:
@@ -199,5 +192,4 @@ class DecodeScheduler(SchedulerActor):
         return self.remote.in_flight()
 
     async def _to_messenger(self, msg: object) -> None:
-        assert self.mbox is not None
-        await self.mbox.send(self._menc.encode(msg))
+        await self.port.to_messenger([self._menc.encode(msg)])

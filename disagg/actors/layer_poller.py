@@ -1,5 +1,5 @@
-"""The layer poller: a dedicated thread following the layer counter of the running step
-(SEED.md 13). It reads the counter the lead executor bumps after each layer's attention output
+"""The layer poller: a dedicated thread following the layer counter of the running step.
+It reads the counter the lead executor bumps after each layer's attention output
 projection, and enters asyncio in one place (``call_soon_threadsafe``) when layers finished.
 It blocks on an event while no step runs; it never spins idle."""
 
@@ -14,7 +14,7 @@ POLL_S = 0.0002  # counter poll period while a step runs
 
 
 class LayerPoller:
-    """A dedicated thread that follows the layer counter of the running step (SEED.md 13)."""
+    """A dedicated thread that follows the layer counter of the running step."""
 
     def __init__(self, counter: Any, num_layers: int, loop: asyncio.AbstractEventLoop,
                  on_layers: Any):

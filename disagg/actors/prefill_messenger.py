@@ -4,7 +4,7 @@ Receives: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` from decode nodes (RO
 node's ``--listen``); ``StepAnnounce`` / ``StepDone`` (+ context rows) from the scheduler.
 Sends: ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` / ``MessengerStats`` to the scheduler;
 ``Pong`` / ``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` to decoders; page writes through
-the transfer engine, layer by layer as the layer counter advances (SEED.md 11-16).
+the transfer engine, layer by layer as the layer counter advances.
 Owns: the jobs (one per accepted PrefillRequest), the layer-counter poller thread, the context
 staging buffer.
 

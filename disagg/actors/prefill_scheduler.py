@@ -1,10 +1,10 @@
-"""Scheduler actor of a prefill node.
+"""The prefill node's side of the scheduler (``disagg.actors.sides``).
 
-Receives: ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` / ``MessengerStats`` from the
-messenger (``inproc://``). Sends: ``StepAnnounce`` BEFORE each step (SEED.md 12) and
-``StepDone`` (+ the context rows as a second frame) after it.
-Owns: the page pool and the prefill-only sequences; a job's pages are held after it is computed
-until the messenger says every write reading them has completed.
+Receives (through the scheduler): ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` /
+``StatsQuery`` from the messenger. Sends: ``StepAnnounce`` BEFORE each step and ``StepDone``
+(+ the context rows as a second frame) after it, ``StatsReply``.
+Owns: the prefill-only sequences of the jobs; a job's pages are held after it is computed (or
+cancelled) until the messenger says no write reads them any more (``ReleaseJob``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 
 import msgspec
-import zmq.asyncio
 
-from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
+from disagg.actors.sides import SchedulerPort, SchedulerSide
 from disagg.engine.scheduling import Batch, Sequence, Status
 from disagg.protocol import SamplingParams
 from disagg.protocol.executor import StepPlan, StepResult
@@ -33,9 +32,9 @@ from disagg.protocol.inproc import (
 log = logging.getLogger(__name__)
 
 
-class PrefillScheduler(SchedulerActor):
-    def __init__(self, setup: SchedulerSetup, mbox: zmq.asyncio.Socket):
-        super().__init__("prefill", setup, None, mbox)
+class PrefillSide(SchedulerSide):
+    def __init__(self, port: SchedulerPort):
+        super().__init__(port)
         self.jobs: dict[int, Sequence] = {}  # job id -> its prefill-only sequence
         self.job_of: dict[int, int] = {}  # slot -> job id
         self.held: dict[int, list[int]] = {}  # cancelled jobs' pages, freed on ReleaseJob
@@ -44,43 +43,42 @@ class PrefillScheduler(SchedulerActor):
     async def handle_messenger(self, msg: ToScheduler) -> None:
         match msg:
             case PrefillJob(job=job, prompt_ids=ids):
-                slot = next(self._slots)
+                slot = self.port.next_slot()
                 seq = Sequence(slot, f"job-{job}", list(ids), SamplingParams(max_tokens=1), 0,
                                arrival=slot, prefill_only=True)
                 self.jobs[job] = seq
                 self.job_of[slot] = job
-                self.counters.started += 1
-                self.sched.add(seq)
+                self.port.counters.started += 1
+                self.port.sched.add(seq)
             case CancelJob(job=job):
                 cancelled = self.jobs.get(job)
                 if cancelled is not None and cancelled.status is not Status.FINISHED:
-                    self.held[job] = self.sched.detach(cancelled)
-                    self.counters.aborted += 1
+                    self.held[job] = self.port.sched.detach(cancelled)
+                    self.port.counters.aborted += 1
             case ReleaseJob(job=job, outcome=outcome):
                 done = self.jobs.pop(job, None)
                 pages = self.held.pop(job, None)
                 if done is not None:
                     self.job_of.pop(done.slot, None)
                     if done.status is Status.HELD:  # computed; its writes done or failed
-                        pages = self.sched.detach(done)
+                        pages = self.port.sched.detach(done)
                         if outcome == "finished":
-                            self.counters.finished += 1
+                            self.port.counters.finished += 1
                         elif outcome == "aborted":
-                            self.counters.aborted += 1
+                            self.port.counters.aborted += 1
                         else:
-                            self.counters.errored += 1
+                            self.port.counters.errored += 1
                 if pages:
-                    self.sched.free_pages(pages)
+                    self.port.sched.free_pages(pages)
             case StatsQuery(peer=peer):
-                await self._to_messenger([self._menc.encode(StatsReply(peer, self.stats()))])
-            case _:
-                await super().handle_messenger(msg)
+                await self.port.to_messenger([self._menc.encode(StatsReply(peer,
+                                                                           self.port.stats()))])
 
     async def before_step(self, plan: StepPlan, batch: Batch) -> None:
         chunks = [ChunkInfo(self.job_of[c.seq.slot], c.start, c.count, c.seq.num_tokens,
                             list(c.seq.block_table))
                   for c in batch.chunks if c.seq.slot in self.job_of]
-        await self._to_messenger([self._menc.encode(
+        await self.port.to_messenger([self._menc.encode(
             StepAnnounce(plan.step_id, plan.counter_base, chunks))])
 
     async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
@@ -90,12 +88,8 @@ class PrefillScheduler(SchedulerActor):
         frames = [self._menc.encode(done)]
         if hidden is not None and result.error is None:
             frames.append(hidden)
-        await self._to_messenger(frames)
+        await self.port.to_messenger(frames)
 
-    async def step_failed(self, seq: Sequence, error: str) -> None:
+    async def step_failed(self, seq: Sequence, error: str) -> bool:
         log.error("prefill step failed for %s: %s", seq.request_id, error)
-        # the messenger cancels the job (StepDone.ok is False) and then releases its pages
-
-    async def _to_messenger(self, frames: list[bytes]) -> None:
-        assert self.mbox is not None
-        await self.mbox.send_multipart(frames)
+        return True  # the messenger cancels the job (StepDone.ok is False), then releases it

@@ -18,7 +18,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,9 +27,10 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.executor import ExecutorError, ExecutorGroup
+from disagg.actors.sides import SchedulerSide
 from disagg.actors.sockets import pending
 from disagg.engine.cache import PagePool
-from disagg.engine.scheduling import Batch, BatchScheduler, Sequence, SeqUpdate
+from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.protocol import (
@@ -44,7 +45,7 @@ from disagg.protocol import (
     TokenChunk,
     Usage,
 )
-from disagg.protocol.executor import StepPlan, StepResult
+from disagg.protocol.executor import StepPlan
 from disagg.protocol.inproc import (
     ClientGone,
     FromClient,
@@ -92,9 +93,11 @@ class SchedulerSetup:
 
 class SchedulerActor:
     def __init__(self, role: str, setup: SchedulerSetup, inbox: zmq.asyncio.Socket | None = None,
-                 mbox: zmq.asyncio.Socket | None = None):
+                 mbox: zmq.asyncio.Socket | None = None,
+                 side: Callable[[SchedulerActor], SchedulerSide] | None = None):
         """``inbox``: the frontend link (None on a prefill node: it has no clients);
-        ``mbox``: the messenger link (prefill and decode roles)."""
+        ``mbox``: the messenger link; ``side``: builds what a prefill or decode node adds
+        (``disagg.actors.sides``; None on a mixed node)."""
         self.role = role
         self.limits = setup.limits
         self.inbox = inbox
@@ -131,6 +134,7 @@ class SchedulerActor:
         self.mbox = mbox
         self._mdec = msgspec.msgpack.Decoder(ToScheduler)
         self.messenger_stats = MessengerStats()
+        self.side = side(self) if side is not None else SchedulerSide(self)
 
     # ------------------------------------------------------------------ loop
 
@@ -151,7 +155,7 @@ class SchedulerActor:
                 step_id = next(self._steps)
                 plan = StepPlan(step_id, [c.to_wire() for c in batch.chunks], batch.num_decodes,
                                 counter_base=step_id * (self.arch.num_layers + 1))
-                await self.before_step(plan, batch)
+                await self.side.before_step(plan, batch)
                 started = time.monotonic()
                 result, hidden = await self.executors.step(plan)
                 took = time.monotonic() - started
@@ -159,7 +163,7 @@ class SchedulerActor:
                     log.warning("slow step %d: %.0f ms for %d tokens (%d decodes, %d chunks)",
                                 step_id, 1000 * took, batch.num_tokens, batch.num_decodes,
                                 len(batch.chunks) - batch.num_decodes)
-                await self.after_step(plan, batch, result, hidden)
+                await self.side.after_step(plan, batch, result, hidden)
                 if result.error is not None:
                     for c in batch.chunks:
                         await self.step_failed(c.seq, result.error)
@@ -207,7 +211,9 @@ class SchedulerActor:
         return max(1, min(1000, int(1000 * (nxt - time.monotonic())) + 1))
 
     def next_deadline(self) -> float | None:
-        return self.queue.next_deadline()
+        heads = [d for d in (self.queue.next_deadline(), self.side.next_deadline())
+                 if d is not None]
+        return min(heads) if heads else None
 
     async def _feed(self) -> None:
         """Hand queued requests to batching, round robin over clients, while seats are free
@@ -219,11 +225,12 @@ class SchedulerActor:
 
     def in_flight(self) -> int:
         """Sequences handed to batching and not finished (seats taken or about to be)."""
-        return len(self.sched.running) + len(self.sched.waiting)
+        return len(self.sched.running) + len(self.sched.waiting) + self.side.in_flight()
 
     async def _expire(self, now: float) -> None:
         for seq in self.queue.expired(now):
             await self._timeout(seq)
+        await self.side.expire(now)
 
     async def _timeout(self, seq: Sequence) -> None:
         waited = self.limits.queue_timeout_s
@@ -232,6 +239,7 @@ class SchedulerActor:
 
     async def pages_changed(self) -> None:
         """Pages may have returned to the pool (decode: reserve pages for queued prompts)."""
+        await self.side.pages_changed()
 
     async def client_gone(self, msg: ClientGone) -> None:
         """End a vanished (or no longer reading) client's requests: nobody wants the tokens."""
@@ -257,21 +265,15 @@ class SchedulerActor:
             identity, n = self._acks.popitem()
             await self._to_frontend(ToClient(identity, n))
 
-    # ------------------------------------------------------------------ role hooks
-
-    async def before_step(self, plan: StepPlan, batch: Batch) -> None:
-        """Called before the step is sent to the executors (prefill: announce chunks)."""
-
-    async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
-                         hidden: bytes | None) -> None:
-        """Called when the executors answered, before tokens are applied."""
-
     async def step_failed(self, seq: Sequence, error: str) -> None:
-        await self._end(seq, Error("internal", f"step failed: {error}", seq.request_id))
+        if not await self.side.step_failed(seq, error):
+            await self._end(seq, Error("internal", f"step failed: {error}", seq.request_id))
 
     async def handle_messenger(self, msg: ToScheduler) -> None:
         if isinstance(msg, MessengerStats):
             self.messenger_stats = msg
+        else:
+            await self.side.handle_messenger(msg)
 
     async def handle(self, env: FromClient) -> None:
         match env.msg:
@@ -370,7 +372,8 @@ class SchedulerActor:
 
     async def enqueue(self, seq: Sequence) -> None:
         """Hand an admitted sequence to batching (a decode node may prefill it remotely)."""
-        self.sched.add(seq)
+        if not await self.side.enqueue(seq):
+            self.sched.add(seq)
 
     async def _emit(self, update: SeqUpdate) -> None:
         seq = update.seq
@@ -378,11 +381,23 @@ class SchedulerActor:
         if key is None:
             return
         live = self.live[key]
+        self.side.emitting(seq)
         text = live.detok.push(update.new_token_ids)
         await self._send(live.identity, TokenChunk(seq.request_id, update.new_token_ids, text))
         if update.finish_reason is not None:
             await self._end(seq, Finished(seq.request_id, update.finish_reason, self._usage(seq),
-                                          timings=self.timings_of(seq)))
+                                          timings=self.side.timings_of(seq)))
+
+    def next_slot(self) -> int:
+        return next(self._slots)
+
+    async def end(self, seq: Sequence, terminal: Finished | Error) -> None:
+        """End a live request with ``terminal`` (a side's call)."""
+        await self._end(seq, terminal)
+
+    async def to_messenger(self, frames: list[bytes]) -> None:
+        assert self.mbox is not None
+        await self.mbox.send_multipart(frames)
 
     async def _end(self, seq: Sequence, terminal: Finished | Error) -> None:
         """Make ``terminal`` the request's last message, free its pages, count it."""
@@ -401,13 +416,10 @@ class SchedulerActor:
             self.counters.finished += 1
         await self._send(live.identity, terminal)
 
-    def timings_of(self, seq: Sequence) -> dict[str, float] | None:
-        """The TTFT breakdown of a finishing request (decode role: remote prefills)."""
-        return None
-
     async def release(self, seq: Sequence) -> None:
         """Take an ended sequence out of batching and free its pages."""
-        self.sched.remove(seq)
+        if not await self.side.release(seq):
+            self.sched.remove(seq)
 
     async def fail_all(self, code: ErrorCode, message: str) -> None:
         """End every live request with an Error (shutdown, executor failure)."""
@@ -440,25 +452,15 @@ class SchedulerActor:
             started=c.started, finished=c.finished,
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             preemptions=self.sched.num_preemptions,
-            waiting_for_kv=self.waiting_for_kv(), pages_fenced=self.pages_fenced(),
+            waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
             max_model_len=self.max_model_len,
             **msgspec.structs.asdict(self.messenger_stats)
             | self._own_transfer_count(),
         )
 
     def _own_transfer_count(self) -> dict[str, int]:
-        n = self.transfers_in_flight()
+        n = self.side.transfers_in_flight()
         return {} if n is None else {"transfers_in_flight": n}
-
-    def pages_fenced(self) -> int:
-        return 0
-
-    def waiting_for_kv(self) -> int:
-        return 0
-
-    def transfers_in_flight(self) -> int | None:
-        """The role's own count of transfers in flight (None: the messenger's snapshot)."""
-        return None
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:

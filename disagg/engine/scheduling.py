@@ -164,7 +164,7 @@ class BatchScheduler:
     def kv_arrived(self, seq: Sequence, pages: list[int]) -> None:
         """A prefiller's KV for all but the last prompt token has landed in ``pages`` (held by
         the remote-prefill machine until now): decode from here; the next step runs the last
-        prompt token as an ordinary decode (SEED.md 26)."""
+        prompt token as an ordinary decode."""
         seq.block_table = list(pages)
         seq.num_computed = seq.num_tokens - 1
         seq.status = Status.RUNNING

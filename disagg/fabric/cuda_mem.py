@@ -92,7 +92,7 @@ class _ArrayInterface:
 class CuMemAllocation:
     """Device memory from the cuMem virtual memory API with a POSIX-fd exportable handle: the
     node's KV cache (an executor creates it, the node's main process imports the fd and maps
-    the same memory, SEED.md 19; cuda-ipc peers import it too)."""
+    the same memory; cuda-ipc peers import it too)."""
 
     def __init__(self, handle: Any, ptr: int, size: int, device: Any):
         self.handle = handle

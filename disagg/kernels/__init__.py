@@ -1,6 +1,6 @@
 """Attention and cache kernels over the HND paged KV cache.
 
-Layout (DESIGN.md section 3): one allocation per executor, viewed as
+Layout: one allocation per executor, viewed as
 ``[num_layers, num_pages, 2 (K, V), num_kv_heads, page_size, head_dim]``. A layer's K cache is
 ``kv[layer, :, 0]``: shape ``[num_pages, num_kv_heads, page_size, head_dim]`` with a page stride of
 ``2 * num_kv_heads * page_size * head_dim`` elements (K and V of one page are adjacent, so a whole

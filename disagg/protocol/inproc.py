@@ -46,7 +46,7 @@ SchedulerInbox = FromClient | ClientGone  # what the scheduler reads from the fr
 # ------------------------------------------------------------------ scheduler <-> messenger (inproc)
 #
 # Prefill node: the messenger hands accepted PrefillRequests to the scheduler as jobs; before
-# every step the scheduler announces which chunks it holds (SEED.md 12) and after it reports
+# every step the scheduler announces which chunks it holds and after it reports
 # the step done (with the context rows as a second frame). Pages stay with the scheduler's
 # pool; the messenger says when a job's pages may be freed (all its writes completed).
 # Decode node: the scheduler asks for remote prefills of requests whose pages it reserved; the

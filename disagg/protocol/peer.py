@@ -83,7 +83,7 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
 
     request_id: str  # the decoder's id for this attempt (unique per decoder)
     key: int  # immediate key (slot, generation) every write carries
-    prompt_ids: list[int]  # the prompt WITHOUT its last token (SEED.md 26)
+    prompt_ids: list[int]  # the prompt WITHOUT its last token
     dst_pages: list[int]  # decoder page ids, in block-table order; len = pages for prompt_ids
     dst_layout: KVLayoutDesc
     dst_kv: bytes  # encoded MemoryDescriptor of the decoder's (lead rank's) KV region

@@ -1,14 +1,14 @@
 """KV transfer planning: the pure functions both sides of a transfer must agree on.
 
-A prefiller writes each finished layer's pages straight into the decoder's reserved pages
-(SEED.md 11, 17, 18-24). Both sides import this module: the prefiller to plan writes, the
+A prefiller writes each finished layer's pages straight into the decoder's reserved pages.
+Both sides import this module: the prefiller to plan writes, the
 decoder to know how many units of immediate data to expect. Nothing here touches sockets or
 memory.
 
 Memory (``KVLayoutDesc``): each rank has its own buffer ``[layers, pages, 2 (K, V), kv_heads
 of the rank, page_size, head_dim]``, so page ``p`` of layer ``l`` (K and V together) is one
 contiguous run of ``page_bytes`` at ``(l * num_pages + p) * page_bytes``, and the K (or V) of a
-range of the rank's heads within one page is one contiguous run (HND, SEED.md 24).
+range of the rank's heads within one page is one contiguous run (HND).
 
 Sharding. For every destination rank ``d`` the planner takes the source ranks of ONE source
 replica set (the one its replica set is assigned to, ``replica_assignment``) and, for each
@@ -110,7 +110,7 @@ def replica_ranks(layout: KVLayoutDesc, replica: int) -> list[int]:
 def replica_assignment(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int) -> list[int]:
     """Source replica set of each destination replica set: a seeded random order of the source
     sets, dealt round-robin, so with as many destination sets as source sets every source
-    device sends, and with fewer the senders vary from request to request (SEED.md 23, 29).
+    device sends, and with fewer the senders vary from request to request.
     Deterministic in ``seed`` (the prefiller passes the request key) and platform-independent.
     The decoder's count does not depend on it."""
     def draw(i: int) -> bytes:

@@ -8,7 +8,7 @@ feeds what:
 - a Stats poller: ``update_stats(stats, node)`` -> queue depths, page pool usage, the node's own
   counters (preemptions, started/finished/aborted/errored/rejected), exposed from the last
   snapshot so they stay monotonic per node process;
-- the KV transfer path (messenger / transfer engine / completion tracker; not wired yet):
+- the KV transfer path (the prefill and decode messengers, served by ``--metrics-listen``):
   ``observe_transfer(direction, nbytes, writes, latency_s)`` and ``observe_layer_lag(seconds)``.
 
 Every name starts with ``disagg_``; units are seconds, bytes and counts.

@@ -1,4 +1,4 @@
-"""Listening sockets bind to loopback unless told otherwise (DESIGN.md section 8): the CLI
+"""Listening sockets bind to loopback unless told otherwise: the CLI
 defaults, and every TCP listener a running prefill node, decode node (with its HTTP gateway)
 and their executor processes hold, read from /proc."""
 
