@@ -1,0 +1,151 @@
+"""The decode node's scheduler side (DecodeSide) against a fake scheduler port: the machine's
+commands turned into messenger messages, pool pages and request outcomes, with no process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from disagg.actors.decode_scheduler import DecodeSide
+from disagg.engine.cache import PagePool
+from disagg.engine.scheduling import BatchScheduler, Sequence, Status
+from disagg.protocol import Error, Finished, SamplingParams
+from disagg.protocol.inproc import (
+    AttemptEvent,
+    ForgetPrefill,
+    PeersAlive,
+    SendPrefill,
+    StopPrefill,
+    ToMessenger,
+)
+from disagg.serving.admission import Counters, Limits
+
+PAGE = 4
+
+
+class FakePort:
+    def __init__(self, pages: int = 16):
+        self.pool = PagePool(pages)
+        self.sched = BatchScheduler(self.pool, PAGE, 64, 8, 256)
+        self.page_size = PAGE
+        self.limits = Limits(queue_timeout_s=100.0)
+        self.counters = Counters()
+        self.sent: list[object] = []
+        self.ended: list[tuple[Sequence, Finished | Error]] = []
+        self._dec = msgspec.msgpack.Decoder(ToMessenger)
+
+    def next_slot(self) -> int:
+        return 0
+
+    async def end(self, seq: Sequence, terminal: Finished | Error) -> None:
+        self.ended.append((seq, terminal))
+
+    async def to_messenger(self, frames: list[bytes]) -> None:
+        self.sent.append(self._dec.decode(frames[0]))
+
+    def stats(self):  # pragma: no cover - not used by the decode side
+        raise NotImplementedError
+
+
+def side_with(on_failure: str = "error", pages: int = 16) -> tuple[DecodeSide, FakePort]:
+    port = FakePort(pages)
+    side = DecodeSide(port, local_prefill_max_tokens=4, on_failure=on_failure,  # type: ignore[arg-type]
+                      prefill_timeout_s=5.0, peer_timeout_s=1.0)
+    return side, port
+
+
+def long_seq(slot: int = 1, n: int = 17) -> Sequence:
+    return Sequence(slot, f"r{slot}", list(range(1, n + 1)), SamplingParams(max_tokens=2), 0,
+                    arrival=slot)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_long_prompt_goes_remote_and_runs_its_last_token_once_the_kv_landed():
+    side, port = side_with()
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        seq = long_seq()
+        assert await side.enqueue(seq)
+        [send] = port.sent
+        assert isinstance(send, SendPrefill) and send.prompt_ids == seq.prompt_ids[:-1]
+        assert len(send.dst_pages) == 4 and port.pool.num_free == 16 - 5  # 17 tokens: 5 pages
+        assert side.waiting_for_kv() == 1 and seq.status is Status.REMOTE
+        await side.handle_messenger(AttemptEvent(send.request_id, "done", timings=(0.1, 0.2, 0.0)))
+        await side.handle_messenger(AttemptEvent(send.request_id, "landed"))
+        assert isinstance(port.sent[-1], ForgetPrefill)
+        assert seq.status is Status.RUNNING and seq.num_computed == 16 and len(seq.block_table) == 5
+        side.emitting(seq)
+        timings = side.timings_of(seq)
+        assert timings is not None and timings["prefill_queue"] == 100.0  # the early PrefillDone
+
+    run(go())
+
+
+def test_short_prompts_and_prompts_with_no_prefiller_stay_local():
+    side, port = side_with()
+
+    async def go():
+        assert not await side.enqueue(long_seq(n=5))  # 4 tokens to prefill: local
+        assert not await side.enqueue(long_seq(2))  # no prefiller alive yet
+        assert port.sent == []
+
+    run(go())
+
+
+def test_an_abort_while_waiting_stops_the_prefill_and_frees_pages_only_when_acknowledged():
+    side, port = side_with()
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        seq = long_seq()
+        await side.enqueue(seq)
+        send = port.sent[0]
+        assert await side.release(seq)
+        assert port.sent[-1] == StopPrefill(send.request_id, False)
+        assert port.pool.num_free == 11 and side.pages_fenced() == 5
+        await side.handle_messenger(AttemptEvent(send.request_id, "acked"))
+        assert port.pool.num_free == 16 and side.transfers_in_flight() == 0
+
+    run(go())
+
+
+def test_a_refusal_with_retry_resends_on_the_same_pages_then_fails_the_request():
+    side, port = side_with("retry")
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        seq = long_seq()
+        await side.enqueue(seq)
+        first = port.sent[0]
+        await side.handle_messenger(AttemptEvent(first.request_id, "failed", "overloaded", "busy"))
+        retry = port.sent[-1]
+        assert isinstance(retry, SendPrefill) and retry.dst_pages == first.dst_pages
+        assert retry.request_id != first.request_id
+        await side.handle_messenger(AttemptEvent(retry.request_id, "failed", "overloaded", "busy"))
+        [(ended, error)] = port.ended
+        assert ended is seq and isinstance(error, Error) and error.code == "prefill_failed"
+        assert port.pool.num_free == 16
+
+    run(go())
+
+
+def test_requests_wait_for_pages_and_start_when_pages_come_back():
+    side, port = side_with(pages=6)
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        a, b = long_seq(1), long_seq(2)
+        await side.enqueue(a)
+        await side.enqueue(b)  # 5 + 5 pages > 6: b waits
+        assert [type(m) for m in port.sent] == [SendPrefill]
+        await side.release(a)
+        await side.handle_messenger(AttemptEvent(port.sent[0].request_id, "acked"))
+        await side.pages_changed()
+        assert isinstance(port.sent[-1], SendPrefill) and port.sent[-1].request_id.startswith("2.")
+
+    run(go())
