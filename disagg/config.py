@@ -26,6 +26,7 @@ class CacheConfig(msgspec.Struct, frozen=True):
     page_size: int = 16  # tokens per page (--page-size)
     num_pages: int = 0  # 0 = size from --kv-cache-mb (CPU) or free memory (CUDA)
     kv_cache_mb: int = 256  # KV budget per executor when num_pages == 0 (--kv-cache-mb)
+    prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (--no-prefix-caching)
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size > 1024:

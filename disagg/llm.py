@@ -38,6 +38,7 @@ class LLM:
         max_running: int = 256,
         max_model_len: int | None = None,
         attention_backend: str = "auto",
+        prefix_caching: bool = True,
     ):
         arch = model.arch
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
@@ -48,6 +49,7 @@ class LLM:
         self.scheduler = BatchScheduler(
             self.pool, page_size, max_batch_tokens, max_running,
             max_model_len or arch.max_position_embeddings, arch.eos_token_ids,
+            prefix_caching=prefix_caching, cache_salt=arch.identity(str(model.dtype)),
         )
         self._slots = itertools.count()
         self._steps = itertools.count()

@@ -100,7 +100,9 @@ class Node:
                                s.max_batch_tokens, s.max_running,
                                s.max_model_len or arch.max_position_embeddings,
                                Limits(s.max_requests_per_client, s.max_queued_requests,
-                                      s.queue_timeout_s))
+                                      s.queue_timeout_s),
+                               prefix_caching=cfg.cache.prefix_caching,
+                               cache_salt=arch.identity(self.executors.ready[0].kv.dtype))
         actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
             await self._start_prefill(cfg, arch, setup, actors)

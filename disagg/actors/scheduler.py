@@ -89,6 +89,8 @@ class SchedulerSetup:
     max_running: int
     max_model_len: int
     limits: Limits = Limits()
+    prefix_caching: bool = False  # reuse cached full pages of prompt prefixes
+    cache_salt: bytes = b""  # the model's identity: parent of every first page hash
 
 
 class SchedulerActor:
@@ -117,7 +119,9 @@ class SchedulerActor:
             self.raise_hint = "the KV pool (--num-pages or --kv-cache-mb)"
         self.max_model_len = max_model_len
         self.sched = BatchScheduler(self.pool, page_size, max_batch_tokens, max_running,
-                                    max_model_len, arch.eos_token_ids)
+                                    max_model_len, arch.eos_token_ids,
+                                    prefix_caching=setup.prefix_caching,
+                                    cache_salt=setup.cache_salt)
         self.live: dict[tuple[bytes, str], Live] = {}
         self.by_slot: dict[int, tuple[bytes, str]] = {}
         self.per_client: collections.Counter[bytes] = collections.Counter()  # live + tokenizing
@@ -447,6 +451,9 @@ class SchedulerActor:
         c = self.counters
         return Stats(
             role=self.role, pages_total=self.pool.num_pages, pages_free=self.pool.num_free,
+            pages_cached=self.pool.num_cached,
+            prefix_query_tokens=self.sched.prefix_query_tokens,
+            prefix_hit_tokens=self.sched.prefix_hit_tokens,
             page_size=self.page_size, running=len(self.sched.running),
             waiting=len(self.sched.waiting) + len(self.queue) + len(self.tokenizing),
             started=c.started, finished=c.finished,
@@ -464,7 +471,7 @@ class SchedulerActor:
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:
-        return Usage(len(seq.prompt_ids), len(seq.output_ids))
+        return Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
 
     async def _send(self, identity: bytes, msg: NodeReply) -> None:
         """Reply to a client, counting the frames of it handled since the last reply."""

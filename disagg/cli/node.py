@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enforce-eager", action="store_true", default=not e.cuda_graphs,
                     help="CUDA: run decode steps eagerly (no CUDA graphs)")
     ap.add_argument("--page-size", type=int, default=c.page_size)
+    ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                    default=c.prefix_caching,
+                    help="do not reuse the KV of cached prompt prefixes (on by default)")
     ap.add_argument("--num-pages", type=int, default=c.num_pages)
     ap.add_argument("--kv-cache-mb", type=int, default=c.kv_cache_mb)
     ap.add_argument("--max-batch-tokens", type=int, default=s.max_batch_tokens)
@@ -155,7 +158,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                 gpu_memory_utilization=args.gpu_memory_utilization,
                                 cuda_graphs=not args.enforce_eager),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
-                          kv_cache_mb=args.kv_cache_mb),
+                          kv_cache_mb=args.kv_cache_mb, prefix_caching=args.prefix_caching),
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens,
                                   max_running=args.max_running, max_model_len=args.max_model_len,
                                   max_requests_per_client=args.max_requests_per_client,

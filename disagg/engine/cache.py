@@ -3,11 +3,20 @@
 Page ids are node-local integers in ``[0, num_pages)``. A request's page list is its block
 table. The pool hands out contiguous runs when it can, so adjacent pages of one request can be
 coalesced into one transfer write.
+
+Prefix cache: a full page whose KV is complete can be registered under the hash of its tokens
+chained from its parent page's (``page_hashes``). When its last reference goes it stays cached
+and evictable (least recently used first) instead of going back to the free list; a request
+whose leading pages hash the same takes references on them (``match``) and computes only the
+rest. Evictable cached pages count as free: ``num_free`` still means "not in use".
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
+import hashlib
+from array import array
 
 
 class PagePool:
@@ -19,10 +28,49 @@ class PagePool:
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages))  # sorted
         self._refs = [0] * num_pages
+        self._hash_of: dict[int, bytes] = {}  # cached page -> its chained hash
+        self._page_of: dict[bytes, int] = {}
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages not in use: free, or cached and evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Free pages that hold a cached prefix (evictable)."""
+        return len(self._evictable)
+
+    def cache_page(self, page: int, h: bytes) -> None:
+        """Register a full page in use whose KV is complete under its chained hash (a page
+        with the same hash already cached keeps the entry)."""
+        if self._refs[page] <= 0:
+            raise ValueError(f"page {page} is not allocated")
+        if h not in self._page_of and page not in self._hash_of:
+            self._page_of[h] = page
+            self._hash_of[page] = h
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The cached pages of the longest leading run of ``hashes``, each with one more
+        reference (the caller's)."""
+        pages: list[int] = []
+        for h in hashes:
+            p = self._page_of.get(h)
+            if p is None:
+                break
+            if self._refs[p] == 0:
+                del self._evictable[p]
+            self._refs[p] += 1
+            pages.append(p)
+        return pages
+
+    def _evict(self, n: int) -> None:
+        """Return the ``n`` least recently used cached pages to the free list."""
+        for _ in range(n):
+            p, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._hash_of.pop(p)]
+            bisect.insort(self._free, p)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -34,10 +82,12 @@ class PagePool:
         then the first contiguous run of length ``n``, then the lowest free pages."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         if n == 0:
             return []
+        if n > len(self._free):
+            self._evict(n - len(self._free))
         start = self._find_run(n, after)
         if start is not None:
             i = bisect.bisect_left(self._free, start)
@@ -81,7 +131,10 @@ class PagePool:
                 raise ValueError(f"page {p} is not allocated")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                bisect.insort(self._free, p)
+                if p in self._hash_of:
+                    self._evictable[p] = None  # most recently used last
+                else:
+                    bisect.insort(self._free, p)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -91,3 +144,14 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 def slot_mapping(block_table: list[int], start: int, count: int, page_size: int) -> list[int]:
     """Cache slots (``page * page_size + offset``) of positions ``start .. start+count-1``."""
     return [block_table[p // page_size] * page_size + p % page_size for p in range(start, start + count)]
+
+
+def page_hashes(tokens: list[int], page_size: int, parent: bytes, count: int) -> list[bytes]:
+    """The chained hashes of the first ``count`` full pages of ``tokens``: each covers its
+    page's token ids and its parent's hash (``parent`` for the first: the model's identity)."""
+    out: list[bytes] = []
+    for i in range(count):
+        chunk = array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        out.append(parent)
+    return out

@@ -5,6 +5,11 @@ it directly. Each step holds, in order: one decode token for every running seque
 is done, the next chunks of running prefills, then new sequences admitted from the waiting queue.
 When pages run out, the most recently arrived running sequence is preempted (recompute): its
 pages are freed and it goes back to the head of the waiting queue with prompt + outputs so far.
+
+With prefix caching, a sequence about to start takes the cached pages of its longest cached
+prefix (whole pages, never its last token) and computes from the first uncached token; every
+full page a step completes is registered in the cache (prompt and generated tokens alike).
+Prefill-only sequences (a prefill node's jobs) neither match nor register yet.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from disagg.engine.cache import PagePool, pages_needed
+from disagg.engine.cache import PagePool, page_hashes, pages_needed
 from disagg.protocol import SamplingParams
 from disagg.protocol.executor import SeqChunk
 
@@ -41,6 +46,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     prefill_only: bool = False  # prefill role: never sample; hold pages when computed
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at its first start
+    matched: bool = False  # its first start looked the cache up (counted in the statistics)
 
     @property
     def num_tokens(self) -> int:
@@ -111,7 +119,11 @@ class BatchScheduler:
         max_running: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        prefix_caching: bool = False,
+        cache_salt: bytes = b"",
     ):
+        """``prefix_caching``: reuse cached full pages; ``cache_salt``: the model's identity,
+        the parent of every prompt's first page hash."""
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -121,6 +133,10 @@ class BatchScheduler:
         self.waiting: list[Sequence] = []  # by arrival, preempted ones re-inserted in order
         self.running: list[Sequence] = []  # by arrival
         self.num_preemptions = 0
+        self.prefix_caching = prefix_caching
+        self.cache_root = cache_salt
+        self.prefix_query_tokens = 0  # prompt tokens of sequences that looked the cache up
+        self.prefix_hit_tokens = 0  # ... of which served from the cache
 
     # ---------------------------------------------------------------- admission
 
@@ -152,6 +168,7 @@ class BatchScheduler:
             self.waiting.remove(seq)
         pages, seq.block_table = seq.block_table, []
         seq.num_computed = 0
+        seq.hashes = []
         seq.status = Status.FINISHED
         return pages
 
@@ -195,6 +212,8 @@ class BatchScheduler:
             budget -= count
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            if self.prefix_caching and not seq.block_table and not seq.prefill_only:
+                self._match(seq)
             count = min(seq.num_tokens - seq.num_computed, budget)
             need = pages_needed(seq.num_computed + count, self.page_size) - len(seq.block_table)
             pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None)
@@ -209,6 +228,33 @@ class BatchScheduler:
         if not decodes and not prefills:
             return None
         return Batch(decodes + prefills, len(decodes))
+
+    def _match(self, seq: Sequence) -> None:
+        """Start ``seq`` on the cached pages of its longest cached prefix (whole pages; its
+        last token is always computed, for its logits)."""
+        ps = self.page_size
+        full = (seq.num_tokens - 1) // ps
+        hashes = page_hashes(seq.tokens(0, full * ps), ps, self.cache_root, full)
+        seq.block_table = self.pool.match(hashes)
+        seq.hashes = hashes[:len(seq.block_table)]
+        seq.num_computed = len(seq.block_table) * ps
+        if not seq.matched:
+            seq.matched = True
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
+            self.prefix_query_tokens += len(seq.prompt_ids)
+            self.prefix_hit_tokens += seq.cached_tokens
+
+    def _register(self, seq: Sequence) -> None:
+        """Cache the full pages of ``seq`` whose KV this step completed."""
+        ps, done = self.page_size, seq.num_computed // self.page_size
+        start = len(seq.hashes)
+        if done <= start:
+            return
+        parent = seq.hashes[-1] if seq.hashes else self.cache_root
+        new = page_hashes(seq.tokens(start * ps, done * ps), ps, parent, done - start)
+        for page, h in zip(seq.block_table[start:done], new, strict=True):
+            self.pool.cache_page(page, h)
+        seq.hashes.extend(new)
 
     def _chunk(self, seq: Sequence, count: int) -> ScheduledChunk:
         return ScheduledChunk(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens)
@@ -239,6 +285,7 @@ class BatchScheduler:
         if seq.block_table:
             self.pool.free(seq.block_table)
             seq.block_table = []
+        seq.hashes = []
 
     # ---------------------------------------------------------------- results
 
@@ -252,6 +299,8 @@ class BatchScheduler:
             if seq.status is not Status.RUNNING:
                 continue  # removed (aborted) while the step ran
             seq.num_computed = chunk.start + chunk.count
+            if self.prefix_caching and not seq.prefill_only:
+                self._register(seq)
             if seq.prefill_only and seq.num_computed == seq.num_tokens:
                 self.running.remove(seq)
                 seq.status = Status.HELD  # pages stay until the transfers complete

@@ -76,6 +76,13 @@ class ModelArch:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
 
+    def identity(self, dtype: str) -> bytes:
+        """What a cached KV page's hash is salted with: the shape of the KV it holds.
+        (Nodes serving different weights of one shape must not share prefix hashes: the
+        weights' fingerprint is not in it yet.)"""
+        return (f"{self.architecture}:{self.num_layers}:{self.hidden_size}:{self.num_kv_heads}:"
+                f"{self.head_dim}:{self.vocab_size}:{dtype}").encode()
+
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelArch:
         cfg_path = Path(path) / "config.json"

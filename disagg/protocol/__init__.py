@@ -127,6 +127,7 @@ class TokenChunk(msgspec.Struct, tag="token", frozen=True):
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -193,6 +194,9 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     pages_fenced: int = 0  # decode: pages a write of a failed attempt may still reach (not free)
     max_model_len: int = 0  # the context limit enforced here: prompt + output tokens
     replies_dropped: int = 0  # replies to clients that vanished or stopped reading
+    pages_cached: int = 0  # free pages holding a cached prefix (evictable; in pages_free)
+    prefix_query_tokens: int = 0  # prompt tokens of requests that looked the prefix cache up
+    prefix_hit_tokens: int = 0  # ... of which served from this node's prefix cache
     v: int = PROTOCOL_VERSION
 
 

@@ -63,6 +63,12 @@ _NODE_EXTRA = (
      "layer_lag", "gauge"),
     ("disagg_prefill_peers_alive", "Decode: prefill peers answering.", "prefill_peers_alive",
      "gauge"),
+    ("disagg_kv_pages_cached", "Free KV pages holding a cached prefix (evictable).",
+     "pages_cached", "gauge"),
+    ("disagg_node_prefix_query_tokens", "Prompt tokens of requests that looked the prefix "
+     "cache up.", "prefix_query_tokens", "counter"),
+    ("disagg_node_prefix_hit_tokens", "Prompt tokens served from the node's prefix cache.",
+     "prefix_hit_tokens", "counter"),
 )
 
 

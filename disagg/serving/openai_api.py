@@ -393,9 +393,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage_dict(u: Usage) -> dict[str, int]:
+def usage_dict(u: Usage) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens not recomputed (prefix cache)."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def completion_response(rid: str, model: str, text: str, finish_reason: str | None,

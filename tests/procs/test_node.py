@@ -73,6 +73,31 @@ def test_greedy_over_the_socket_matches_transformers(node, model_dir):
     assert ids == hf_greedy(model_dir, prompt, 8)
 
 
+def test_a_conversation_reuses_cached_pages_token_exact(node, model_dir):
+    """Each turn resends the conversation: later turns take the earlier prompt and answer
+    from the prefix cache (usage.cached_tokens, Stats), tokens equal transformers', and every
+    page is free (some cached) when idle."""
+    client = Client(node[0])
+    history = [5, 17, 33, 101, 7, 9, 12, 40, 41]
+    before = client.stats()
+    cached: list[int] = []
+    for turn in range(3):
+        ids: list[int] = []
+        for msg in client.generate(prompt_token_ids=history,
+                                   sampling=SamplingParams(max_tokens=5, ignore_eos=True)):
+            if isinstance(msg, TokenChunk):
+                ids.extend(msg.token_ids)
+            else:
+                cached.append(msg.usage.cached_tokens)
+        assert ids == hf_greedy(model_dir, history, 5), f"turn {turn}"
+        history = history + ids + [60 + turn, 61 + turn]
+    after = client.stats()
+    client.close()
+    assert cached[1] >= 8 and cached[2] > cached[1]  # whole 4-token pages of the last turn
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == sum(cached)
+    assert after.pages_free == after.pages_total and after.pages_cached > 0
+
+
 def test_text_prompt_streams_text(node):
     client = Client(node[0])
     chunks = list(client.generate(prompt="w5 w17 w33", sampling=SamplingParams(max_tokens=4,
