@@ -27,7 +27,8 @@ PAGE = 4
 class FakePort:
     def __init__(self, pages: int = 16):
         self.pool = PagePool(pages)
-        self.sched = BatchScheduler(self.pool, PAGE, 64, 8, 256)
+        self.sched = BatchScheduler(self.pool, PAGE, 64, 8, 256, prefix_caching=True,
+                                    cache_salt=b"m")
         self.page_size = PAGE
         self.limits = Limits(queue_timeout_s=100.0)
         self.counters = Counters()
@@ -110,6 +111,29 @@ def test_an_abort_while_waiting_stops_the_prefill_and_frees_pages_only_when_ackn
         assert port.pool.num_free == 11 and side.pages_fenced() == 5
         await side.handle_messenger(AttemptEvent(send.request_id, "acked"))
         assert port.pool.num_free == 16 and side.transfers_in_flight() == 0
+        assert port.pool.num_cached == 0  # an aborted attempt's pages never enter the cache
+
+    run(go())
+
+
+def test_received_pages_enter_the_prefix_cache_only_once_their_kv_landed_and_ran():
+    side, port = side_with()
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        seq = long_seq()
+        await side.enqueue(seq)
+        send = port.sent[0]
+        await side.handle_messenger(AttemptEvent(send.request_id, "landed"))
+        batch = port.sched.schedule()  # the last prompt token, as a decode step
+        assert batch is not None and batch.chunks[0].start == 16
+        port.sched.update(batch, [5])
+        port.sched.remove(seq)
+        assert port.pool.num_cached == 4  # the 16 received tokens' pages; the 5th is partial
+        again = Sequence(2, "r2", list(range(1, 18)), SamplingParams(max_tokens=1), 0, arrival=2)
+        port.sched.add(again)
+        batch = port.sched.schedule()
+        assert batch is not None and batch.chunks[0].start == 16 and again.cached_tokens == 16
 
     run(go())
 
