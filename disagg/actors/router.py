@@ -44,7 +44,7 @@ from disagg.protocol import (
 from disagg.serving import security
 from disagg.serving.admission import MAX_REQUEST_ID
 from disagg.serving.metrics import Metrics, RequestTimer
-from disagg.serving.routing import LoadBalancer
+from disagg.serving.routing import LoadBalancer, prefix_keys
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,8 @@ class Router:
 
     async def _place(self, f: Flight) -> None:
         """Send ``f`` to the least loaded live peer it has not tried, or end it."""
-        peer = self.balancer.pick(exclude=f.tried) or self.balancer.pick()
+        keys = prefix_keys(f.req.prompt_token_ids, f.req.prompt)
+        peer = self.balancer.pick(f.tried, keys) or self.balancer.pick(frozenset(), keys)
         if peer is None:
             await self._end(f, Error("unavailable", "no decode node is available", f.client_id))
             return

@@ -2,14 +2,79 @@
 
 Load of a peer = requests this router has live on it (exact, updated at once) + the load its
 last ``Stats`` showed beyond those (``running + waiting`` minus what this router had in flight
-when the snapshot arrived: requests from other clients, held until the next snapshot). The least loaded live peer wins;
-ties rotate. A peer is live while its last Stats reply is younger than ``dead_after`` seconds;
-one that never answered is not live.
+when the snapshot arrived: requests from other clients, held until the next snapshot). A peer
+is live while its last Stats reply is younger than ``dead_after`` seconds; one that never
+answered is not live.
+
+Prefix-aware: the router remembers (``PrefixIndex``, bounded, least recently used forgotten
+first) which peer it last sent each prompt prefix to, in blocks of ``ROUTE_BLOCK`` tokens (or
+``ROUTE_BLOCK_CHARS`` characters of a text prompt), chained like the nodes' page hashes. A
+request goes to the live peer that got its longest known prefix, that peer's prefix cache
+being the likeliest to hold it, unless that peer's load exceeds the least loaded one's by more
+than ``max(SLACK_REQUESTS, SLACK_RATIO x least)``: then, as without a known prefix, the least
+loaded live peer wins (ties rotate), so one hot prefix cannot pile onto one decoder.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+from array import array
 from dataclasses import dataclass
+
+ROUTE_BLOCK = 64  # prompt tokens per prefix block
+ROUTE_BLOCK_CHARS = 256  # characters per prefix block of a text prompt
+MAX_BLOCKS = 64  # leading blocks looked at per request
+INDEX_ENTRIES = 1 << 17  # prefix blocks remembered, all peers
+SLACK_REQUESTS = 4
+SLACK_RATIO = 0.5
+
+
+def prefix_keys(token_ids: list[int] | None, text: str | None) -> list[bytes]:
+    """Chained keys of the request's leading full blocks (token ids, else text)."""
+    keys: list[bytes] = []
+    h = b""
+    if token_ids is not None:
+        for i in range(min(len(token_ids) // ROUTE_BLOCK, MAX_BLOCKS)):
+            chunk = array("q", token_ids[i * ROUTE_BLOCK:(i + 1) * ROUTE_BLOCK]).tobytes()
+            h = hashlib.blake2b(h + chunk, digest_size=12).digest()
+            keys.append(h)
+    elif text is not None:
+        data = text.encode()
+        for i in range(min(len(data) // ROUTE_BLOCK_CHARS, MAX_BLOCKS)):
+            chunk = data[i * ROUTE_BLOCK_CHARS:(i + 1) * ROUTE_BLOCK_CHARS]
+            h = hashlib.blake2b(h + chunk, digest_size=12).digest()
+            keys.append(h)
+    return keys
+
+
+class PrefixIndex:
+    """Which peer each prefix block was last sent to (approximate: bounded LRU)."""
+
+    def __init__(self, capacity: int = INDEX_ENTRIES):
+        self.capacity = capacity
+        self._peer: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+
+    def longest(self, keys: list[bytes]) -> list[tuple[int, str]]:
+        """(blocks matched, peer) for every peer holding a leading run of ``keys``, longest
+        first (a block's entry names the peer it went to last)."""
+        found: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            peer = self._peer.get(k)
+            if peer is None:
+                break
+            found[peer] = i + 1
+        return sorted(((n, p) for p, n in found.items()), reverse=True)
+
+    def record(self, keys: list[bytes], peer: str) -> None:
+        for k in keys:
+            self._peer[k] = peer
+            self._peer.move_to_end(k)
+        while len(self._peer) > self.capacity:
+            self._peer.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._peer)
 
 
 @dataclass
@@ -39,6 +104,8 @@ class LoadBalancer:
         self.order = list(peers)
         self.dead_after = dead_after
         self._turn = 0
+        self.index = PrefixIndex()
+        self.prefix_routed = 0  # requests sent to the peer of their known prefix
 
     def on_stats(self, peer: str, running: int, waiting: int, now: float) -> bool:
         """A Stats reply arrived. Returns True when the peer is (again) live because of it."""
@@ -59,7 +126,28 @@ class LoadBalancer:
                 dead.append(p.address)
         return dead
 
-    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset(),
+             keys: list[bytes] | None = None) -> str | None:
+        """The live peer not in ``exclude`` for a request with prefix ``keys``: the one that
+        got its longest known prefix unless that one is too loaded, else the least loaded
+        (ties rotate); None if none is live. The choice is recorded for the prefix."""
+        least = self._least(exclude)
+        if least is None:
+            return None
+        chosen = least
+        bound = self.peers[least].load
+        bound += max(SLACK_REQUESTS, int(SLACK_RATIO * bound))
+        for _, peer in self.index.longest(keys or []):
+            p = self.peers.get(peer)
+            if p is not None and p.alive and peer not in exclude and p.load <= bound:
+                chosen = peer
+                self.prefix_routed += 1
+                break
+        if keys:
+            self.index.record(keys, chosen)
+        return chosen
+
+    def _least(self, exclude: set[str] | frozenset[str]) -> str | None:
         """The least loaded live peer not in ``exclude`` (ties rotate), or None."""
         n = len(self.order)
         best: PeerLoad | None = None

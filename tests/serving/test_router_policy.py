@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.serving.routing import LoadBalancer
+from disagg.serving.routing import (
+    ROUTE_BLOCK,
+    SLACK_REQUESTS,
+    LoadBalancer,
+    PrefixIndex,
+    prefix_keys,
+)
 
 
 def live(peers, dead_after=2.0, now=0.0):
@@ -87,3 +93,59 @@ def test_random_walk_keeps_counts_consistent():
         loads = [lb.peers[x].in_flight for x in "abc"]
         assert sum(loads) == len(live_reqs)
         assert max(loads) - min(loads) <= max(1, len(live_reqs))  # never wildly unbalanced
+
+
+# ---------------------------------------------------------------- prefix-aware routing
+
+
+def conversation(n_blocks: int, salt: int = 0) -> list[int]:
+    return [(salt * 7919 + i) % 1000 + 10 for i in range(n_blocks * ROUTE_BLOCK)]
+
+
+def test_requests_sharing_a_prefix_go_to_the_peer_that_got_it():
+    lb = live(["a", "b", "c"])
+    first = prefix_keys(conversation(3), None)
+    peer = lb.pick(keys=first)
+    lb.on_start(peer)
+    # the next turn extends the conversation; another conversation goes elsewhere
+    nxt = prefix_keys(conversation(5), None)
+    assert lb.pick(keys=nxt) == peer and lb.prefix_routed == 1
+    other = lb.pick(keys=prefix_keys(conversation(3, salt=1), None))
+    assert other != peer
+
+
+def test_a_hot_prefix_spreads_once_its_peer_is_too_loaded():
+    lb = live(["a", "b"])
+    keys = prefix_keys(conversation(2), None)
+    hot = lb.pick(keys=keys)
+    for _ in range(SLACK_REQUESTS):
+        lb.on_start(hot)
+        assert lb.pick(keys=keys) == hot  # within the slack: stays with its cache
+    lb.on_start(hot)
+    assert lb.pick(keys=keys) != hot  # past it: the least loaded peer takes it
+
+
+def test_a_dead_or_excluded_prefix_peer_is_not_chosen():
+    lb = live(["a", "b"])
+    keys = prefix_keys(conversation(2), None)
+    first = lb.pick(keys=keys)
+    assert lb.pick(exclude={first}, keys=keys) != first
+    lb.peers[first].alive = False
+    assert lb.pick(keys=keys) not in (None, first)
+
+
+def test_prefix_keys_chain_and_cover_text_prompts():
+    a = prefix_keys(conversation(2), None)
+    assert len(a) == 2 and prefix_keys(conversation(2)[:ROUTE_BLOCK], None) == a[:1]
+    assert prefix_keys(conversation(1)[:-1], None) == []  # no full block
+    text = prefix_keys(None, "x" * 600)
+    assert len(text) == 2 and prefix_keys(None, "x" * 600 + "y") == text
+
+
+def test_the_index_forgets_the_least_recently_used_blocks():
+    index = PrefixIndex(capacity=3)
+    k = [bytes([i]) * 12 for i in range(4)]
+    index.record(k[:2], "a")
+    index.record(k[2:], "b")
+    assert len(index) == 3 and index.longest(k[:2]) == []  # k[0] forgotten
+    assert index.longest(k[2:]) == [(2, "b")]
