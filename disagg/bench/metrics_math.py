@@ -105,6 +105,9 @@ class RequestRecord:
     # TTFT breakdown from node timestamps (ms per phase, e.g. decoder_queue, prefill_queue,
     # prefill_compute, transfer_tail, first_decode). Empty while the nodes report none.
     breakdown: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int | None = None  # prompt tokens served from the node's prefix cache
+    conversation: int | None = None  # multiturn: which conversation, and its turn (from 0)
+    turn: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -188,3 +191,30 @@ def aggregate(records: Sequence[RequestRecord], duration: float,
     summary["ttft_breakdown_ms"] = {
         k: summarize([r.breakdown[k] for r in done if k in r.breakdown]) for k in phases}
     return summary
+
+
+def multiturn_summary(records: Sequence[RequestRecord]) -> dict[str, object]:
+    """Per turn of a multiturn run: requests, TTFT (ms) and the share of prompt tokens the
+    nodes served from their prefix caches; over all turns the same share, and each later
+    turn's median TTFT over the first turn's."""
+    done = [r for r in records if r.ok and r.turn is not None]
+    turns: dict[int, dict[str, object]] = {}
+    for t in sorted({r.turn for r in done if r.turn is not None}):
+        rs = [r for r in done if r.turn == t]
+        prompt = sum(r.prompt_tokens or r.input_len for r in rs)
+        cached = sum(r.cached_tokens or 0 for r in rs)
+        turns[t] = {"requests": len(rs),
+                    "ttft_ms": summarize([x for r in rs if (x := r.ttft) is not None], scale=1e3),
+                    "prompt_tokens": prompt, "cached_tokens": cached,
+                    "cached_share": cached / prompt if prompt else 0.0}
+    first = turns.get(0, {}).get("ttft_ms")
+    p50_first = first.get("p50") if isinstance(first, dict) else None
+    ratios = {}
+    for t, d in turns.items():
+        p50 = d["ttft_ms"].get("p50") if isinstance(d["ttft_ms"], dict) else None
+        if t > 0 and p50 is not None and p50_first:
+            ratios[t] = p50 / p50_first
+    prompt = sum(r.prompt_tokens or r.input_len for r in done)
+    cached = sum(r.cached_tokens or 0 for r in done)
+    return {"turns": turns, "ttft_p50_vs_first_turn": ratios,
+            "prefix_hit_rate": cached / prompt if prompt else 0.0}

@@ -28,12 +28,14 @@ from typing import Any
 
 import msgspec
 
-from disagg.bench.metrics_math import RequestRecord, aggregate
+from disagg.bench.metrics_math import RequestRecord, aggregate, multiturn_summary
 from disagg.bench.transport import Done, Transport, TransportError, make_transport
 from disagg.bench.workload import (
+    Conversation,
     RequestSpec,
     arrival_times,
     fixed_workload,
+    multiturn_workload,
     sharegpt_workload,
 )
 from disagg.protocol import SamplingParams
@@ -54,7 +56,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-concurrency", type=int, default=None,
                     help="at most this many requests in flight (default: no cap)")
     ap.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
-    ap.add_argument("--workload", choices=["fixed", "sharegpt"], default="fixed",
+    ap.add_argument("--num-turns", type=int, default=4, help="turns per conversation (multiturn)")
+    ap.add_argument("--system-len", type=int, default=256,
+                    help="system prompt tokens shared by every conversation (multiturn)")
+    ap.add_argument("--user-len", type=int, default=64,
+                    help="new user-message tokens per turn (multiturn)")
+    ap.add_argument("--workload", choices=["fixed", "sharegpt", "multiturn"], default="fixed",
                     help="fixed: --input-len/--output-len; sharegpt: synthetic ShareGPT-like "
                          "lognormal lengths clipped to --max-input-len/--max-output-len")
     ap.add_argument("--input-len", type=int, default=1024, help="prompt tokens (fixed)")
@@ -101,7 +108,7 @@ async def _wait_ready(transport: Transport, seconds: float) -> dict[str, Any] | 
 
 async def _run_one(transport: Transport, spec: RequestSpec, rec: RequestRecord, t0: float,
                    sampling: SamplingParams, timeout: float, run_id: str,
-                   sem: asyncio.Semaphore | None) -> None:
+                   sem: asyncio.Semaphore | None, out_ids: list[int] | None = None) -> None:
     """Send one request and fill ``rec``; never raises (except on cancellation)."""
 
     async def consume() -> None:
@@ -113,9 +120,12 @@ async def _run_one(transport: Transport, spec: RequestSpec, rec: RequestRecord, 
                 rec.prompt_tokens = ev.prompt_tokens
                 rec.completion_tokens = ev.completion_tokens
                 rec.breakdown = dict(ev.breakdown)
+                rec.cached_tokens = ev.cached_tokens
             else:
                 rec.chunk_times.append(ev.t - t0)
                 rec.chunk_tokens.append(ev.num_tokens)
+                if out_ids is not None:
+                    out_ids.extend(ev.token_ids)
 
     async def guarded() -> None:
         try:
@@ -167,8 +177,19 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    specs = build_workload(args)
-    arrivals = arrival_times(len(specs), args.request_rate, args.seed, args.burstiness)
+    convs: list[Conversation] = []
+    if args.workload == "multiturn":
+        if args.http:
+            raise ValueError("--workload multiturn needs --connect (the client protocol carries "
+                             "the answers' token ids that the next turn resends)")
+        convs = multiturn_workload(args.num_prompts, args.num_turns, args.system_len,
+                                   args.user_len, args.output_len, args.vocab_size, args.seed)
+        # warm-up prompts of a first turn's length, not sharing the system prompt
+        specs = fixed_workload(max(1, args.warmup), len(convs[0].prompt(0, [])),
+                               args.output_len, args.vocab_size, args.seed + 1)
+    else:
+        specs = build_workload(args)
+    arrivals = arrival_times(len(convs or specs), args.request_rate, args.seed, args.burstiness)
     sampling = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
     transports = [make_transport(a) for a in addresses]
     try:
@@ -179,7 +200,11 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         records: list[RequestRecord] = []
         tasks: list[asyncio.Task[None]] = []
         t0 = time.perf_counter()
-        for i, (spec, at) in enumerate(zip(specs, arrivals, strict=True)):
+        for i, (conv, at) in enumerate(zip(convs, arrivals, strict=False)):
+            tasks.append(asyncio.create_task(_conversation(
+                transports[i % len(transports)], conv, at, t0, sampling, args, run_id, sem,
+                records)))
+        for i, (spec, at) in enumerate(zip(specs if not convs else [], arrivals, strict=False)):
             # loop: timers (uvloop's are 1 ms) may wake a little early
             while (delay := t0 + at - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
@@ -204,6 +229,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     slo_ttft = None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3
     slo_tpot = None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3
     summary = aggregate(records, max(duration, 1e-9), slo_ttft, slo_tpot)
+    if convs:
+        summary["multiturn"] = multiturn_summary(records) | _transfer_per_request(
+            stats_before, stats_after, int(summary["completed"]))  # type: ignore[call-overload]
     # outputs (paths) and the subcommand name are not part of the run's configuration
     config = {k: v for k, v in vars(args).items()
               if not k.startswith("_") and k not in ("command", "json_path", "plot", "quiet")}
@@ -222,9 +250,48 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def _conversation(tr: Transport, conv: Conversation, at: float, t0: float,
+                        sampling: SamplingParams, args: argparse.Namespace, run_id: str,
+                        sem: asyncio.Semaphore | None, records: list[RequestRecord]) -> None:
+    """One multiturn conversation: each turn sent once the previous one finished, with the
+    answers so far in its prompt; a failed turn ends the conversation."""
+    while (delay := t0 + at - time.perf_counter()) > 0:
+        await asyncio.sleep(delay)
+    answers: list[list[int]] = []
+    params = msgspec.structs.replace(sampling, max_tokens=conv.output_len)
+    for turn in range(len(conv.users)):
+        spec = RequestSpec(conv.prompt(turn, answers), conv.output_len)
+        rec = RequestRecord(index=len(records), node=tr.address, input_len=spec.input_len,
+                            output_len=spec.output_len, scheduled_time=time.perf_counter() - t0,
+                            conversation=conv.index, turn=turn)
+        records.append(rec)
+        out: list[int] = []
+        await _run_one(tr, spec, rec, t0, params, args.timeout, run_id, sem, out)
+        if not rec.ok:
+            return
+        answers.append(out)
+
+
+def _transfer_per_request(before: dict[str, Any], after: dict[str, Any],
+                          completed: int) -> dict[str, object]:
+    """Node-side prefix-cache hits and KV moved per completed request, from Stats deltas of
+    the nodes connected to (``kv_bytes_sent`` counts on prefill nodes only)."""
+    def delta(field: str) -> int:
+        return sum(int((after.get(a) or {}).get(field, 0)) - int((b or {}).get(field, 0))
+                   for a, b in before.items())
+
+    query, hit = delta("prefix_query_tokens"), delta("prefix_hit_tokens")
+    n = max(1, completed)
+    return {"node_prefix_hit_rate": hit / query if query else 0.0,
+            "kv_units_received_per_request": delta("kv_units_received") / n,
+            "kv_bytes_sent_per_request": delta("kv_bytes_sent") / n}
+
+
 def _default_label(args: argparse.Namespace) -> str:
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-    lens = (f"{args.input_len}/{args.output_len}" if args.workload == "fixed" else "sharegpt")
+    lens = (f"{args.input_len}/{args.output_len}" if args.workload == "fixed"
+            else f"multiturn {args.num_turns}x{args.user_len}/{args.output_len}"
+            if args.workload == "multiturn" else "sharegpt")
     conc = f" c{args.max_concurrency}" if args.max_concurrency else ""
     return f"{lens} @{rate} req/s{conc}"
 
@@ -255,6 +322,17 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append("TTFT breakdown (ms)")
     for phase, d in s["ttft_breakdown_ms"].items():
         lines.append(f"  {phase:<20}" + "".join(_fmt(d[k]) for k in ("mean", "p50", "p90", "p99")))
+    if "multiturn" in s:
+        m = s["multiturn"]
+        lines.append(f"prefix hit rate: {m['prefix_hit_rate']:.3f} of prompt tokens (node "
+                     f"Stats: {m['node_prefix_hit_rate']:.3f}); KV units received per request "
+                     f"{m['kv_units_received_per_request']:.1f}")
+        lines.append(f"{'turn':<6}{'requests':>9}{'cached':>9}{'TTFT p50':>10}{'vs turn 0':>10}")
+        for t, d in m["turns"].items():
+            ratio = m["ttft_p50_vs_first_turn"].get(t)
+            lines.append(f"{t:<6}{d['requests']:>9}{d['cached_share']:>9.2f}"
+                         + _fmt(d["ttft_ms"]["p50"])
+                         + (_fmt(ratio) if ratio is not None else f"{'':>10}"))
     return "\n".join(lines)
 
 

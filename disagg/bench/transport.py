@@ -27,6 +27,7 @@ from disagg.protocol import Finished, SamplingParams, TokenChunk
 class TokenEvent:
     t: float  # time.perf_counter() when the chunk was received
     num_tokens: int  # tokens in the chunk (>= 1)
+    token_ids: tuple[int, ...] = ()  # the tokens (client protocol; empty over HTTP)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Done:
     # TTFT phases in ms from node timestamps (decoder_queue, prefill_queue, prefill_compute,
     # transfer_tail, first_decode); empty while the node protocol carries none.
     breakdown: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens the node took from its prefix cache
 
 
 class TransportError(RuntimeError):
@@ -83,10 +85,11 @@ class ZmqTransport(Transport):
                 now = time.perf_counter()
                 if isinstance(msg, TokenChunk):
                     if msg.token_ids:
-                        yield TokenEvent(now, len(msg.token_ids))
+                        yield TokenEvent(now, len(msg.token_ids), tuple(msg.token_ids))
                 elif isinstance(msg, Finished):
                     yield Done(now, msg.reason, msg.usage.prompt_tokens,
-                               msg.usage.completion_tokens, dict(msg.timings or {}))
+                               msg.usage.completion_tokens, dict(msg.timings or {}),
+                               msg.usage.cached_tokens)
         except RequestError as e:
             raise TransportError(e.error.code, e.error.message) from None
 
@@ -154,8 +157,10 @@ class HttpTransport(Transport):
                         reason = choice.get("finish_reason") or reason
                     usage = event.get("usage")
                     if usage:
+                        details = usage.get("prompt_tokens_details") or {}
                         yield Done(now, reason or "length", int(usage["prompt_tokens"]),
-                                   int(usage["completion_tokens"]))
+                                   int(usage["completion_tokens"]),
+                                   cached_tokens=int(details.get("cached_tokens") or 0))
                         return
         except asyncio.TimeoutError:
             raise TimeoutError(f"no event for request {request_id} in {timeout}s") from None

@@ -15,6 +15,12 @@ Workloads:
   (mean ~207 before clipping). Lengths are rounded and clipped to ``[MIN_INPUT_LEN,
   max_input_len]`` and ``[1, max_output_len]``.
 
+- ``multiturn``: conversations of ``num_turns`` turns. Every conversation starts with the
+  same system prompt (``system_len`` tokens), and each turn sends the whole history (system
+  prompt, earlier user messages and the answers the node gave) plus a new user message of
+  ``user_len`` tokens; a turn is sent when the previous one finished. This is the traffic a
+  prefix cache is for.
+
 Every request uses ``ignore_eos`` so it produces exactly its requested output length (the
 serve command sets it; the workload only decides lengths).
 
@@ -83,6 +89,37 @@ def sharegpt_workload(num: int, vocab_size: int, seed: int, max_input_len: int,
     rng = np.random.default_rng(seed)
     return [RequestSpec(random_prompt(rng, i, vocab_size), o)
             for i, o in sharegpt_lengths(num, seed, max_input_len, max_output_len)]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A multiturn conversation: its system prompt and one user message per turn."""
+
+    index: int
+    system: list[int]
+    users: list[list[int]]
+    output_len: int
+
+    def prompt(self, turn: int, answers: list[list[int]]) -> list[int]:
+        """Turn ``turn``'s prompt: the history (with the ``answers`` of earlier turns) plus
+        its user message."""
+        out = list(self.system)
+        for k in range(turn):
+            out += self.users[k] + answers[k]
+        return out + self.users[turn]
+
+
+def multiturn_workload(num_conversations: int, num_turns: int, system_len: int, user_len: int,
+                       output_len: int, vocab_size: int, seed: int) -> list[Conversation]:
+    if num_turns < 1 or user_len < 1 or output_len < 1 or system_len < 0:
+        raise ValueError(f"--num-turns, --user-len and --output-len must be >= 1 and "
+                         f"--system-len >= 0, got {num_turns}, {user_len}, {output_len}, "
+                         f"{system_len}")
+    rng = np.random.default_rng([seed, 3])
+    system = random_prompt(rng, system_len, vocab_size)
+    return [Conversation(c, system, [random_prompt(rng, user_len, vocab_size)
+                                     for _ in range(num_turns)], output_len)
+            for c in range(num_conversations)]
 
 
 def arrival_times(num: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:

@@ -113,3 +113,25 @@ def test_unreachable_node_fails_fast():
     r = bench("--connect", f"tcp://127.0.0.1:{free_port()}", "--num-prompts", "2",
               "--wait", "0.5", timeout=30)
     assert r.returncode == 2 and "did not answer" in r.stderr
+
+
+def test_multiturn_conversations_hit_the_prefix_cache(node, tmp_path):
+    out = tmp_path / "multiturn.json"
+    r = bench("--connect", node, "--workload", "multiturn", "--num-prompts", "4",
+              "--num-turns", "3", "--system-len", "8", "--user-len", "4", "--output-len", "4",
+              "--vocab-size", str(TINY["vocab_size"]), "--request-rate", "20", "--seed", "2",
+              "--timeout", "60", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "prefix hit rate" in r.stdout
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    assert s["num_requests"] == s["completed"] == 12 and s["failed"] == 0, s["errors"]
+    m = s["multiturn"]
+    turns = m["turns"]
+    assert sorted(turns) == ["0", "1", "2"] and all(t["requests"] == 4 for t in turns.values())
+    # turn k resends system (8) + k x (user 4 + answer 4) + user 4 tokens
+    assert [turns[k]["prompt_tokens"] for k in "012"] == [4 * 12, 4 * 20, 4 * 28]
+    assert turns["2"]["cached_share"] > turns["0"]["cached_share"]
+    assert m["prefix_hit_rate"] > 0 and m["node_prefix_hit_rate"] > 0
+    recs = [q for q in res["requests"] if q["conversation"] == 0]
+    assert [q["turn"] for q in recs] == [0, 1, 2]

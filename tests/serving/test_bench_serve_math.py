@@ -214,3 +214,33 @@ def test_plot_writes_png(tmp_path):
     out = tmp_path / "p.png"
     plot_runs([res, res], out, labels=["a", "b"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multiturn_workload_resends_the_history_with_the_answers():
+    from disagg.bench.workload import multiturn_workload
+
+    convs = multiturn_workload(3, 2, system_len=5, user_len=3, output_len=2, vocab_size=100,
+                               seed=1)
+    assert all(c.system == convs[0].system for c in convs)  # one shared system prompt
+    assert convs[0].users != convs[1].users
+    c = convs[1]
+    assert c.prompt(0, []) == c.system + c.users[0]
+    assert c.prompt(1, [[7, 8]]) == c.system + c.users[0] + [7, 8] + c.users[1]
+    assert multiturn_workload(3, 2, 5, 3, 2, 100, 1) == convs  # seeded
+
+
+def test_multiturn_summary_per_turn():
+    from disagg.bench.metrics_math import RequestRecord, multiturn_summary
+
+    def rec(turn, ttft, cached, prompt=10):
+        r = RequestRecord(index=turn, node="n", input_len=prompt, output_len=1,
+                          scheduled_time=0.0, send_time=0.0, chunk_times=[ttft],
+                          chunk_tokens=[1], finish_time=ttft, finish_reason="length",
+                          prompt_tokens=prompt, completion_tokens=1, cached_tokens=cached,
+                          conversation=0, turn=turn)
+        return r
+
+    m = multiturn_summary([rec(0, 0.2, 0), rec(1, 0.1, 8), rec(1, 0.1, 6)])
+    assert m["turns"][1]["cached_share"] == 0.7 and m["turns"][0]["cached_share"] == 0.0
+    assert m["ttft_p50_vs_first_turn"] == {1: 0.5}
+    assert abs(m["prefix_hit_rate"] - 14 / 30) < 1e-12
