@@ -287,7 +287,7 @@ class DecodeMessenger(MessengerBase):
             await self._event(AttemptEvent(msg.request_id, "failed", "no_prefiller", why))
             return
         assert peer.layout is not None  # alive means it answered a Ping
-        units = request_units(peer.layout, self.layout, len(msg.prompt_ids))
+        units = request_units(peer.layout, self.layout, len(msg.prompt_ids), msg.skip_pages)
         ctx_slot = self.ctx_free.pop()
         exp = self.transfer.expect(msg.key, units, timeout=msg.cap_s)  # the engine's cap
         window = self.transfer.window(self.kv_regions + [self.ctx_region])
@@ -303,7 +303,7 @@ class DecodeMessenger(MessengerBase):
             dst_ctx=window.descriptors[-1].encode(),
             ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s,
             deadline_unix=time.time() + msg.cap_s, challenge_slot=peer.slot,
-            challenge_key=self._challenge_key(peer))
+            challenge_key=self._challenge_key(peer), skip_pages=msg.skip_pages)
         await peer.sock.send(self._enc.encode(req))
         self._spawn(self._await_kv(w, units, msg.dst_pages))
 

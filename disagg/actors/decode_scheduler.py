@@ -20,7 +20,7 @@ import time
 import msgspec
 
 from disagg.actors.sides import SchedulerPort, SchedulerSide
-from disagg.engine.cache import pages_needed
+from disagg.engine.cache import page_hashes, pages_needed
 from disagg.engine.scheduling import Batch, Sequence, Status
 from disagg.protocol import Error
 from disagg.protocol.executor import StepPlan, StepResult
@@ -64,18 +64,31 @@ class DecodeSide(SchedulerSide):
         self.sent: dict[int, str] = {}  # slot -> its latest attempt's request id
         self._menc = msgspec.msgpack.Encoder()
 
-    def wants_remote(self, seq: Sequence) -> bool:
-        return (self.remote.peers_alive > 0
-                and len(seq.prompt_ids) - 1 > self.local_prefill_max_tokens)
-
     async def enqueue(self, seq: Sequence) -> bool:
-        if not self.wants_remote(seq):
+        """Take ``seq`` for remote prefill when a prefiller is alive and more than
+        ``--local-prefill-max-tokens`` of its prompt (all but the last token) is not in this
+        node's prefix cache. Its cached leading pages become its own now (never written by
+        the prefiller: ``skip_pages``); the machine reserves pages for the rest."""
+        if self.remote.peers_alive == 0:
             return False
+        sched, ps = self.port.sched, self.port.page_size
+        n = len(seq.prompt_ids) - 1  # the prefiller computes all but the last token
+        hashes: list[bytes] = []
+        held = 0
+        if sched.prefix_caching:
+            hashes = page_hashes(seq.prompt_ids[:n // ps * ps], ps, sched.cache_root, n // ps)
+            held = self.port.pool.cached_run(hashes)
+        if n - held * ps <= self.local_prefill_max_tokens:
+            return False  # the scheduler takes the same cached pages and computes the rest
+        if held:
+            seq.block_table = self.port.pool.match(hashes[:held])
+            seq.hashes = hashes[:held]
+        sched.count_lookup(seq, held * ps)
         seq.status = Status.REMOTE
         self.seqs[seq.slot] = seq
         self.clock[seq.slot] = {"admit": time.monotonic()}
-        self.remote.admit(seq.slot, len(seq.prompt_ids) - 1,
-                          pages_needed(seq.num_tokens, self.port.page_size), time.monotonic())
+        self.remote.admit(seq.slot, n, pages_needed(seq.num_tokens, ps) - held,
+                          time.monotonic())
         await self._pump()
         return True
 
@@ -108,10 +121,11 @@ class DecodeSide(SchedulerSide):
                     seq = self.seqs[c.slot]
                     self.clock.get(c.slot, {})["sent"] = time.monotonic()
                     self.sent[c.slot] = c.request_id
-                    n = len(seq.prompt_ids) - 1
+                    n, held = len(seq.prompt_ids) - 1, len(seq.block_table)
                     await self._to_messenger(SendPrefill(
                         c.request_id, c.key, seq.prompt_ids[:-1],
-                        list(c.pages[: pages_needed(n, self.port.page_size)]), c.cap_s))
+                        list(c.pages[: pages_needed(n, self.port.page_size) - held]), c.cap_s,
+                        skip_pages=held))
                 case Abort():
                     await self._to_messenger(StopPrefill(c.request_id, c.blame))
                 case Forget():
@@ -121,11 +135,12 @@ class DecodeSide(SchedulerSide):
                 case Ready():
                     seq = self.seqs.pop(c.slot)
                     self.clock.get(c.slot, {})["kv"] = time.monotonic()
-                    self.port.sched.kv_arrived(seq, list(c.pages))
+                    self.port.sched.kv_arrived(seq, seq.block_table + list(c.pages))
                 case Local():
                     seq = self.seqs.pop(c.slot)
                     self.clock.pop(c.slot, None)
                     log.warning("prefilling %s locally: %s", seq.request_id, c.why)
+                    seq.num_computed = len(seq.block_table) * self.port.page_size  # cached
                     self.port.sched.add(seq)
                 case Fail():
                     seq = self.seqs.pop(c.slot)
@@ -175,6 +190,8 @@ class DecodeSide(SchedulerSide):
         if self.seqs.pop(seq.slot, None) is None:
             return False
         seq.status = Status.FINISHED  # still remote: the machine holds its pages
+        self.port.sched.free_pages(seq.block_table)  # its cached pages: never written
+        seq.block_table = []
         await self._carry_out(self.remote.cancel(seq.slot, time.monotonic()))
         return True
 

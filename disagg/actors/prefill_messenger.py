@@ -368,11 +368,12 @@ class PrefillMessenger(MessengerBase):
         None when the chunk completes no page)."""
         if i not in step.plans:
             chunk = step.announce.chunks[i]
-            idx = pages_to_send(chunk.start, chunk.start + chunk.count, chunk.total,
-                                self.layout.page_size)
+            skip = job.req.skip_pages  # the decoder holds those pages: never written
+            idx = [j for j in pages_to_send(chunk.start, chunk.start + chunk.count, chunk.total,
+                                            self.layout.page_size) if j >= skip]
             step.plans[i] = plan_chunk(
                 self.layout, job.req.dst_layout, [chunk.pages[j] for j in idx],
-                [job.req.dst_pages[j] for j in idx], seed=job.req.key) if idx else None
+                [job.req.dst_pages[j - skip] for j in idx], seed=job.req.key) if idx else None
         return step.plans[i]
 
     def _step_done(self, done: StepDone, hidden: bytes | None) -> None:

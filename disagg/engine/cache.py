@@ -51,6 +51,15 @@ class PagePool:
             self._page_of[h] = page
             self._hash_of[page] = h
 
+    def cached_run(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` are cached (no reference taken)."""
+        n = 0
+        for h in hashes:
+            if h not in self._page_of:
+                break
+            n += 1
+        return n
+
     def match(self, hashes: list[bytes]) -> list[int]:
         """The cached pages of the longest leading run of ``hashes``, each with one more
         reference (the caller's)."""

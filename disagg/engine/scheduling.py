@@ -238,9 +238,14 @@ class BatchScheduler:
         seq.block_table = self.pool.match(hashes)
         seq.hashes = hashes[:len(seq.block_table)]
         seq.num_computed = len(seq.block_table) * ps
-        if not seq.matched:
+        self.count_lookup(seq, seq.num_computed)
+
+    def count_lookup(self, seq: Sequence, cached: int) -> None:
+        """Statistics and usage of a sequence's first prefix-cache lookup (``cached``: tokens
+        found)."""
+        if self.prefix_caching and not seq.matched:
             seq.matched = True
-            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
+            seq.cached_tokens = min(cached, len(seq.prompt_ids))
             self.prefix_query_tokens += len(seq.prompt_ids)
             self.prefix_hit_tokens += seq.cached_tokens
 

@@ -111,8 +111,9 @@ class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=Tr
     request_id: str
     key: int
     prompt_ids: list[int]  # without the last prompt token
-    dst_pages: list[int]  # pages covering prompt_ids, block-table order
+    dst_pages: list[int]  # pages covering prompt_ids after the first skip_pages
     cap_s: float  # the attempt's absolute budget (sent as deadline_unix)
+    skip_pages: int = 0  # leading prompt pages the decoder holds (prefix cache): not written
 
 
 class StopPrefill(msgspec.Struct, tag="stop_prefill", array_like=True, frozen=True):

@@ -84,7 +84,9 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     request_id: str  # the decoder's id for this attempt (unique per decoder)
     key: int  # immediate key (slot, generation) every write carries
     prompt_ids: list[int]  # the prompt WITHOUT its last token
-    dst_pages: list[int]  # decoder page ids, in block-table order; len = pages for prompt_ids
+    # decoder page ids, in block-table order, for the prompt's pages after the first
+    # ``skip_pages`` (which the decoder holds already: never written)
+    dst_pages: list[int]
     dst_layout: KVLayoutDesc
     dst_kv: bytes  # encoded MemoryDescriptor of the decoder's (lead rank's) KV region
     dst_ctx: bytes  # encoded MemoryDescriptor of the decoder's context buffer
@@ -99,6 +101,7 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     challenge_slot: int = 0  # the slot of dst_ctx's challenge area this prefiller writes
     # nonces into (disagg.remote.ownership), in [0, CHALLENGE_SLOTS)
     challenge_key: int = 0  # the immediate key the decoder expects a challenge's writes under
+    skip_pages: int = 0  # leading prompt pages the decoder has in its prefix cache
     v: int = PROTOCOL_VERSION
 
 

@@ -21,8 +21,11 @@ def request_problem(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest) 
     if any(not 0 <= t < vocab_size for t in req.prompt_ids):
         return "token id outside the vocabulary"
     d = req.dst_layout
-    if len(req.dst_pages) != -(-n // d.page_size):
-        return f"{len(req.dst_pages)} destination pages for {n} tokens of page size {d.page_size}"
+    if not 0 <= req.skip_pages <= n // d.page_size:
+        return f"skip_pages {req.skip_pages} outside the {n // d.page_size} full pages"
+    if len(req.dst_pages) != -(-n // d.page_size) - req.skip_pages:
+        return (f"{len(req.dst_pages)} destination pages for {n} tokens of page size "
+                f"{d.page_size} less {req.skip_pages} held")
     if len(set(req.dst_pages)) != len(req.dst_pages):
         return "destination pages repeat"
     if any(not 0 <= p < d.num_pages for p in req.dst_pages):

@@ -285,12 +285,14 @@ def pages_to_send(start: int, end: int, total: int, page_size: int) -> range:
     return range(first, max(first, last))
 
 
-def request_units(src: KVLayoutDesc, dst: KVLayoutDesc, prefill_tokens: int) -> int:
+def request_units(src: KVLayoutDesc, dst: KVLayoutDesc, prefill_tokens: int,
+                  skip_pages: int = 0) -> int:
     """Units the decoder (layout ``dst``) waits for from a prefiller advertising ``src``:
-    every elementary run of every page of every layer on every destination rank, plus the
-    context write. Equals the units of all ``plan_layer_writes`` of the request, whatever the
-    chunking, page ids or seed."""
-    pages = pages_needed(prefill_tokens, dst.page_size)
+    every elementary run of every page written (all but the ``skip_pages`` leading ones the
+    decoder holds) of every layer on every destination rank, plus the context write. Equals
+    the units of all ``plan_layer_writes`` of the request, whatever the chunking, page ids or
+    seed."""
+    pages = pages_needed(prefill_tokens, dst.page_size) - skip_pages
     return dst.num_layers * pages * units_per_page(src, dst) + CONTEXT_UNITS
 
 

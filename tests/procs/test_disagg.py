@@ -160,3 +160,29 @@ def test_writes_striped_over_several_lanes(model_dir, tmp_path):
             assert stats(p_addr).kv_writes_sent - before == TINY["num_hidden_layers"] * pages + 1
         for addr in (p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
+
+
+def test_a_conversation_across_the_split_moves_only_the_uncached_pages(cluster, model_dir):
+    """Each turn resends the conversation to a decoder: the pages it holds in its prefix cache
+    (the earlier prompt and answer) are not written again; tokens stay equal to
+    transformers'."""
+    _, (_, d_addr) = cluster
+    history = prompt(3 * PAGE + 2, salt=777)
+    client = Client(d_addr)
+    try:
+        for turn in range(3):
+            before = stats(d_addr).kv_units_received
+            ids: list[int] = []
+            for msg in client.generate(prompt_token_ids=history, sampling=greedy()):
+                ids += getattr(msg, "token_ids", [])
+            assert isinstance(msg, Finished)
+            assert ids == hf_greedy(model_dir, history, NEW), f"turn {turn}"
+            held = msg.usage.cached_tokens // PAGE  # pages the decoder had cached
+            written = -(-(len(history) - 1) // PAGE) - held
+            assert stats(d_addr).kv_units_received - before == 2 * written + 1  # layers x pages
+            if turn:
+                assert held >= 3  # at least the previous turn's full prompt pages
+            history = history + ids + prompt(2, salt=900 + turn)
+    finally:
+        client.close()
+    wait_for(lambda: pools_full(d_addr), what="decoder pool full")

@@ -173,3 +173,68 @@ def test_requests_wait_for_pages_and_start_when_pages_come_back():
         assert isinstance(port.sent[-1], SendPrefill) and port.sent[-1].request_id.startswith("2.")
 
     run(go())
+
+
+def test_cached_leading_pages_are_held_not_written_and_complete_the_block_table():
+    side, port = side_with()
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        first = long_seq(1)
+        await side.enqueue(first)
+        send = port.sent[0]
+        await side.handle_messenger(AttemptEvent(send.request_id, "landed"))
+        batch = port.sched.schedule()
+        port.sched.update(batch, [5])
+        port.sched.remove(first)  # its 4 full prompt pages are cached now
+        # a longer prompt starting with the same 16 tokens (22 in all): 4 pages held, 2 reserved
+        seq = Sequence(2, "r2", list(range(1, 18)) + [70, 71, 72, 73, 74], SamplingParams(
+            max_tokens=2), 0, arrival=2)
+        assert await side.enqueue(seq)
+        send = port.sent[-1]
+        assert isinstance(send, SendPrefill) and send.skip_pages == 4
+        assert len(send.dst_pages) == 2 and not set(send.dst_pages) & set(seq.block_table)
+        assert seq.cached_tokens == 16 and len(seq.block_table) == 4
+        held = list(seq.block_table)
+        await side.handle_messenger(AttemptEvent(send.request_id, "landed"))
+        assert seq.block_table[:4] == held and len(seq.block_table) == 6
+        assert seq.num_computed == len(seq.prompt_ids) - 1
+
+    run(go())
+
+
+def test_an_abort_frees_held_cached_pages_at_once():
+    side, port = side_with()
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        first = long_seq(1)
+        await side.enqueue(first)
+        await side.handle_messenger(AttemptEvent(port.sent[0].request_id, "landed"))
+        port.sched.update(port.sched.schedule(), [5])
+        port.sched.remove(first)
+        seq = Sequence(2, "r2", list(range(1, 18)) + [70, 71, 72, 73, 74], SamplingParams(
+            max_tokens=2), 0, arrival=2)
+        await side.enqueue(seq)
+        assert port.pool.num_cached == 0  # held by seq
+        await side.release(seq)
+        assert port.pool.num_cached == 4  # back to the cache at once; the 2 reserved fenced
+        assert side.pages_fenced() == 2
+
+    run(go())
+
+
+def test_a_prompt_mostly_cached_is_prefilled_locally():
+    side, port = side_with()
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        first = long_seq(1)
+        await side.enqueue(first)
+        await side.handle_messenger(AttemptEvent(port.sent[0].request_id, "landed"))
+        port.sched.update(port.sched.schedule(), [5])
+        port.sched.remove(first)
+        # 16 of 17 prompt tokens cached: 0 left to prefill remotely (threshold 4)
+        assert not await side.enqueue(long_seq(2))
+
+    run(go())
