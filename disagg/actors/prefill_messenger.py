@@ -8,17 +8,10 @@ the transfer engine, layer by layer as the layer counter advances.
 Owns: the jobs (one per accepted PrefillRequest), the layer-counter poller thread, the context
 staging buffer.
 
-Only memory the requesting decoder owns is written: before the first write to an endpoint a
-peer connection named, the connection must answer a ``Challenge`` (``disagg.remote.ownership``);
-until then its requests wait (no job, no pages), and after a failed check they are refused
-``bad_request``. Each peer connection holds at most ``peer_share`` of the job slots (past that
-its requests get ``overloaded``) and of the page pool (past that its jobs wait here, holding no
-page, until its earlier ones end): ``disagg.remote.peer_quota``.
-
-A job expires after the request's ``timeout_s`` without progress (a step or layer computed here:
-the job's own, or the queue's it waits in) or at its absolute deadline (``disagg.remote.deadlines``),
-and no write of it is posted past that deadline; decoders hear of the progress
-(``PrefillProgress``) so that their own idle deadline follows it.
+Requests pass ``remote.requests`` checks and the ownership gate (``actors.ownership_gate``)
+before they become jobs; each job's lifecycle (peer shares, deadlines, one answer, pages
+released after it) is ``remote.prefill.PrefillJobs``. Pages a job's first chunk starts after
+(this node's prefix cache) go out at once; the rest layer by layer; none the decoder holds.
 """
 
 from __future__ import annotations
@@ -49,6 +42,7 @@ from disagg.actors.transfer import TransferEngine
 from disagg.protocol import StatsRequest
 from disagg.protocol.inproc import (
     CancelJob,
+    ChunkInfo,
     MessengerStats,
     PrefillJob,
     ReleaseJob,
@@ -66,7 +60,6 @@ from disagg.protocol.peer import (
     PeerRequest,
     Ping,
     Pong,
-    PrefillDone,
     PrefillFailCode,
     PrefillFailed,
     PrefillProgress,
@@ -87,14 +80,15 @@ from disagg.remote.prefill import (
     Schedule,
     Settle,
     Unschedule,
+    wire_reply,
 )
 from disagg.remote.requests import descriptor_problem, request_problem
 from disagg.remote.transfer_plan import (
     ChunkPlan,
     Runs,
     context_write,
+    job_pages_plan,
     pages_to_send,
-    plan_chunk,
 )
 from disagg.serving.metrics import Metrics
 
@@ -187,7 +181,7 @@ class PrefillMessenger(MessengerBase):
                     await self._from_peers()
                 if self.sched in events:
                     await self._from_scheduler()
-                self._expire()
+                self._carry_out(self.life.expire(time.monotonic()))
         finally:
             self.poller.stop()
 
@@ -236,7 +230,10 @@ class PrefillMessenger(MessengerBase):
                     self.steps[a.step_id] = Step(a)
                     now = time.monotonic()
                     for c in a.chunks:
+                        first = self.life.state(c.job) is JobState.QUEUED
                         self.life.step_started(c.job, now)
+                        if first and c.start > 0:  # it starts after pages from the cache
+                            self._ship_cached(c, now)
                     self._progressed(now)
                     assert self.poller is not None
                     self.poller.follow(a.step_id, a.counter_base)
@@ -363,17 +360,27 @@ class PrefillMessenger(MessengerBase):
                                plan.layer((sr, dr), layer))
         step.next_layer = max(step.next_layer, layers_done)
 
+    def _ship_cached(self, chunk: ChunkInfo, now: float) -> None:
+        """A job's first chunk starts after pages this node had in its prefix cache: they are
+        complete for every layer, so they go out at once (those the decoder does not hold)."""
+        job = self.jobs.get(chunk.job)
+        if job is None or not self.life.may_write(job.id, now):
+            return
+        plan = job_pages_plan(self.layout, job.req, chunk.pages,
+                              range(chunk.start // self.layout.page_size))
+        if plan is None:
+            return
+        for layer in range(self.layout.num_layers):
+            for sr, dr in plan.by_pair:
+                self._post(job, self.kv_regions[sr], job.dst_kv[dr], plan.layer((sr, dr), layer))
+
     def _plan(self, step: Step, i: int, job: Job) -> ChunkPlan | None:
         """The writes of chunk ``i`` of ``step`` for every layer (planned at its first layer;
         None when the chunk completes no page)."""
         if i not in step.plans:
-            chunk = step.announce.chunks[i]
-            skip = job.req.skip_pages  # the decoder holds those pages: never written
-            idx = [j for j in pages_to_send(chunk.start, chunk.start + chunk.count, chunk.total,
-                                            self.layout.page_size) if j >= skip]
-            step.plans[i] = plan_chunk(
-                self.layout, job.req.dst_layout, [chunk.pages[j] for j in idx],
-                [job.req.dst_pages[j - skip] for j in idx], seed=job.req.key) if idx else None
+            c = step.announce.chunks[i]
+            step.plans[i] = job_pages_plan(self.layout, job.req, c.pages, pages_to_send(
+                c.start, c.start + c.count, c.total, self.layout.page_size))
         return step.plans[i]
 
     def _step_done(self, done: StepDone, hidden: bytes | None) -> None:
@@ -435,23 +442,13 @@ class PrefillMessenger(MessengerBase):
         """The decoder's one answer about a job (sent soon); the job is gone here now."""
         job = self.jobs.pop(r.job)
         rid = job.req.request_id
-        msg: Any
-        if r.kind == "done":
-            msg = PrefillDone(rid, sum(r.timings), queue_s=r.timings[0], compute_s=r.timings[1],
-                              tail_s=r.timings[2])
-            if self.metrics is not None:
-                self.metrics.observe_transfer("sent", job.bytes, job.writes, time.monotonic()
-                                              - (job.first_post_at or time.monotonic()))
-        elif r.kind == "acked":
-            msg = AbortAck(rid)
-        else:
-            msg = PrefillFailed(rid, r.code, r.message)
+        msg = wire_reply(r, rid)
+        if r.kind == "done" and self.metrics is not None:
+            self.metrics.observe_transfer("sent", job.bytes, job.writes, time.monotonic()
+                                          - (job.first_post_at or time.monotonic()))
         self.by_peer.pop((job.peer, rid), None)
         self.ctx_free.append(self.ctx_of.pop(job.id))
         self._spawn(self._reply(job.peer, msg))
-
-    def _expire(self) -> None:
-        self._carry_out(self.life.expire(time.monotonic()))
 
     def _progressed(self, now: float) -> None:
         """This prefiller computed something (a step was scheduled, a layer or a step done):

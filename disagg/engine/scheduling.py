@@ -9,7 +9,8 @@ pages are freed and it goes back to the head of the waiting queue with prompt + 
 With prefix caching, a sequence about to start takes the cached pages of its longest cached
 prefix (whole pages, never its last token) and computes from the first uncached token; every
 full page a step completes is registered in the cache (prompt and generated tokens alike).
-Prefill-only sequences (a prefill node's jobs) neither match nor register yet.
+A prefill node's jobs (prefill-only sequences) do the same; its messenger ships a job's cached
+pages at once when the job's first chunk starts after them.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class BatchScheduler:
             budget -= count
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if self.prefix_caching and not seq.block_table and not seq.prefill_only:
+            if self.prefix_caching and not seq.block_table:
                 self._match(seq)
             count = min(seq.num_tokens - seq.num_computed, budget)
             need = pages_needed(seq.num_computed + count, self.page_size) - len(seq.block_table)
@@ -304,7 +305,7 @@ class BatchScheduler:
             if seq.status is not Status.RUNNING:
                 continue  # removed (aborted) while the step ran
             seq.num_computed = chunk.start + chunk.count
-            if self.prefix_caching and not seq.prefill_only:
+            if self.prefix_caching:
                 self._register(seq)
             if seq.prefill_only and seq.num_computed == seq.num_tokens:
                 self.running.remove(seq)

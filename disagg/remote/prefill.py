@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-from disagg.protocol.peer import PrefillFailCode
+from disagg.protocol.peer import AbortAck, PrefillDone, PrefillFailCode, PrefillFailed
 from disagg.remote.deadlines import ProgressDeadline
 from disagg.remote.peer_quota import PeerQuota
 
@@ -241,3 +241,14 @@ class PrefillJobs:
             queue.popleft()
         self.held_back.pop(peer, None)
         return out
+
+
+def wire_reply(r: Reply, request_id: str) -> PrefillDone | AbortAck | PrefillFailed:
+    """The message that gives the decoder the answer ``r`` about its request."""
+    if r.kind == "done":
+        queue_s, compute_s, tail_s = r.timings
+        return PrefillDone(request_id, queue_s + compute_s + tail_s, queue_s=queue_s,
+                           compute_s=compute_s, tail_s=tail_s)
+    if r.kind == "acked":
+        return AbortAck(request_id)
+    return PrefillFailed(request_id, r.code, r.message)

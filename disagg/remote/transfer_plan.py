@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagg.engine.cache import pages_needed
-from disagg.protocol.peer import KVLayoutDesc
+from disagg.protocol.peer import KVLayoutDesc, PrefillRequest
 
 # An immediate (64 bits): slot (low SLOT_BITS of the request's slot, for logs) | generation
 # (random per attempt: what makes a key unguessable) | units carried by the write.
@@ -317,3 +317,16 @@ def make_imm(key: int, units: int) -> int:
     if not 0 < units <= MAX_RUN:
         raise ValueError(f"a write carries 1..{MAX_RUN} units, got {units}")
     return (key << UNIT_BITS) | units
+
+
+def job_pages_plan(src: KVLayoutDesc, req: PrefillRequest, src_pages: list[int],
+                   indices: range | list[int]) -> ChunkPlan | None:
+    """The writes of the request's prompt pages ``indices`` (block-table positions; those
+    ``src_pages`` has on the prefiller) for every layer, leaving out the ``skip_pages`` the
+    decoder holds; None when nothing is left."""
+    skip = req.skip_pages
+    idx = [j for j in indices if j >= skip]
+    if not idx:
+        return None
+    return plan_chunk(src, req.dst_layout, [src_pages[j] for j in idx],
+                      [req.dst_pages[j - skip] for j in idx], seed=req.key)

@@ -186,3 +186,22 @@ def test_a_conversation_across_the_split_moves_only_the_uncached_pages(cluster, 
     finally:
         client.close()
     wait_for(lambda: pools_full(d_addr), what="decoder pool full")
+
+
+def test_a_prefiller_ships_pages_from_its_own_cache_to_a_decoder_that_lacks_them(cluster,
+                                                                                model_dir):
+    """Decoder A's prompt leaves its pages in the prefiller's cache; decoder B (which never
+    saw it) sends the same conversation on: the prefiller computes only the new pages and
+    writes the cached ones at once, every page B needs lands, tokens equal transformers'."""
+    p_addr, (a_addr, b_addr) = cluster
+    base = prompt(4 * PAGE + 1, salt=555)
+    assert tokens(a_addr, base, NEW) == hf_greedy(model_dir, base, NEW)
+    hit = stats(p_addr).prefix_hit_tokens
+    before = stats(b_addr).kv_units_received
+    longer = base + prompt(PAGE + 2, salt=556)
+    assert tokens(b_addr, longer, NEW) == hf_greedy(model_dir, longer, NEW)
+    assert stats(p_addr).prefix_hit_tokens - hit >= 4 * PAGE  # base's full pages, cached
+    # B held nothing: every page of the prompt (all but its last token) was written
+    assert stats(b_addr).kv_units_received - before == 2 * -(-(len(longer) - 1) // PAGE) + 1
+    for addr in (p_addr, a_addr, b_addr):
+        wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
