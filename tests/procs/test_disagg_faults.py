@@ -36,14 +36,17 @@ def prefilling(p_addr: str) -> bool:
 
 @pytest.fixture(scope="module")
 def trio(model_dir, tmp_path_factory):
-    """A slow prefiller; decoders that end failed prefills with an error / prefill locally."""
+    """A slow prefiller; decoders that end failed prefills with an error / prefill locally.
+    The tests send the same prompt again and again, each to catch a fault during a real
+    prefill: no prefix caching here (it would serve the repeats from the caches)."""
     tmp = tmp_path_factory.mktemp("trio")
+    nocache = "--no-prefix-caching"
     p_addr, p = node("prefill", model_dir, tmp, "--num-pages", "64", "--max-batch-tokens", "4",
-                     env=SLOW)
+                     nocache, env=SLOW)
     d_err = node("decode", model_dir, tmp, "--num-pages", "64", "--prefill-peer", p_addr,
-                 "--on-prefill-failure", "error", *FAST_FAILURE)
+                 "--on-prefill-failure", "error", nocache, *FAST_FAILURE)
     d_loc = node("decode", model_dir, tmp, "--num-pages", "64", "--prefill-peer", p_addr,
-                 "--on-prefill-failure", "local", *FAST_FAILURE)
+                 "--on-prefill-failure", "local", nocache, *FAST_FAILURE)
     with running([p, d_err[1], d_loc[1]], [d_err[0], d_loc[0]]):
         yield (p_addr, p), d_err[0], d_loc[0]
 
