@@ -219,6 +219,10 @@ class BatchScheduler:
             need = pages_needed(seq.num_computed + count, self.page_size) - len(seq.block_table)
             pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None)
             if pages is None:
+                # a waiting sequence holds no pages between steps: its cached ones go back
+                # (still cached) so that several waiting ones cannot starve the pool
+                self._release(seq)
+                seq.num_computed = 0
                 break
             seq.block_table.extend(pages)
             self.waiting.pop(0)

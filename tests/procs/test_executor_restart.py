@@ -188,9 +188,12 @@ def test_restarts_are_bounded_and_keep_the_port_it_got(model_dir, tmp_path):
 @pytest.mark.fabric
 def test_prefill_and_decode_nodes_serve_remote_prefills_again_after_executor_kills(model_dir,
                                                                                   tmp_path):
-    fast = ["--heartbeat", "0.2", "--peer-timeout", "1", "--prefill-timeout", "4"]
+    # the same prompt again after each restart must be prefilled remotely again: no caches
+    fast = ["--heartbeat", "0.2", "--peer-timeout", "1", "--prefill-timeout", "4",
+            "--no-prefix-caching"]
     p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "96", "--max-batch-tokens",
-                     "4", env={"DISAGG_TEST_LAYER_DELAY_S": "0.05"})  # prefills of 2 s
+                     "4", "--no-prefix-caching",
+                     env={"DISAGG_TEST_LAYER_DELAY_S": "0.05"})  # prefills of 2 s
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "96", "--prefill-peer", p_addr,
                      "--on-prefill-failure", "error", *fast)
     long = 81
