@@ -71,10 +71,12 @@ from disagg.remote.ownership import (
 from disagg.remote.peer_health import PeerHealth
 from disagg.remote.transfer_plan import incompatibility, make_key, new_generation, request_units
 from disagg.serving.metrics import Metrics
+from disagg.serving.routing import PrefixIndex, prefix_keys
 
 log = logging.getLogger(__name__)
 
 FENCE_GRACE_S = 1.0  # after a peer's connection went down, for bytes already on their way
+PREFIX_SLACK_TOKENS = 4096  # queue a prefiller holding the prefix may have beyond the shortest
 CHALLENGE_WAIT_S = 2.0  # for a challenge's nonce to land before reading it anyway
 CHALLENGE_ARMED_S = 3600.0  # an armed challenge key is re-armed after this
 CHALLENGE_SLOT = (1 << 8) - 1  # the slot bits of challenge keys (logs only: generations are random)
@@ -148,6 +150,7 @@ class DecodeMessenger(MessengerBase):
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
         self.wires: dict[str, Wire] = {}  # by request id
+        self.prefixes = PrefixIndex()  # which prefiller got each prompt prefix last
         self._ping = itertools.count()
         self._peer_dec = msgspec.msgpack.Decoder(PeerReply)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
@@ -239,15 +242,21 @@ class DecodeMessenger(MessengerBase):
 
     # ------------------------------------------------------------------ attempts
 
-    def pick(self) -> Peer | None:
-        """The live, compatible prefiller with the fewest queued tokens (ties at random),
-        among those not suspect if there are any."""
+    def pick(self, keys: list[bytes] | None = None) -> Peer | None:
+        """The live, compatible prefiller for a prompt with prefix ``keys``, among those not
+        suspect if there are any: the one that got its longest known prefix (its prefix
+        cache likely holds it) unless its queue exceeds the shortest by more than
+        ``PREFIX_SLACK_TOKENS`` (or half of it), else the one with the fewest queued tokens
+        (ties at random)."""
         live = [p for p in self.peers if p.alive]
         if not live:
             return None
         now = time.monotonic()
         healthy = [p for p in live if not p.health.suspect(now)] or live
-        return min(healthy, key=lambda p: (p.queued_tokens + p.sent_tokens, random.random()))
+        least = min(healthy, key=lambda p: (p.queued_tokens + p.sent_tokens, random.random()))
+        load = {p.address: p.queued_tokens + p.sent_tokens for p in healthy}
+        chosen = self.prefixes.prefer(keys or [], least.address, load, PREFIX_SLACK_TOKENS)
+        return next(p for p in healthy if p.address == chosen)
 
     def _challenge_key(self, peer: Peer) -> int:
         """The key ``peer``'s next challenge writes carry: expected before any request names
@@ -281,7 +290,7 @@ class DecodeMessenger(MessengerBase):
             await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
 
     async def _send_request(self, msg: SendPrefill) -> None:
-        peer = self.pick()
+        peer = self.pick(prefix_keys(msg.prompt_ids, None))
         if peer is None or not self.ctx_free:
             why = "no prefiller is alive" if peer is None else "no free context slot"
             await self._event(AttemptEvent(msg.request_id, "failed", "no_prefiller", why))

@@ -76,6 +76,22 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._peer)
 
+    def prefer(self, keys: list[bytes], least: str, load: dict[str, int],
+               slack: int) -> str:
+        """The peer for a request with prefix ``keys`` among the candidates of ``load``
+        (``least`` has the lowest): the one that got its longest known prefix while its load
+        is within ``max(slack, SLACK_RATIO x least's)`` of the least's, else ``least``. The
+        choice is recorded for the prefix."""
+        bound = load[least] + max(slack, int(SLACK_RATIO * load[least]))
+        chosen = least
+        for _, peer in self.longest(keys):
+            if peer in load and load[peer] <= bound:
+                chosen = peer
+                break
+        if keys:
+            self.record(keys, chosen)
+        return chosen
+
 
 @dataclass
 class PeerLoad:
@@ -134,17 +150,9 @@ class LoadBalancer:
         least = self._least(exclude)
         if least is None:
             return None
-        chosen = least
-        bound = self.peers[least].load
-        bound += max(SLACK_REQUESTS, int(SLACK_RATIO * bound))
-        for _, peer in self.index.longest(keys or []):
-            p = self.peers.get(peer)
-            if p is not None and p.alive and peer not in exclude and p.load <= bound:
-                chosen = peer
-                self.prefix_routed += 1
-                break
-        if keys:
-            self.index.record(keys, chosen)
+        load = {a: p.load for a, p in self.peers.items() if p.alive and a not in exclude}
+        chosen = self.index.prefer(keys or [], least, load, SLACK_REQUESTS)
+        self.prefix_routed += chosen != least
         return chosen
 
     def _least(self, exclude: set[str] | frozenset[str]) -> str | None:

@@ -10,6 +10,7 @@ from disagg.client import AsyncClient, Client
 from disagg.llm import LLM
 from disagg.model.loader import load_model
 from disagg.protocol import Finished, SamplingParams
+from disagg.serving.routing import ROUTE_BLOCK
 from nodes import PAGE, node, pools_full, prompt, running, stats, tokens, wait_for
 from tinymodels import free_port, hf_greedy, make_tiny_model
 
@@ -205,3 +206,20 @@ def test_a_prefiller_ships_pages_from_its_own_cache_to_a_decoder_that_lacks_them
     assert stats(b_addr).kv_units_received - before == 2 * -(-(len(longer) - 1) // PAGE) + 1
     for addr in (p_addr, a_addr, b_addr):
         wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
+
+
+def test_a_decoder_sends_a_conversations_turns_to_the_prefiller_holding_it(model_dir, tmp_path):
+    """Two prefillers: each turn of one conversation goes to the prefiller that prefilled the
+    previous turns (its prefix cache holds them), token-exact."""
+    p1_addr, p1 = node("prefill", model_dir, tmp_path, "--num-pages", "64")
+    p2_addr, p2 = node("prefill", model_dir, tmp_path, "--num-pages", "64")
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "96", "--prefill-peer",
+                     p1_addr, "--prefill-peer", p2_addr, "--heartbeat", "0.2")
+    with running([p1, p2, d], [d_addr], prefillers=2):
+        history = prompt(2 * ROUTE_BLOCK + 3, salt=31)
+        for turn in range(3):
+            out = tokens(d_addr, history, NEW)
+            assert out == hf_greedy(model_dir, history, NEW), f"turn {turn}"
+            history = history + out + prompt(5, salt=40 + turn)
+        started = sorted(stats(a).started for a in (p1_addr, p2_addr))
+        assert started == [0, 3]  # every turn on the same prefiller

@@ -149,3 +149,13 @@ def test_the_index_forgets_the_least_recently_used_blocks():
     index.record(k[2:], "b")
     assert len(index) == 3 and index.longest(k[:2]) == []  # k[0] forgotten
     assert index.longest(k[2:]) == [(2, "b")]
+
+
+def test_prefer_keeps_a_prefix_with_its_peer_within_the_slack():
+    index = PrefixIndex()
+    keys = [b"a" * 12, b"b" * 12]
+    assert index.prefer(keys, "x", {"x": 0, "y": 0}, slack=100) == "x"  # unknown: the least
+    assert index.prefer(keys, "y", {"x": 100, "y": 0}, slack=100) == "x"  # within the slack
+    assert index.prefer(keys, "y", {"x": 101, "y": 0}, slack=100) == "y"  # past it
+    assert index.prefer(keys[:1], "x", {"x": 0, "y": 0}, slack=100) == "y"  # y got it last
+    assert index.prefer(keys, "x", {"x": 0}, slack=100) == "x"  # y is no candidate
