@@ -20,7 +20,7 @@ import time
 import msgspec
 
 from disagg.actors.sides import SchedulerPort, SchedulerSide
-from disagg.engine.cache import page_hashes, pages_needed
+from disagg.engine.cache import pages_needed
 from disagg.engine.scheduling import Batch, Sequence, Status
 from disagg.protocol import Error
 from disagg.protocol.executor import StepPlan, StepResult
@@ -73,11 +73,8 @@ class DecodeSide(SchedulerSide):
             return False
         sched, ps = self.port.sched, self.port.page_size
         n = len(seq.prompt_ids) - 1  # the prefiller computes all but the last token
-        hashes: list[bytes] = []
-        held = 0
-        if sched.prefix_caching:
-            hashes = page_hashes(seq.prompt_ids[:n // ps * ps], ps, sched.cache_root, n // ps)
-            held = self.port.pool.cached_run(hashes)
+        hashes = sched.prefix_hashes(seq) if sched.prefix_caching else []
+        held = self.port.pool.cached_run(hashes)
         if n - held * ps <= self.local_prefill_max_tokens:
             return False  # the scheduler takes the same cached pages and computes the rest
         if held:

@@ -50,6 +50,7 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at its first start
     matched: bool = False  # its first start looked the cache up (counted in the statistics)
+    lookup: tuple[int, list[bytes]] | None = None  # (num_tokens, prefix_hashes) last computed
 
     @property
     def num_tokens(self) -> int:
@@ -234,12 +235,21 @@ class BatchScheduler:
             return None
         return Batch(decodes + prefills, len(decodes))
 
+    def prefix_hashes(self, seq: Sequence) -> list[bytes]:
+        """The chained hashes of ``seq``'s full pages before its last token (which is always
+        computed, for its logits): what a lookup matches. Kept on the sequence while its
+        tokens do not change (a waiting head looks up again at every step)."""
+        if seq.lookup is None or seq.lookup[0] != seq.num_tokens:
+            ps = self.page_size
+            full = (seq.num_tokens - 1) // ps
+            seq.lookup = (seq.num_tokens,
+                          page_hashes(seq.tokens(0, full * ps), ps, self.cache_root, full))
+        return seq.lookup[1]
+
     def _match(self, seq: Sequence) -> None:
-        """Start ``seq`` on the cached pages of its longest cached prefix (whole pages; its
-        last token is always computed, for its logits)."""
+        """Start ``seq`` on the cached pages of its longest cached prefix (whole pages)."""
         ps = self.page_size
-        full = (seq.num_tokens - 1) // ps
-        hashes = page_hashes(seq.tokens(0, full * ps), ps, self.cache_root, full)
+        hashes = self.prefix_hashes(seq)
         seq.block_table = self.pool.match(hashes)
         seq.hashes = hashes[:len(seq.block_table)]
         seq.num_computed = len(seq.block_table) * ps
