@@ -226,7 +226,8 @@ class DecodeMessenger(MessengerBase):
                 case PrefillDone(request_id=rid) as done:
                     if self._of(rid, peer) is not None:
                         await self._settled(rid, "done", timings=(done.queue_s, done.compute_s,
-                                                                  done.tail_s))
+                                                                  done.tail_s),
+                                            cached_tokens=done.cached_tokens)
                 case AbortAck(request_id=rid):
                     if self._of(rid, peer) is not None:
                         await self._settled(rid, "acked")
@@ -357,11 +358,12 @@ class DecodeMessenger(MessengerBase):
                                            f"prefiller {w.peer.address} is not answering"))
 
     async def _settled(self, rid: str, kind: Any, code: str = "", message: str = "",
-                       timings: tuple[float, float, float] | None = None) -> None:
+                       timings: tuple[float, float, float] | None = None,
+                       cached_tokens: int = 0) -> None:
         """Nothing more of ``rid`` will be written: tell the scheduler once any staged copy
         into its pages is done too."""
         await self.transfer.staging_idle()
-        await self._event(AttemptEvent(rid, kind, code, message, timings))
+        await self._event(AttemptEvent(rid, kind, code, message, timings, cached_tokens))
 
     def _forget(self, rid: str) -> None:
         w = self.wires.pop(rid, None)

@@ -149,20 +149,29 @@ class DecodeSide(SchedulerSide):
         match msg:
             case AttemptEvent(request_id=rid, kind=kind) as ev:
                 if ev.timings is not None:
-                    self._prefiller_timings(rid, ev.timings)
+                    self._prefiller_timings(rid, ev.timings, ev.cached_tokens)
                 if kind == "failed" or kind == "peer_dead":
                     log.warning("remote prefill %s: %s %s", rid, ev.code or kind, ev.message)
                 await self._carry_out(self.remote.event(rid, kind, now, ev.code, ev.message))
             case PeersAlive(count=n):
                 await self._carry_out(self.remote.set_peers_alive(n))
 
-    def _prefiller_timings(self, rid: str, timings: tuple[float, float, float]) -> None:
-        """The prefiller's queue and compute time, from the PrefillDone of the attempt that
-        delivered the KV (it may arrive before or after the KV itself)."""
+    def _prefiller_timings(self, rid: str, timings: tuple[float, float, float],
+                           cached_tokens: int) -> None:
+        """The prefiller's queue and compute time and its prefix-cache hit, from the
+        PrefillDone of the attempt that delivered the KV (before or after the KV itself)."""
         slot = int(rid.split(".")[0])
         clock = self.clock.get(slot)
         if clock is not None and self.sent.get(slot) == rid:
-            clock.update(prefill_queue=timings[0], prefill_compute=timings[1])
+            clock.update(prefill_queue=timings[0], prefill_compute=timings[1],
+                         prefill_cached=cached_tokens)
+
+    def cached_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens not computed for ``seq``: held in this node's cache or taken from
+        the prefiller's, whichever covers more."""
+        clock = self.clock.get(seq.slot, {})
+        return max(seq.cached_tokens, min(int(clock.get("prefill_cached", 0)),
+                                          len(seq.prompt_ids)))
 
     def emitting(self, seq: Sequence) -> None:
         clock = self.clock.get(seq.slot)

@@ -110,6 +110,7 @@ class Job:
     dst_ctx: Any
     futures: list[asyncio.Future[None]] = field(default_factory=list)
     first_post_at: float | None = None
+    cached_tokens: int = 0  # prompt tokens this node's prefix cache held (not computed)
     writes: int = 0  # posted so far
     bytes: int = 0
 
@@ -366,6 +367,7 @@ class PrefillMessenger(MessengerBase):
         job = self.jobs.get(chunk.job)
         if job is None or not self.life.may_write(job.id, now):
             return
+        job.cached_tokens = chunk.start
         plan = job_pages_plan(self.layout, job.req, chunk.pages,
                               range(chunk.start // self.layout.page_size))
         if plan is None:
@@ -442,7 +444,7 @@ class PrefillMessenger(MessengerBase):
         """The decoder's one answer about a job (sent soon); the job is gone here now."""
         job = self.jobs.pop(r.job)
         rid = job.req.request_id
-        msg = wire_reply(r, rid)
+        msg = wire_reply(r, rid, job.cached_tokens)
         if r.kind == "done" and self.metrics is not None:
             self.metrics.observe_transfer("sent", job.bytes, job.writes, time.monotonic()
                                           - (job.first_post_at or time.monotonic()))

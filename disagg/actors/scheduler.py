@@ -469,9 +469,8 @@ class SchedulerActor:
         n = self.side.transfers_in_flight()
         return {} if n is None else {"transfers_in_flight": n}
 
-    @staticmethod
-    def _usage(seq: Sequence) -> Usage:
-        return Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(len(seq.prompt_ids), len(seq.output_ids), self.side.cached_tokens(seq))
 
     async def _send(self, identity: bytes, msg: NodeReply) -> None:
         """Reply to a client, counting the frames of it handled since the last reply."""

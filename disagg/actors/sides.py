@@ -75,6 +75,10 @@ class SchedulerSide:
     def emitting(self, seq: Sequence) -> None:
         """Tokens of ``seq`` are about to go to its client."""
 
+    def cached_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens of ``seq`` not computed for it (taken from a prefix cache)."""
+        return seq.cached_tokens
+
     def timings_of(self, seq: Sequence) -> dict[str, float] | None:
         """The TTFT breakdown of a finishing request, if the side has one."""
         return None

@@ -134,13 +134,15 @@ class ForgetPrefill(msgspec.Struct, tag="forget_prefill", array_like=True, froze
 class AttemptEvent(msgspec.Struct, tag="attempt_event", array_like=True, frozen=True):
     """Decode side: what the messenger saw of an attempt, fed to the scheduler's
     ``DecodeRemote.event`` (``kind``: landed, progress, failed, done, acked, peer_dead,
-    conn_down). ``timings``: with ``done``, the prefiller's queue / compute / tail seconds."""
+    conn_down). ``timings``: with ``done``, the prefiller's queue / compute / tail seconds;
+    ``cached_tokens``: with ``done``, the prompt tokens it took from its prefix cache."""
 
     request_id: str
     kind: AttemptEventKind
     code: str = ""
     message: str = ""
     timings: tuple[float, float, float] | None = None
+    cached_tokens: int = 0
 
 
 class PeersAlive(msgspec.Struct, tag="peers_alive", array_like=True, frozen=True):

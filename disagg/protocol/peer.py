@@ -148,6 +148,7 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     queue_s: float = 0.0  # acceptance -> its first chunk was scheduled
     compute_s: float = 0.0  # first chunk scheduled -> last step done
     tail_s: float = 0.0  # last step done -> last write completed at the source
+    cached_tokens: int = 0  # prompt tokens the prefiller took from its prefix cache
 
 
 class PrefillProgress(msgspec.Struct, tag="prefill_progress", frozen=True):

@@ -243,12 +243,14 @@ class PrefillJobs:
         return out
 
 
-def wire_reply(r: Reply, request_id: str) -> PrefillDone | AbortAck | PrefillFailed:
-    """The message that gives the decoder the answer ``r`` about its request."""
+def wire_reply(r: Reply, request_id: str, cached_tokens: int = 0
+               ) -> PrefillDone | AbortAck | PrefillFailed:
+    """The message that gives the decoder the answer ``r`` about its request
+    (``cached_tokens``: of its prompt, taken from this node's prefix cache)."""
     if r.kind == "done":
         queue_s, compute_s, tail_s = r.timings
         return PrefillDone(request_id, queue_s + compute_s + tail_s, queue_s=queue_s,
-                           compute_s=compute_s, tail_s=tail_s)
+                           compute_s=compute_s, tail_s=tail_s, cached_tokens=cached_tokens)
     if r.kind == "acked":
         return AbortAck(request_id)
     return PrefillFailed(request_id, r.code, r.message)

@@ -159,6 +159,14 @@ def test_writes_striped_over_several_lanes(model_dir, tmp_path):
             assert tokens(d_addr, prompt(n), NEW) == hf_greedy(model_dir, prompt(n), NEW)
             pages = -(-(n - 1) // PAGE)  # the prompt but its last token is prefilled remotely
             assert stats(p_addr).kv_writes_sent - before == TINY["num_hidden_layers"] * pages + 1
+        # the same prompt extended: the decoder holds its full pages (skip_pages), the lanes
+        # carry only the pages after them
+        longer = prompt(6 * PAGE - 1) + prompt(2 * PAGE, salt=71)
+        before = stats(p_addr).kv_writes_sent
+        assert tokens(d_addr, longer, NEW) == hf_greedy(model_dir, longer, NEW)
+        held = (6 * PAGE - 1) // PAGE
+        pages = -(-(len(longer) - 1) // PAGE) - held
+        assert stats(p_addr).kv_writes_sent - before == TINY["num_hidden_layers"] * pages + 1
         for addr in (p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
 
@@ -200,8 +208,18 @@ def test_a_prefiller_ships_pages_from_its_own_cache_to_a_decoder_that_lacks_them
     hit = stats(p_addr).prefix_hit_tokens
     before = stats(b_addr).kv_units_received
     longer = base + prompt(PAGE + 2, salt=556)
-    assert tokens(b_addr, longer, NEW) == hf_greedy(model_dir, longer, NEW)
-    assert stats(p_addr).prefix_hit_tokens - hit >= 4 * PAGE  # base's full pages, cached
+    client = Client(b_addr)
+    try:
+        ids: list[int] = []
+        for msg in client.generate(prompt_token_ids=longer, sampling=greedy()):
+            ids += getattr(msg, "token_ids", [])
+    finally:
+        client.close()
+    assert ids == hf_greedy(model_dir, longer, NEW)
+    prefiller_hit = stats(p_addr).prefix_hit_tokens - hit
+    assert prefiller_hit >= 4 * PAGE  # base's full pages, cached
+    # the prefiller's hit is in the request's usage though B held none of it
+    assert isinstance(msg, Finished) and msg.usage.cached_tokens == prefiller_hit
     # B held nothing: every page of the prompt (all but its last token) was written
     assert stats(b_addr).kv_units_received - before == 2 * -(-(len(longer) - 1) // PAGE) + 1
     for addr in (p_addr, a_addr, b_addr):

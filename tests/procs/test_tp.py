@@ -87,6 +87,15 @@ def test_sharded_transfers_prefill_decode(p_tp, d_tp, tmp_path):
                 ids = [t for m in c.generate(prompt_token_ids=prompt, sampling=SamplingParams(
                     max_tokens=5, ignore_eos=True)) for t in getattr(m, "token_ids", [])]
                 assert ids == hf_greedy(path, prompt, 5), f"prompt length {n}"
+            # a next turn: the decoder holds the first turn's full pages (skip_pages), the
+            # prefiller its prompt's; only the rest is computed and written, per shard
+            turn = list(range(11, 25)) + ids + list(range(40, 47))
+            before = c.stats().kv_units_received
+            msgs = list(c.generate(prompt_token_ids=turn, sampling=SamplingParams(
+                max_tokens=5, ignore_eos=True)))
+            assert [t for m in msgs for t in getattr(m, "token_ids", [])] == hf_greedy(path, turn, 5)
+            assert msgs[-1].usage.cached_tokens >= 16  # at least 4 of the 4-token pages
+            assert 0 < c.stats().kv_units_received - before
             s = c.stats()
             assert s.kv_units_received > 0 and s.pages_free == s.pages_total
         finally:

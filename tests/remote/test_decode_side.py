@@ -238,3 +238,27 @@ def test_a_prompt_mostly_cached_is_prefilled_locally():
         assert not await side.enqueue(long_seq(2))
 
     run(go())
+
+
+def test_pages_of_a_failed_or_fenced_attempt_never_enter_the_cache():
+    """A refused attempt's pages go back uncached; a cancelled one's reserved pages stay fenced
+    until the prefiller acknowledges, then come back free and uncached too."""
+    side, port = side_with()
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        failed = long_seq(1)
+        await side.enqueue(failed)
+        await side.handle_messenger(AttemptEvent(port.sent[0].request_id, "failed",
+                                                 "transfer_failed", "broken write"))
+        assert isinstance(port.ended[-1][1], Error)
+        assert port.pool.num_cached == 0 and port.pool.num_free == 16
+        cut = long_seq(2)
+        await side.enqueue(cut)
+        await side.release(cut)  # ended while its writes may still land: fenced
+        assert side.pages_fenced() == 5 and port.pool.num_cached == 0
+        await side.handle_messenger(AttemptEvent(port.sent[-2].request_id, "acked"))
+        assert side.pages_fenced() == 0
+        assert port.pool.num_cached == 0 and port.pool.num_free == 16
+
+    run(go())
