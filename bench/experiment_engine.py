@@ -110,7 +110,7 @@ def main() -> None:
     per = -(-(args.ctx + 1) // page)
     num_pages = args.batch * per + -(-args.prefill // page) + 8
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page, arch.head_dim,
-                      model.dtype)
+                      model.dtype, arch.kv_parts)
     alloc = KVAllocation.create(layout, dev)
     alloc.tensor.normal_()
     counter = LayerCounter.create(dev)

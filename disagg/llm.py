@@ -42,7 +42,7 @@ class LLM:
     ):
         arch = model.arch
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
-                          model.dtype)
+                          model.dtype, arch.kv_parts)
         kv = torch.zeros(layout.shape, dtype=model.dtype, device=model.device)
         self.runner = ModelRunner(model, kv, get_backend(attention_backend, model.device))
         self.pool = PagePool(num_pages)

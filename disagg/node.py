@@ -150,7 +150,7 @@ class Node:
             num_kv_heads=per_rank, page_size=self.cfg.cache.page_size,
             head_dim=arch.head_dim, dtype=info.dtype,
             element_size=torch.empty((), dtype=dtype).element_size(), hidden_size=arch.hidden_size,
-            tp_size=tp, kv_replicas=replicas)
+            tp_size=tp, kv_replicas=replicas, kind=arch.layout_kind, kv_parts=arch.kv_parts)
 
     def _transfer(self) -> TransferEngine:
         d = self.cfg.disagg

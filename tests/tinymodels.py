@@ -22,11 +22,26 @@ TINY = dict(
 )
 
 
+# MoE / MLA families: a few experts, yarn rope on DeepSeek (its mscale on the softmax scale)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "original_max_position_embeddings": 128, "beta_fast": 32,
+        "beta_slow": 1}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_shared_experts=1)
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+
+
 def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random HF model of ``kind`` (llama | qwen2 | qwen3) as float32 safetensors."""
+    """Save a tiny random HF model of ``kind`` (one of ``FAMILIES``) as float32 safetensors;
+    ``overrides`` change its config (e.g. ``norm_topk_prob``, ``q_lora_rank``)."""
     import transformers
 
     cfg_kw = dict(TINY, **overrides)
+    if kind in ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"):
+        return _make_sparse(kind, path, seed, overrides)
     if kind == "llama":
         cfg = transformers.LlamaConfig(
             **cfg_kw,
@@ -50,6 +65,44 @@ def make_tiny_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
+    return path
+
+
+def _make_sparse(kind: str, path: Path, seed: int, overrides: dict) -> Path:
+    """MoE and MLA families, with weights drawn wider than Hugging Face's default (std 0.02
+    leaves routers and latents nearly uniform) and a random V3 correction bias."""
+    import transformers
+
+    if kind == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**{**TINY, **MOE, "shared_expert_intermediate_size": 48,
+                                             **overrides})
+        cls = transformers.Qwen2MoeForCausalLM
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**{**TINY, **MOE, "head_dim": 16, "norm_topk_prob": True,
+                                             **overrides})
+        cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "deepseek_v2":
+        cfg = transformers.DeepseekV2Config(**{**TINY, **DEEPSEEK, "q_lora_rank": None,
+                                               "rope_parameters": dict(YARN), **overrides})
+        cls = transformers.DeepseekV2ForCausalLM
+    else:
+        cfg = transformers.DeepseekV3Config(**{**TINY, **DEEPSEEK, "q_lora_rank": 24, "n_group": 4,
+                                               "topk_group": 2, "rope_parameters": dict(YARN),
+                                               **overrides})
+        cls = transformers.DeepseekV3ForCausalLM
+    cfg.eos_token_id = 2
+    cfg.bos_token_id = 1
+    cfg.initializer_range = 0.08
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
     return path
 

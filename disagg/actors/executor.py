@@ -86,9 +86,9 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     else:
         num_pages = KVLayout.pages_for_budget(
             cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads,
-            cfg.cache.page_size, arch.head_dim, model.dtype)
+            cfg.cache.page_size, arch.head_dim, model.dtype, kv_parts=arch.kv_parts)
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
-                      arch.head_dim, model.dtype)
+                      arch.head_dim, model.dtype, arch.kv_parts)
     alloc = KVAllocation.create(layout, device)
     if alloc.fd is not None:
         socket.send_fds(fd_sock, [b"kv"], [alloc.fd])
@@ -241,7 +241,8 @@ def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_
     graphs = (peak - weights) + (256 << 20) if cfg.executor.cuda_graphs else 0
     budget = int(total * cfg.executor.gpu_memory_utilization) - non_torch - peak - graphs
     pages = KVLayout.pages_for_budget(max(budget, 0), arch.num_layers, arch.num_kv_heads,
-                                      cfg.cache.page_size, arch.head_dim, model.dtype)
+                                      cfg.cache.page_size, arch.head_dim, model.dtype,
+                                      kv_parts=arch.kv_parts)
     log.info("memory: total %.1f GiB, weights %.1f GiB, profile peak %.1f GiB, outside torch "
              "%.1f GiB, graph headroom %.1f GiB -> KV %.1f GiB (%d pages)", total / 2**30,
              weights / 2**30, peak / 2**30, non_torch / 2**30, graphs / 2**30, budget / 2**30,

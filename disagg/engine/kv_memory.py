@@ -1,9 +1,10 @@
 """The executor's KV cache allocation, mappable by the node's main process.
 
 One allocation per executor holds every layer, so it is registered with the fabric once:
-``[num_layers, num_pages, 2 (K, V), num_kv_heads_local, page_size, head_dim]`` (HND). K and V of
-one page of one layer are adjacent, so that page is one contiguous run of
-``2 * num_kv_heads * page_size * head_dim`` elements.
+``[num_layers, num_pages, kv_parts, num_kv_heads_local, page_size, head_dim]`` (HND), the third
+dim K and V (``kv_parts`` 2, GQA) or MLA's one latent row per token (1, with one "head" and
+``head_dim`` the latent width). The parts of one page of one layer are adjacent, so that page
+is one contiguous run of ``kv_parts * num_kv_heads * page_size * head_dim`` elements.
 
 - CPU: a memfd; the executor passes the fd to the main process (SCM_RIGHTS), which mmaps it.
 - CUDA: cuMem with a POSIX-fd exportable handle; the main process imports it with
@@ -30,10 +31,12 @@ class KVLayout:
     page_size: int
     head_dim: int
     dtype: torch.dtype
+    kv_parts: int = 2  # third dim: K and V (2), or the MLA latent (1); ModelArch.kv_parts
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, self.num_pages, 2, self.num_kv_heads, self.page_size, self.head_dim)
+        return (self.num_layers, self.num_pages, self.kv_parts, self.num_kv_heads, self.page_size,
+                self.head_dim)
 
     @property
     def element_size(self) -> int:
@@ -41,8 +44,8 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer (K and V)."""
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
+        """Bytes of one page of one layer (K and V, or the MLA latent)."""
+        return self.kv_parts * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
 
     @property
     def nbytes(self) -> int:
@@ -50,8 +53,9 @@ class KVLayout:
 
     @staticmethod
     def pages_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, page_size: int,
-                         head_dim: int, dtype: torch.dtype) -> int:
-        per_page = num_layers * 2 * num_kv_heads * page_size * head_dim * torch.empty(
+                         head_dim: int, dtype: torch.dtype, *, kv_parts: int = 2) -> int:
+        """Pages (of every layer) that fit in ``budget_bytes``; ``kv_parts`` as the field."""
+        per_page = num_layers * kv_parts * num_kv_heads * page_size * head_dim * torch.empty(
             (), dtype=dtype).element_size()
         return budget_bytes // per_page
 

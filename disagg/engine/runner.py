@@ -111,7 +111,7 @@ class ModelRunner:
         counter: LayerCounter | None = None,
     ):
         self.model = model
-        self.kv = kv  # [L, P, 2, Hkv, S, D]
+        self.kv = kv  # [L, P, kv_parts (K, V: 2; MLA latent: 1), Hkv, S, D]
         self.page_size = kv.shape[4]
         self.num_pages = kv.shape[1]
         self.backend = backend
@@ -234,7 +234,7 @@ def profile_peak_memory(model: Transformer, backend: AttentionBackend, page_size
         lens.append(min(left, max_model_len))
         left -= lens[-1]
     pages = [-(-n // page_size) for n in lens]
-    kv = torch.zeros((arch.num_layers, sum(pages), 2, arch.num_kv_heads, page_size,
+    kv = torch.zeros((arch.num_layers, sum(pages), arch.kv_parts, arch.num_kv_heads, page_size,
                       arch.head_dim), dtype=model.dtype, device=dev)
     chunks: list[SeqChunk] = []
     first = 0

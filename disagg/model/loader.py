@@ -1,6 +1,9 @@
 """Load a local Hugging Face directory (single or sharded safetensors) into ``Transformer``.
 
-Fused parameters: q/k/v projections become one ``qkv`` matrix and gate/up one ``gate_up``.
+Fused parameters: q/k/v projections become one ``qkv`` matrix and gate/up one ``gate_up``;
+MoE experts' per-expert tensors (``mlp.experts.E.gate_proj``, ...) are stacked into
+``[E, ...]`` parameters (the fused ``mlp.experts.gate_up_proj`` form is read too). Layers past
+``num_hidden_layers`` (DeepSeek's multi-token-prediction layers) are skipped.
 ``random_weights`` fills the same parameters from a seed, so a model shape needs no files.
 """
 
@@ -22,6 +25,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # HF name (inside a layer) -> (our parameter, slice index for fused params or None)
 _LAYER_MAP = {
     "input_layernorm.weight": ("input_norm", None),
@@ -39,6 +43,28 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": ("gate_up_weight", 1),
     "mlp.down_proj.weight": ("down_weight", None),
 }
+# MLA attention and MoE MLP names -> (our parameter, fused part or None, TP split)
+_MLA_MAP: dict[str, tuple[str, int | None, str]] = {
+    "self_attn.q_proj.weight": ("mla.q_proj", None, "rows"),
+    "self_attn.q_a_proj.weight": ("mla.q_a", None, "replicated"),
+    "self_attn.q_a_layernorm.weight": ("mla.q_a_norm", None, "replicated"),
+    "self_attn.q_b_proj.weight": ("mla.q_b", None, "rows"),
+    "self_attn.kv_a_proj_with_mqa.weight": ("mla.kv_a", None, "replicated"),
+    "self_attn.kv_a_layernorm.weight": ("mla.kv_a_norm", None, "replicated"),
+    "self_attn.kv_b_proj.weight": ("mla.kv_b", None, "rows"),
+    "self_attn.o_proj.weight": ("mla.o", None, "cols"),
+}
+_MOE_MAP: dict[str, tuple[str, int | None, str]] = {
+    "mlp.gate.weight": ("moe.router", None, "replicated"),
+    "mlp.gate.e_score_correction_bias": ("moe.correction_bias", None, "replicated"),
+    "mlp.shared_expert_gate.weight": ("moe.shared_gate", None, "replicated"),
+    "mlp.experts.gate_up_proj": ("moe.gate_up", None, "experts_gate_up"),
+    "mlp.experts.down_proj": ("moe.down", None, "experts_down"),
+}
+for _prefix in ("mlp.shared_expert.", "mlp.shared_experts."):
+    _MOE_MAP[_prefix + "gate_proj.weight"] = ("moe.shared_gate_up", 0, "rows")
+    _MOE_MAP[_prefix + "up_proj.weight"] = ("moe.shared_gate_up", 1, "rows")
+    _MOE_MAP[_prefix + "down_proj.weight"] = ("moe.shared_down", None, "cols")
 
 
 def resolve_dtype(name: str, arch: ModelArch, device: torch.device) -> torch.dtype:
@@ -66,7 +92,12 @@ def _fused_slices(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
     q, kv = arch.num_heads * d, arch.num_kv_heads * d
     qkv = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
     i = arch.intermediate_size
-    return {"qkv_weight": qkv, "qkv_bias": qkv, "gate_up_weight": [(0, i), (i, 2 * i)]}
+    out = {"qkv_weight": qkv, "qkv_bias": qkv, "gate_up_weight": [(0, i), (i, 2 * i)]}
+    if arch.moe is not None:
+        e, s = arch.moe.intermediate_size, arch.moe.shared_intermediate_size
+        out["gate_up"] = [(0, e), (e, 2 * e)]
+        out["shared_gate_up"] = [(0, s), (s, 2 * s)]
+    return out
 
 
 def load_model(
@@ -93,14 +124,13 @@ def load_model(
                 if target is None:
                     log.debug("skipping tensor %s", name)
                     continue
-                param_name, part = target
+                param_name, expert, part, kind = target
                 param = model.get_parameter(param_name)
-                tensor = tp.shard(_shard_kind(name), f.get_tensor(name), full)
-                if part is None:
-                    dst = param.data
-                else:
+                tensor = _shard(tp, kind, f.get_tensor(name), full)
+                dst = param.data if expert is None else param.data[expert]
+                if part is not None:
                     lo, hi = slices[param_name.rsplit(".", 1)[-1]][part]
-                    dst = param.data[lo:hi]
+                    dst = dst[lo:hi]
                     fused_parts[param_name] = fused_parts.get(param_name, 0) + 1
                 if tuple(dst.shape) != tuple(tensor.shape):
                     raise ValueError(
@@ -115,6 +145,8 @@ def load_model(
         raise ValueError(f"checkpoint in {path} lacks tensors for: {', '.join(missing[:8])}")
     for param_name, count in fused_parts.items():
         want = len(slices[param_name.rsplit(".", 1)[-1]])
+        if param_name.endswith(".gate_up"):  # every expert's gate and up
+            want *= model.get_parameter(param_name).shape[0]
         if count != want:
             raise ValueError(f"checkpoint in {path}: {param_name} got {count} of {want} parts")
     return model
@@ -130,20 +162,50 @@ def _shard_kind(name: str) -> str:
     return _SHARD_KINDS.get(parts[-2], "replicated") if len(parts) >= 2 else "replicated"
 
 
-def _target(name: str, arch: ModelArch) -> tuple[str, int | None] | None:
+def _shard(tp: TensorParallel, kind: str, tensor: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """This rank's slice; fused ``[E, ...]`` expert tensors split each expert's intermediate
+    dimension (gate and up halves alike)."""
+    if tp.size == 1 or kind not in ("experts_gate_up", "experts_down"):
+        return tp.shard(kind, tensor, arch)
+    if kind == "experts_down":
+        return tensor.chunk(tp.size, dim=2)[tp.rank]
+    e, two_i, h = tensor.shape
+    halves = tensor.view(e, 2, two_i // 2, h).chunk(tp.size, dim=2)[tp.rank]
+    return halves.reshape(e, -1, h)
+
+
+Target = tuple[str, int | None, int | None, str]  # parameter, expert, fused part, TP split
+
+
+def _target(name: str, arch: ModelArch) -> Target | None:
     if name == "model.embed_tokens.weight":
-        return ("embed", None)
+        return ("embed", None, None, "replicated")
     if name == "model.norm.weight":
-        return ("norm", None)
+        return ("norm", None, None, "replicated")
     if name == "lm_head.weight":
-        return None if arch.tie_word_embeddings else ("lm_head", None)
+        return None if arch.tie_word_embeddings else ("lm_head", None, None, "replicated")
     m = _LAYER.match(name)
-    if m is None:
+    if m is None or int(m.group(1)) >= arch.num_layers:
         return None
-    entry = _LAYER_MAP.get(m.group(2))
+    layer, rest = f"layers.{m.group(1)}", m.group(2)
+    sparse = arch.moe is not None and arch.moe.sparse_layers[int(m.group(1))]
+    if arch.mla is not None and rest in _MLA_MAP:
+        param, part, kind = _MLA_MAP[rest]
+        return (f"{layer}.{param}", None, part, kind)
+    if sparse:
+        e = _EXPERT.match(rest)
+        if e is not None:
+            which = e.group(2)
+            return (f"{layer}.moe.{'down' if which == 'down' else 'gate_up'}", int(e.group(1)),
+                    None if which == "down" else (0 if which == "gate" else 1),
+                    "cols" if which == "down" else "rows")
+        if rest in _MOE_MAP:
+            param, part, kind = _MOE_MAP[rest]
+            return (f"{layer}.{param}", None, part, kind)
+    entry = _LAYER_MAP.get(rest)
     if entry is None:
         return None
-    return (f"layers.{m.group(1)}.{entry[0]}", entry[1])
+    return (f"{layer}.{entry[0]}", None, entry[1], _shard_kind(name))
 
 
 def random_model(
@@ -160,6 +222,8 @@ def random_model(
     for name, param in model.named_parameters():
         if name.endswith("norm") or name == "norm":
             param.data.fill_(1.0)
+        elif name.endswith("correction_bias"):
+            param.data.zero_()
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
     return model

@@ -7,6 +7,11 @@ partial outputs are summed with an all-reduce). Rank ``r`` holds query heads
 replicated on ``tp / Hkv`` consecutive ranks (``disagg.remote.transfer_plan.shard_kv_heads`` and
 ``KVLayoutDesc.rank_heads`` describe the same mapping). Embeddings, norms and the LM head are
 replicated.
+
+MoE: every expert's intermediate dimension (and the shared expert's) is split like a dense
+MLP's; the router is replicated. MLA: the heads are split (``q_b``/``q_proj`` and ``kv_b`` rows,
+``o_proj`` columns); the latent projection, its norm and so the latent cache are replicated
+(one "kv head" on every rank).
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ class TensorParallel:
             raise TPError(f"--tp {self.size} does not divide the {arch.num_heads} attention heads")
         if arch.intermediate_size % self.size:
             raise TPError(f"--tp {self.size} does not divide the MLP size {arch.intermediate_size}")
+        moe = arch.moe
+        if moe is not None and (moe.intermediate_size % self.size
+                                or moe.shared_intermediate_size % self.size):
+            raise TPError(f"--tp {self.size} does not divide the expert MLP sizes "
+                          f"{moe.intermediate_size} / {moe.shared_intermediate_size}")
         try:
             shard_kv_heads(arch.num_kv_heads, self.size)
         except ValueError as e:
@@ -45,8 +55,11 @@ class TensorParallel:
         """The shapes this rank holds (heads, kv heads, intermediate size per rank)."""
         self.check(arch)
         kv, _ = shard_kv_heads(arch.num_kv_heads, self.size)
+        moe = arch.moe and dataclasses.replace(
+            arch.moe, intermediate_size=arch.moe.intermediate_size // self.size,
+            shared_intermediate_size=arch.moe.shared_intermediate_size // self.size)
         return dataclasses.replace(arch, num_heads=arch.num_heads // self.size, num_kv_heads=kv,
-                                   intermediate_size=arch.intermediate_size // self.size)
+                                   intermediate_size=arch.intermediate_size // self.size, moe=moe)
 
     def kv_heads(self, arch: ModelArch) -> range:
         """Global kv heads this rank holds (the mapping ``KVLayoutDesc.rank_heads`` describes)."""
@@ -56,10 +69,14 @@ class TensorParallel:
 
     def shard(self, kind: str, tensor: torch.Tensor, arch: ModelArch) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor. ``kind``: q, k, v (weight or bias rows by
-        head), o (columns by q head), gate, up (rows), down (columns), or anything else
-        (replicated)."""
+        head), o (columns by q head), gate, up (rows), down (columns), rows / cols (an even
+        split of the rows / columns: experts, MLA heads), or anything else (replicated)."""
         if self.size == 1:
             return tensor
+        if kind == "rows":
+            return tensor.chunk(self.size, dim=0)[self.rank]
+        if kind == "cols":
+            return tensor.chunk(self.size, dim=1)[self.rank]
         d = arch.head_dim
         if kind == "q":
             n = arch.num_heads // self.size

@@ -1,6 +1,8 @@
 """One decoder-only transformer over the paged HND KV cache.
 
-Covers Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm). Tokens of all sequences in a step are
+Covers Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm); with ``arch.moe`` the sparse layers' MLP
+is a mixture of experts (``disagg.model.moe``), with ``arch.mla`` attention is DeepSeek's latent
+attention over a latent cache (``disagg.model.mla``). Tokens of all sequences in a step are
 flattened into one ``[T]`` batch; attention goes through an ``AttentionBackend``; after each
 layer's attention output projection the optional ``layer_hook(layer)`` runs (the layer counter
 bump that lets KV transfers start layer by layer).
@@ -8,7 +10,6 @@ bump that lets KV transfers start layer by layer).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -18,61 +19,17 @@ from torch import nn
 from disagg.config import env
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import ModelArch
+from disagg.model.mla import MLAAttention
+from disagg.model.moe import MoEMLP
+from disagg.model.rotary import Rotary, rms_norm, rotate_half
 from disagg.model.tp import TensorParallel
 
 FUSED = env("NO_FUSED") is None  # DISAGG_NO_FUSED=1: plain torch elementwise ops on CUDA too
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as Hugging Face does."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """llama3 RoPE scaling: long wavelengths divided by ``factor``, a smooth band between."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_len = float(scaling.get("original_max_position_embeddings", 8192))
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-class Rotary(nn.Module):
-    """RoPE with the non-interleaved (rotate-half) convention."""
-
-    def __init__(self, arch: ModelArch, device: torch.device):
-        super().__init__()
-        dim = arch.head_dim
-        base = arch.rope_theta
-        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        if arch.rope_scaling:
-            inv = llama3_scaled(inv, arch.rope_scaling)
-        self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", inv.to(device), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, layer: int = 0):
         super().__init__()
         self.tp = tp or TensorParallel()  # ``arch`` holds this rank's (local) shapes
         h, d = arch.hidden_size, arch.head_dim
@@ -84,14 +41,20 @@ class DecoderLayer(nn.Module):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
         self.input_norm = p(h)
-        self.qkv_weight = p(qkv_out, h)
-        self.qkv_bias = p(qkv_out) if arch.qkv_bias else None
-        self.q_norm = p(d) if arch.qk_norm else None
-        self.k_norm = p(d) if arch.qk_norm else None
-        self.o_weight = p(h, arch.num_heads * d)
         self.post_norm = p(h)
-        self.gate_up_weight = p(2 * arch.intermediate_size, h)
-        self.down_weight = p(h, arch.intermediate_size)
+        self.mla = (MLAAttention(h, arch.num_heads, arch.mla, arch.rms_norm_eps, dtype, device)
+                    if arch.mla is not None else None)
+        if self.mla is None:
+            self.qkv_weight = p(qkv_out, h)
+            self.qkv_bias = p(qkv_out) if arch.qkv_bias else None
+            self.q_norm = p(d) if arch.qk_norm else None
+            self.k_norm = p(d) if arch.qk_norm else None
+            self.o_weight = p(h, arch.num_heads * d)
+        sparse = arch.moe is not None and arch.moe.sparse_layers[layer]
+        self.moe = MoEMLP(h, arch.moe, dtype, device) if sparse and arch.moe else None
+        if self.moe is None:
+            self.gate_up_weight = p(2 * arch.intermediate_size, h)
+            self.down_weight = p(h, arch.intermediate_size)
 
     def forward(
         self,
@@ -104,7 +67,11 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         after_attention: Callable[[], None] | None,
     ) -> torch.Tensor:
-        if x.is_cuda and FUSED:
+        if self.mla is not None:
+            attn = self.mla(rms_norm(x, self.input_norm, self.eps), cos, sin, k_cache, meta,
+                            backend)
+            return self._mlp(x + self.tp.all_reduce(attn), after_attention)
+        if x.is_cuda and FUSED and self.moe is None:
             return self._forward_fused(x, cos, sin, k_cache, v_cache, meta, backend,
                                        after_attention)
         t = x.shape[0]
@@ -123,9 +90,14 @@ class DecoderLayer(nn.Module):
         backend.append_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
         x = x + self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
+        return self._mlp(x, after_attention)
+
+    def _mlp(self, x: torch.Tensor, after_attention: Callable[[], None] | None) -> torch.Tensor:
         if after_attention is not None:
             after_attention()
         h = rms_norm(x, self.post_norm, self.eps)
+        if self.moe is not None:
+            return x + self.tp.all_reduce(self.moe(h))
         gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
         return x + self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
 
@@ -175,8 +147,8 @@ class Transformer(nn.Module):
         self.embed = nn.Parameter(
             torch.empty(arch.vocab_size, h, dtype=dtype, device=device), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, self.tp)
-                                    for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, self.tp, i)
+                                    for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.empty(h, dtype=dtype, device=device), requires_grad=False)
         self.lm_head: nn.Parameter | None = None
         if not arch.tie_word_embeddings:
@@ -197,12 +169,13 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Run ``input_ids [T]`` at ``positions [T]``; returns final-normed hidden ``[T, H]``.
 
-        ``kv`` is the executor's whole cache ``[L, P, 2, Hkv, S, D]``."""
+        ``kv`` is the executor's whole cache ``[L, P, 2, Hkv, S, D]`` (MLA: ``[L, P, 1, 1, S,
+        D]``, the latent passed as both K and V)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         for i, layer in enumerate(self.layers):
             hook = None if layer_hook is None else (lambda i=i: layer_hook(i))
-            x = layer(x, cos, sin, kv[i, :, 0], kv[i, :, 1], meta, backend, hook)
+            x = layer(x, cos, sin, kv[i, :, 0], kv[i, :, -1], meta, backend, hook)
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     @torch.inference_mode()

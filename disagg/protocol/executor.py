@@ -56,7 +56,8 @@ class KVMemoryInfo(msgspec.Struct, frozen=True):
     kind: str  # "memfd" | "cuda" | "none"
     nbytes: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
-    shape: list[int]  # [num_layers, num_pages, 2, num_kv_heads_local, page_size, head_dim]
+    shape: list[int]  # [num_layers, num_pages, kv_parts, num_kv_heads_local, page_size, head_dim]
+    # (kv_parts: K and V, 2; the MLA latent, 1)
     device: str
 
 

@@ -23,11 +23,13 @@ class KVLayoutDesc(msgspec.Struct, frozen=True):
     """A node's KV cache as a peer must know it; see transfer_plan.
 
     Every rank of a node has its own buffer of ``total_bytes`` laid out
-    ``[num_layers, num_pages, 2 (K, V), num_kv_heads, page_size, head_dim]`` (HND), and the same
-    page ids on every rank. Rank ``r`` holds the global kv heads ``rank_heads(r)``: block
-    ``r // kv_replicas`` of ``num_kv_heads`` heads, so with ``kv_replicas`` > 1 (kv heads < TP,
-    or MLA's single latent) consecutive ranks hold the same heads, and replica set
-    ``j = r % kv_replicas`` (ranks j, j + kv_replicas, ...) holds one whole KV cache."""
+    ``[num_layers, num_pages, kv_parts, num_kv_heads, page_size, head_dim]`` (HND), and the same
+    page ids on every rank: the third dim is K and V (``kind`` gqa, ``kv_parts`` 2) or MLA's
+    latent (``kind`` mla, ``kv_parts`` 1, one "head" of the latent's width).
+    Rank ``r`` holds the global kv heads ``rank_heads(r)``: block ``r // kv_replicas`` of
+    ``num_kv_heads`` heads, so with ``kv_replicas`` > 1 (kv heads < TP, or MLA's single latent)
+    consecutive ranks hold the same heads, and replica set ``j = r % kv_replicas`` (ranks j,
+    j + kv_replicas, ...) holds one whole KV cache."""
 
     num_layers: int
     num_pages: int  # pages per rank (page ids are node-local, the same on every rank)
@@ -39,15 +41,19 @@ class KVLayoutDesc(msgspec.Struct, frozen=True):
     hidden_size: int  # context (hidden state) elements per request
     tp_size: int = 1  # ranks (one KV buffer each, all in one node's transfer engine)
     kv_replicas: int = 1  # ranks holding each kv head (divides tp_size); 1 = no replication
+    kind: str = "gqa"  # what a page holds (ModelArch.layout_kind): "gqa" K/V heads, "mla" latent
+    kv_parts: int = 2  # the third dim: K and V (2, gqa) or the latent (1, mla)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer on one rank: K and V of every local kv head."""
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
+        """Bytes of one page of one layer on one rank: every part (K and V, or the MLA latent)
+        of every local kv head."""
+        return (self.kv_parts * self.num_kv_heads * self.page_size * self.head_dim
+                * self.element_size)
 
     @property
     def head_bytes(self) -> int:
-        """Bytes of one kv head's K (or V) in one page: one contiguous run (HND)."""
+        """Bytes of one kv head's K (or V, or MLA latent) in one page: one contiguous run."""
         return self.page_size * self.head_dim * self.element_size
 
     @property

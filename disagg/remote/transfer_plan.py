@@ -5,26 +5,28 @@ Both sides import this module: the prefiller to plan writes, the
 decoder to know how many units of immediate data to expect. Nothing here touches sockets or
 memory.
 
-Memory (``KVLayoutDesc``): each rank has its own buffer ``[layers, pages, 2 (K, V), kv_heads
-of the rank, page_size, head_dim]``, so page ``p`` of layer ``l`` (K and V together) is one
-contiguous run of ``page_bytes`` at ``(l * num_pages + p) * page_bytes``, and the K (or V) of a
-range of the rank's heads within one page is one contiguous run (HND).
+Memory (``KVLayoutDesc``): each rank has its own buffer ``[layers, pages, kv_parts, kv_heads
+of the rank, page_size, head_dim]``, the parts K and V (``kv_parts`` 2, kind gqa) or MLA's
+latent (1, kind mla: one "head", replicated on every rank), so page ``p`` of layer ``l`` (every
+part) is one contiguous run of ``page_bytes`` at ``(l * num_pages + p) * page_bytes``, and one
+part of a range of the rank's heads within one page is one contiguous run (HND).
 
 Sharding. For every destination rank ``d`` the planner takes the source ranks of ONE source
 replica set (the one its replica set is assigned to, ``replica_assignment``) and, for each
 source rank whose heads overlap ``d``'s, moves the overlap (a *piece*) page by page:
 
-- the piece is all heads of both ranks (equal sharding): K and V are adjacent on both sides, so
-  a page is one run, and runs of pages adjacent on BOTH sides coalesce into one write;
+- the piece is all heads of both ranks (equal sharding, and always for MLA's one latent): the
+  parts are adjacent on both sides, so a page is one run, and runs of pages adjacent on BOTH
+  sides coalesce into one write;
 - otherwise (prefiller wider: a destination page is rebuilt from several source ranks; decoder
-  wider: a source page is split over several destination ranks) K and V of the piece are two
-  separate runs per page, and pages never coalesce (the next page's run is not adjacent).
+  wider: a source page is split over several destination ranks) each part (K, V) of the piece
+  is a separate run per page, and pages never coalesce (the next page's run is not adjacent).
 
-Units. An *elementary run* is one page of one piece on one side of K/V: 1 per page for a whole
-piece (K and V together), 2 per page (K, V) for a partial one. A write's immediate carries the
-request's key and the elementary runs it moved (``Write.units``), so the decoder's target
-depends only on the two layouts and the prompt length, never on chunking, coalescing, page ids
-or which replica sends::
+Units. An *elementary run* is one page of one piece on one part: 1 per page for a whole piece
+(every part together), ``kv_parts`` per page (K, V; 1 for MLA) for a partial one. A write's
+immediate carries the request's key and the elementary runs it moved (``Write.units``), so the
+decoder's target depends only on the two layouts and the prompt length, never on chunking,
+coalescing, page ids or which replica sends::
 
     request_units(src, dst, tokens) = num_layers * pages(tokens) * units_per_page(src, dst)
                                       + CONTEXT_UNITS
@@ -52,6 +54,7 @@ MAX_RUN = (1 << UNIT_BITS) - 1
 SLOT_BITS = 8
 GEN_BITS = 40
 CONTEXT_UNITS = 1  # the one context write of a request (lead rank -> lead rank)
+LAYOUT_KINDS = {"gqa": (2, "K/V heads"), "mla": (1, "latent")}  # kind: (kv_parts, what it holds)
 
 
 def shard_kv_heads(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
@@ -76,6 +79,11 @@ def layout_problem(layout: KVLayoutDesc) -> str | None:
             return f"invalid layout: {field}={getattr(layout, field)} (must be >= 1)"
     if layout.num_pages < 0 or layout.hidden_size < 0:
         return f"invalid layout: num_pages={layout.num_pages}, hidden_size={layout.hidden_size}"
+    if layout.kind not in LAYOUT_KINDS:
+        return f"invalid layout: unknown kind {layout.kind!r} (known: {', '.join(LAYOUT_KINDS)})"
+    if layout.kv_parts != LAYOUT_KINDS[layout.kind][0]:
+        return (f"invalid layout: kv_parts={layout.kv_parts} for kind {layout.kind} (must be "
+                f"{LAYOUT_KINDS[layout.kind][0]})")
     if layout.tp_size % layout.kv_replicas:
         return (f"invalid layout: kv_replicas={layout.kv_replicas} does not divide "
                 f"tp_size={layout.tp_size}")
@@ -84,12 +92,17 @@ def layout_problem(layout: KVLayoutDesc) -> str | None:
 
 def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
     """Why pages of ``src`` (the prefiller) cannot be written into ``dst`` (the decoder), or
-    None. Sharding (tp_size, kv heads per rank, kv_replicas) may differ; the model may not."""
+    None. Sharding (tp_size, kv heads per rank, kv_replicas) may differ; the model may not,
+    nor what a page holds (``kind``: GQA's K/V heads or MLA's latent)."""
     for side, lay in (("prefiller", src), ("decoder", dst)):
         why = layout_problem(lay)
         if why:
             return f"{side} {why}"
-    for field in ("num_layers", "total_kv_heads", "page_size", "head_dim", "dtype",
+    if src.kind != dst.kind:
+        return (f"KV layout mismatch: the prefiller's pages hold {src.kind} "
+                f"({LAYOUT_KINDS[src.kind][1]}) and the decoder's {dst.kind} "
+                f"({LAYOUT_KINDS[dst.kind][1]})")
+    for field in ("kv_parts", "num_layers", "total_kv_heads", "page_size", "head_dim", "dtype",
                   "element_size", "hidden_size"):
         a, b = getattr(src, field), getattr(dst, field)
         if a != b:
@@ -123,18 +136,19 @@ def replica_assignment(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int) -> list[
 @dataclass(frozen=True)
 class Piece:
     """Global kv heads ``[head, head + count)`` that source rank ``src_rank`` gives destination
-    rank ``dst_rank``; ``whole`` when they are all heads of both ranks (K+V of a page is then
-    one run)."""
+    rank ``dst_rank``; ``whole`` when they are all heads of both ranks (every part of a page,
+    K+V or the MLA latent, is then one run; otherwise one run per part)."""
 
     src_rank: int
     dst_rank: int
     head: int
     count: int
     whole: bool
+    kv_parts: int = 2
 
     @property
     def units_per_page(self) -> int:
-        return 1 if self.whole else 2
+        return 1 if self.whole else self.kv_parts
 
 
 def pieces(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int = 0) -> list[Piece]:
@@ -147,7 +161,7 @@ def pieces(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int = 0) -> list[Piece]:
             sh = src.rank_heads(s)
             lo, hi = max(dh.start, sh.start), min(dh.stop, sh.stop)
             if lo < hi:
-                out.append(Piece(s, d, lo, hi - lo, dh == sh))
+                out.append(Piece(s, d, lo, hi - lo, dh == sh, src.kv_parts))
     return out
 
 
@@ -161,7 +175,7 @@ class Write:
     src_offset: int
     dst_offset: int
     length: int
-    units: int  # elementary runs moved (the immediate's weight): pages, or page K/V halves
+    units: int  # elementary runs moved (the immediate's weight): pages, or parts (K/V) of pages
     src_rank: int = 0  # offsets are into this rank's KV buffer on the prefiller
     dst_rank: int = 0  # ... and this rank's KV buffer on the decoder
 
@@ -203,7 +217,7 @@ def plan_layer_writes(
         length = pc.count * src.head_bytes
         s_head = pc.head - src.rank_heads(pc.src_rank).start
         d_head = pc.head - dst.rank_heads(pc.dst_rank).start
-        for kv in (0, 1):
+        for kv in range(pc.kv_parts):
             s_in = (kv * src.num_kv_heads + s_head) * src.head_bytes
             d_in = (kv * dst.num_kv_heads + d_head) * dst.head_bytes
             writes.extend(
