@@ -45,8 +45,25 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     max_queued_requests: int = 16384  # admitted, not started, all clients (--max-queued-requests)
     queue_timeout_s: float = 600.0  # a request not started within this ends with timeout (--queue-timeout)
     max_frames_per_client: int = 8192  # client frames being handled at once (--max-frames-per-client)
+    # speculative decoding on decode and mixed nodes: ngram (prompt lookup); None = off
+    speculative_method: str | None = None  # (--speculative-method)
+    num_speculative_tokens: int = 3  # drafted tokens per step and sequence (--num-speculative-tokens)
+    prompt_lookup_max: int = 4  # ngram: longest n-gram matched (--prompt-lookup-max)
+    prompt_lookup_min: int = 1  # ngram: shortest n-gram matched (--prompt-lookup-min)
 
     def validate(self) -> None:
+        if self.speculative_method not in (None, "ngram", "draft", "mtp"):
+            raise ConfigError("--speculative-method must be ngram, draft or mtp, got "
+                              f"{self.speculative_method!r}")
+        if self.speculative_method in ("draft", "mtp"):
+            raise ConfigError(f"--speculative-method {self.speculative_method} is not "
+                              "implemented yet; use ngram")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("--num-speculative-tokens must be in [1, 16], got "
+                              f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("--prompt-lookup-min and --prompt-lookup-max must satisfy "
+                              "1 <= min <= max")
         if self.max_batch_tokens < 1:
             raise ConfigError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.max_running < 1:

@@ -17,6 +17,7 @@ from disagg.engine.cache import PagePool
 from disagg.engine.kv_memory import KVLayout
 from disagg.engine.runner import ModelRunner
 from disagg.engine.scheduling import BatchScheduler, Sequence
+from disagg.engine.speculative import Speculation
 from disagg.model.transformer import Transformer
 from disagg.protocol import SamplingParams
 from disagg.protocol.executor import StepPlan
@@ -39,6 +40,7 @@ class LLM:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         prefix_caching: bool = True,
+        speculative: Speculation | None = None,
     ):
         arch = model.arch
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
@@ -50,6 +52,7 @@ class LLM:
             self.pool, page_size, max_batch_tokens, max_running,
             max_model_len or arch.max_position_embeddings, arch.eos_token_ids,
             prefix_caching=prefix_caching, cache_salt=arch.identity(str(model.dtype)),
+            **(speculative.scheduler_args() if speculative else {}),
         )
         self._slots = itertools.count()
         self._steps = itertools.count()
@@ -70,5 +73,6 @@ class LLM:
             if batch is None:
                 raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
             plan = StepPlan(next(self._steps), [c.to_wire() for c in batch.chunks], batch.num_decodes)
-            self.scheduler.update(batch, self.runner.execute(plan)[0])
+            tokens, _, counts = self.runner.execute(plan)
+            self.scheduler.update(batch, tokens, counts)
         return [Output(s.output_ids, s.finish_reason or "") for s in seqs]

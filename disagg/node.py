@@ -32,6 +32,7 @@ from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
 from disagg.actors.transfer import TransferEngine
 from disagg.config import NodeConfig
+from disagg.engine.speculative import speculation
 from disagg.gc_tuning import freeze_startup_objects
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import Tokenizer
@@ -102,7 +103,8 @@ class Node:
                                Limits(s.max_requests_per_client, s.max_queued_requests,
                                       s.queue_timeout_s),
                                prefix_caching=cfg.cache.prefix_caching,
-                               cache_salt=arch.identity(self.executors.ready[0].kv.dtype))
+                               cache_salt=arch.identity(self.executors.ready[0].kv.dtype),
+                               speculative=None if cfg.role == "prefill" else speculation(s))
         actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
             await self._start_prefill(cfg, arch, setup, actors)

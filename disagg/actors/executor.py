@@ -140,11 +140,12 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                 case StepPlan() as plan:
                     frames = [b""]
                     try:
-                        tokens, hidden = runner.execute(plan)
+                        tokens, hidden, counts = runner.execute(plan)
                         rows = 0 if hidden is None else int(hidden.shape[0])
                         if hidden is not None:
                             frames.append(tensor_bytes(hidden))
-                        frames[0] = enc.encode(StepResult(plan.step_id, tokens, hidden_rows=rows))
+                        frames[0] = enc.encode(StepResult(plan.step_id, tokens, hidden_rows=rows,
+                                                          counts=counts))
                     except Exception as e:  # the step fails, the executor keeps serving
                         log.exception("step %d failed", plan.step_id)
                         frames = [enc.encode(StepResult(plan.step_id, [],

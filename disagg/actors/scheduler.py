@@ -31,6 +31,7 @@ from disagg.actors.sides import SchedulerSide
 from disagg.actors.sockets import pending
 from disagg.engine.cache import PagePool
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
+from disagg.engine.speculative import Speculation
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.protocol import (
@@ -91,6 +92,7 @@ class SchedulerSetup:
     limits: Limits = Limits()
     prefix_caching: bool = False  # reuse cached full pages of prompt prefixes
     cache_salt: bytes = b""  # the model's identity: parent of every first page hash
+    speculative: Speculation | None = None  # drafting for speculative decoding
 
 
 class SchedulerActor:
@@ -121,7 +123,9 @@ class SchedulerActor:
         self.sched = BatchScheduler(self.pool, page_size, max_batch_tokens, max_running,
                                     max_model_len, arch.eos_token_ids,
                                     prefix_caching=setup.prefix_caching,
-                                    cache_salt=setup.cache_salt)
+                                    cache_salt=setup.cache_salt,
+                                    **(setup.speculative.scheduler_args()
+                                       if setup.speculative else {}))
         self.live: dict[tuple[bytes, str], Live] = {}
         self.by_slot: dict[int, tuple[bytes, str]] = {}
         self.per_client: collections.Counter[bytes] = collections.Counter()  # live + tokenizing
@@ -172,7 +176,7 @@ class SchedulerActor:
                     for c in batch.chunks:
                         await self.step_failed(c.seq, result.error)
                     continue
-                for update in self.sched.update(batch, result.token_ids):
+                for update in self.sched.update(batch, result.token_ids, result.counts):
                     await self._emit(update)
                 await self.pages_changed()
         except ExecutorError as e:
@@ -451,14 +455,11 @@ class SchedulerActor:
         c = self.counters
         return Stats(
             role=self.role, pages_total=self.pool.num_pages, pages_free=self.pool.num_free,
-            pages_cached=self.pool.num_cached,
-            prefix_query_tokens=self.sched.prefix_query_tokens,
-            prefix_hit_tokens=self.sched.prefix_hit_tokens,
+            pages_cached=self.pool.num_cached, **self.sched.counters(),
             page_size=self.page_size, running=len(self.sched.running),
             waiting=len(self.sched.waiting) + len(self.queue) + len(self.tokenizing),
             started=c.started, finished=c.finished,
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
-            preemptions=self.sched.num_preemptions,
             waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
             max_model_len=self.max_model_len,
             **msgspec.structs.asdict(self.messenger_stats)

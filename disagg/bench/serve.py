@@ -34,6 +34,7 @@ from disagg.bench.workload import (
     Conversation,
     RequestSpec,
     arrival_times,
+    copy_workload,
     fixed_workload,
     multiturn_workload,
     sharegpt_workload,
@@ -61,9 +62,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="system prompt tokens shared by every conversation (multiturn)")
     ap.add_argument("--user-len", type=int, default=64,
                     help="new user-message tokens per turn (multiturn)")
-    ap.add_argument("--workload", choices=["fixed", "sharegpt", "multiturn"], default="fixed",
+    ap.add_argument("--workload", choices=["fixed", "sharegpt", "multiturn", "copy"],
+                    default="fixed",
                     help="fixed: --input-len/--output-len; sharegpt: synthetic ShareGPT-like "
-                         "lognormal lengths clipped to --max-input-len/--max-output-len")
+                         "lognormal lengths clipped to --max-input-len/--max-output-len; copy: "
+                         "--input-len tokens of a passage then its start again (a model "
+                         "continues by copying: speculative decoding's best case)")
     ap.add_argument("--input-len", type=int, default=1024, help="prompt tokens (fixed)")
     ap.add_argument("--output-len", type=int, default=128, help="output tokens (fixed)")
     ap.add_argument("--max-input-len", type=int, default=4096, help="clip (sharegpt)")
@@ -91,6 +95,9 @@ def build_workload(args: argparse.Namespace) -> list[RequestSpec]:
     if args.workload == "fixed":
         return fixed_workload(args.num_prompts, args.input_len, args.output_len,
                               args.vocab_size, args.seed)
+    if args.workload == "copy":
+        return copy_workload(args.num_prompts, args.input_len, args.output_len,
+                             args.vocab_size, args.seed)
     return sharegpt_workload(args.num_prompts, args.vocab_size, args.seed,
                              args.max_input_len, args.max_output_len)
 
@@ -195,6 +202,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     try:
         stats_before = {t.address: await _wait_ready(t, args.wait) for t in transports}
         warmup_errors = await _warmup(transports, specs, sampling, args)
+        stats_start: dict[str, Any] = {}  # after the warm-up: what the measured run adds
+        for t in transports:
+            stats_start[t.address] = await _stats_or_none(t)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         run_id = f"bench{int(time.time() * 1e3) % 10**9}"
         records: list[RequestRecord] = []
@@ -219,10 +229,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         duration = time.perf_counter() - t0  # first arrival to last completion
         stats_after: dict[str, Any] = {}
         for t in transports:
-            try:
-                stats_after[t.address] = await t.stats(timeout=5.0)
-            except TimeoutError:
-                stats_after[t.address] = None
+            stats_after[t.address] = await _stats_or_none(t)
     finally:
         for t in transports:
             await t.close()
@@ -232,6 +239,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if convs:
         summary["multiturn"] = multiturn_summary(records) | _transfer_per_request(
             stats_before, stats_after, int(summary["completed"]))  # type: ignore[call-overload]
+    summary["speculative"] = speculative_summary(stats_start, stats_after)
     # outputs (paths) and the subcommand name are not part of the run's configuration
     config = {k: v for k, v in vars(args).items()
               if not k.startswith("_") and k not in ("command", "json_path", "plot", "quiet")}
@@ -272,13 +280,36 @@ async def _conversation(tr: Transport, conv: Conversation, at: float, t0: float,
         answers.append(out)
 
 
+async def _stats_or_none(t: Transport) -> dict[str, Any] | None:
+    try:
+        return await t.stats(timeout=5.0)
+    except TimeoutError:
+        return None
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any], field: str) -> int:
+    """A cumulative Stats field's growth, summed over the nodes connected to."""
+    return sum(int((after.get(a) or {}).get(field, 0)) - int((b or {}).get(field, 0))
+               for a, b in before.items())
+
+
+def speculative_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """Speculative decoding over the measured run (node Stats deltas, warm-up excluded):
+    drafted and accepted tokens and the acceptance rate; None when nothing was drafted."""
+    drafted = _delta(before, after, "spec_draft_tokens")
+    if drafted <= 0:
+        return None
+    accepted = _delta(before, after, "spec_accepted_tokens")
+    return {"draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted}
+
+
 def _transfer_per_request(before: dict[str, Any], after: dict[str, Any],
                           completed: int) -> dict[str, object]:
     """Node-side prefix-cache hits and KV moved per completed request, from Stats deltas of
     the nodes connected to (``kv_bytes_sent`` counts on prefill nodes only)."""
     def delta(field: str) -> int:
-        return sum(int((after.get(a) or {}).get(field, 0)) - int((b or {}).get(field, 0))
-                   for a, b in before.items())
+        return _delta(before, after, field)
 
     query, hit = delta("prefix_query_tokens"), delta("prefix_hit_tokens")
     n = max(1, completed)
@@ -289,7 +320,7 @@ def _transfer_per_request(before: dict[str, Any], after: dict[str, Any],
 
 def _default_label(args: argparse.Namespace) -> str:
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-    lens = (f"{args.input_len}/{args.output_len}" if args.workload == "fixed"
+    lens = (f"{args.input_len}/{args.output_len}" if args.workload in ("fixed", "copy")
             else f"multiturn {args.num_turns}x{args.user_len}/{args.output_len}"
             if args.workload == "multiturn" else "sharegpt")
     conc = f" c{args.max_concurrency}" if args.max_concurrency else ""
@@ -322,6 +353,10 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append("TTFT breakdown (ms)")
     for phase, d in s["ttft_breakdown_ms"].items():
         lines.append(f"  {phase:<20}" + "".join(_fmt(d[k]) for k in ("mean", "p50", "p90", "p99")))
+    if s.get("speculative"):
+        sp = s["speculative"]
+        lines.append(f"speculative decoding: {sp['accepted_tokens']} of {sp['draft_tokens']} "
+                     f"drafted tokens accepted (acceptance rate {sp['acceptance_rate']:.3f})")
     if "multiturn" in s:
         m = s["multiturn"]
         lines.append(f"prefix hit rate: {m['prefix_hit_rate']:.3f} of prompt tokens (node "

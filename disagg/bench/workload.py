@@ -71,6 +71,22 @@ def fixed_workload(num: int, input_len: int, output_len: int, vocab_size: int,
     return [RequestSpec(random_prompt(rng, input_len, vocab_size), output_len) for _ in range(num)]
 
 
+def copy_workload(num: int, input_len: int, output_len: int, vocab_size: int,
+                  seed: int) -> list[RequestSpec]:
+    """Copy-heavy prompts (for speculative decoding): a random passage of about
+    ``input_len / 2`` tokens, then the passage again cut short, so that the natural
+    continuation (a model's induction, or prompt lookup) is the rest of the passage."""
+    if input_len < 4 or output_len < 1:
+        raise ValueError(f"--workload copy needs --input-len >= 4 and --output-len >= 1, got "
+                         f"{input_len}, {output_len}")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num):
+        passage = random_prompt(rng, max(2, (input_len + 1) // 2), vocab_size)
+        out.append(RequestSpec(passage + passage[:input_len - len(passage)], output_len))
+    return out
+
+
 def sharegpt_lengths(num: int, seed: int, max_input_len: int,
                      max_output_len: int) -> list[tuple[int, int]]:
     """(input_len, output_len) pairs from the ShareGPT-like lognormals, clipped."""

@@ -72,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "'overloaded'")
     ap.add_argument("--max-frames-per-client", type=int, default=s.max_frames_per_client,
                     help="frames of one client being handled at once; more get 'overloaded'")
+    ap.add_argument("--speculative-method", default=s.speculative_method,
+                    choices=["ngram", "draft", "mtp"],
+                    help="speculative decoding on decode and mixed nodes: ngram (prompt lookup: "
+                         "the continuation of the latest earlier match of the last n tokens); "
+                         "draft and mtp are not implemented yet")
+    ap.add_argument("--num-speculative-tokens", type=int, default=s.num_speculative_tokens,
+                    help="tokens drafted per sequence and step (verified in one forward pass)")
+    ap.add_argument("--prompt-lookup-max", type=int, default=s.prompt_lookup_max,
+                    help="ngram: the longest n-gram looked up")
+    ap.add_argument("--prompt-lookup-min", type=int, default=s.prompt_lookup_min,
+                    help="ngram: the shortest n-gram looked up")
     ap.add_argument("--queue-timeout", type=float, default=s.queue_timeout_s,
                     help="seconds a request may wait to start before it ends with 'timeout'")
     ap.add_argument("--step-timeout", type=float, default=n.step_timeout_s)
@@ -164,7 +175,11 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                   max_requests_per_client=args.max_requests_per_client,
                                   max_queued_requests=args.max_queued_requests,
                                   max_frames_per_client=args.max_frames_per_client,
-                                  queue_timeout_s=args.queue_timeout),
+                                  queue_timeout_s=args.queue_timeout,
+                                  speculative_method=args.speculative_method,
+                                  num_speculative_tokens=args.num_speculative_tokens,
+                                  prompt_lookup_max=args.prompt_lookup_max,
+                                  prompt_lookup_min=args.prompt_lookup_min),
         disagg=DisaggConfig(
             prefill_peers=args.prefill_peers, transfer_backend=args.transfer_backend,
             fabric_provider=args.fabric_provider, fabric_lanes=args.fabric_lanes,

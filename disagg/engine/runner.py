@@ -23,6 +23,7 @@ import torch
 
 from disagg.config import env
 from disagg.engine.sampling import sample
+from disagg.engine.speculative import verify_all
 from disagg.kernels.counter import LayerCounter
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.transformer import Transformer
@@ -44,7 +45,7 @@ class HostStep:
     tables: np.ndarray  # [B, max_pages] int32, zero-padded
     seq_lens: np.ndarray  # [B] int32
     cu: np.ndarray  # [B + 1] int32
-    sample_rows: list[int]
+    sample_rows: list[int]  # the last row of each sampled chunk (its last 1 + num_draft rows)
     hidden_rows: list[int]
     max_q_len: int
     max_seq_len: int
@@ -63,6 +64,10 @@ def flatten_plan(plan: StepPlan, page_size: int, num_pages: int, vocab: int) -> 
     bad = (n < 1) | (start < 0)
     if bad.any():
         raise ValueError(f"slot {chunks[int(bad.argmax())].slot}: empty chunk or negative start")
+    for c in chunks:
+        if c.num_draft and not (c.sample and 0 < c.num_draft < len(c.token_ids)):
+            raise ValueError(f"slot {c.slot}: num_draft {c.num_draft} needs a sampled chunk "
+                             "longer than its drafts")
     short = npages * page_size < end
     if short.any():
         i = int(short.argmax())
@@ -97,7 +102,8 @@ def flatten_plan(plan: StepPlan, page_size: int, num_pages: int, vocab: int) -> 
     return HostStep(
         token_ids=ids, positions=positions, slots=slots, tables=tables.astype(np.int32),
         seq_lens=end.astype(np.int32), cu=cu.astype(np.int32),
-        sample_rows=[int(last[i]) for i, c in enumerate(chunks) if c.sample],
+        sample_rows=[int(last[i]) + j for i, c in enumerate(chunks) if c.sample
+                     for j in range(-c.num_draft, 1)],
         hidden_rows=[int(last[i]) for i, c in enumerate(chunks) if c.want_hidden],
         max_q_len=int(n.max()), max_seq_len=int(end.max()))
 
@@ -199,25 +205,30 @@ class ModelRunner:
         return self.graphs.fits(len(plan.chunks), int(host.tables.shape[1]))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None]:
-        """Run one step. Returns one sampled token per chunk with ``sample=True`` and the final
-        hidden states ``[k, H]`` of the chunks with ``want_hidden`` (None when there are none)."""
+    def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
+        """Run one step. Returns the sampled tokens of the chunks with ``sample=True`` (one
+        each, or with drafts the 1 .. num_draft + 1 that verification emits: then ``counts``
+        says how many per chunk, else it is None) and the final hidden states ``[k, H]`` of the
+        chunks with ``want_hidden`` (None when there are none)."""
         host = flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
         if self.counter is not None:
             self.counter.set_base(plan.counter_base)
         if self.graphs is not None and self._graphable(plan, host):
             logits, greedy = self.graphs.run(host.token_ids, host.positions, host.slots,
                                              host.tables)
-            return sample(logits, plan.chunks, greedy), None
+            return sample(logits, plan.chunks, greedy), None, None
         input_ids, positions, meta = self._to_device(host, plan.num_decodes)
         hidden = self.model(input_ids, positions, self.kv, meta, self.backend, self.layer_hook)
         rows, hidden_rows = host.sample_rows, host.hidden_rows
         ctx = hidden[hidden_rows] if hidden_rows else None
         if not rows:
-            return [], ctx
+            return [], ctx, None
         logits = self.model.logits(hidden[rows])
         sampled: list[SeqChunk] = [c for c in plan.chunks if c.sample]
-        return sample(logits, sampled), ctx
+        if len(rows) == len(sampled):
+            return sample(logits, sampled), ctx, None
+        tokens, counts = verify_all(logits, sampled)
+        return tokens, ctx, counts
 
 
 @torch.inference_mode()

@@ -11,11 +11,18 @@ prefix (whole pages, never its last token) and computes from the first uncached 
 full page a step completes is registered in the cache (prompt and generated tokens alike).
 A prefill node's jobs (prefill-only sequences) do the same; its messenger ships a job's cached
 pages at once when the job's first chunk starts after them.
+
+Speculative decoding (``propose`` given): a decode chunk carries up to ``spec_tokens`` drafted
+tokens after its one new token (within the step's token budget, the request's ``max_tokens``
+and the context limit); pages are reserved for every drafted position. The step verifies them
+(``disagg.engine.speculative``) and returns 1 .. k + 1 tokens for the chunk: the sequence's
+computed length grows by the tokens it keeps, so the KV of rejected drafts is never counted.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg.engine.cache import PagePool, page_hashes, pages_needed
@@ -75,14 +82,16 @@ class Sequence:
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed in this step
-    count: int  # tokens computed in this step
+    count: int  # tokens computed in this step (drafts included)
     sample: bool  # this chunk reaches the end of the sequence's tokens
+    drafts: tuple[int, ...] = ()  # speculative tokens after the sequence's last one
 
     def to_wire(self) -> SeqChunk:
         s, p = self.seq, self.seq.params
+        n = self.count - len(self.drafts)
         return SeqChunk(
             slot=s.slot,
-            token_ids=s.tokens(self.start, self.start + self.count),
+            token_ids=s.tokens(self.start, self.start + n) + list(self.drafts),
             start_pos=self.start,
             block_table=list(s.block_table),
             sample=self.sample and not s.prefill_only,
@@ -92,6 +101,7 @@ class ScheduledChunk:
             top_p=p.top_p,
             seed=s.seed,
             output_index=len(s.output_ids),
+            num_draft=len(self.drafts),
         )
 
 
@@ -123,9 +133,12 @@ class BatchScheduler:
         eos_token_ids: tuple[int, ...] = (),
         prefix_caching: bool = False,
         cache_salt: bytes = b"",
+        spec_tokens: int = 0,
+        propose: Callable[[Sequence, int], list[int]] | None = None,
     ):
         """``prefix_caching``: reuse cached full pages; ``cache_salt``: the model's identity,
-        the parent of every prompt's first page hash."""
+        the parent of every prompt's first page hash; ``propose(seq, k)``: up to ``k`` drafted
+        tokens to follow ``seq`` (speculative decoding, at most ``spec_tokens`` per step)."""
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -139,6 +152,10 @@ class BatchScheduler:
         self.cache_root = cache_salt
         self.prefix_query_tokens = 0  # prompt tokens of sequences that looked the cache up
         self.prefix_hit_tokens = 0  # ... of which served from the cache
+        self.spec_tokens = spec_tokens if propose is not None else 0
+        self.propose = propose
+        self.spec_draft_tokens = 0  # drafted tokens verified
+        self.spec_accepted_tokens = 0  # ... of which accepted
 
     # ---------------------------------------------------------------- admission
 
@@ -189,6 +206,14 @@ class BatchScheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
+    def counters(self) -> dict[str, int]:
+        """The cumulative counters a node's Stats report."""
+        return {"preemptions": self.num_preemptions,
+                "prefix_query_tokens": self.prefix_query_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+                "spec_draft_tokens": self.spec_draft_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens}
+
     def has_work(self) -> bool:
         """Something to compute now (REMOTE sequences wait for their KV, not for a step)."""
         return bool(self.running or self.waiting)
@@ -198,6 +223,7 @@ class BatchScheduler:
     def schedule(self) -> Batch | None:
         budget = self.max_batch_tokens
         decodes: list[ScheduledChunk] = []
+        drafted: list[ScheduledChunk] = []  # decodes with drafts: several queries each
         prefills: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         for seq in sorted(self.running, key=lambda s: (not s.is_decode, s.arrival)):
@@ -206,12 +232,13 @@ class BatchScheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             count = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, count, scheduled):
+            drafts = self._drafts(seq, budget - count) if seq.is_decode else []
+            if not self._reserve(seq, count + len(drafts), scheduled):
                 continue  # preempted itself
-            chunk = self._chunk(seq, count)
-            (decodes if seq.is_decode else prefills).append(chunk)
+            chunk = self._chunk(seq, count, drafts)
+            (drafted if drafts else decodes if seq.is_decode else prefills).append(chunk)
             scheduled.add(seq.slot)
-            budget -= count
+            budget -= chunk.count
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if self.prefix_caching and not seq.block_table:
@@ -231,9 +258,18 @@ class BatchScheduler:
             self.running.append(seq)
             prefills.append(self._chunk(seq, count))
             budget -= count
-        if not decodes and not prefills:
+        if not decodes and not drafted and not prefills:
             return None
-        return Batch(decodes + prefills, len(decodes))
+        return Batch(decodes + drafted + prefills, len(decodes))
+
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """Drafted tokens for decode ``seq``: within ``room`` more tokens this step, and never
+        past what it may still emit (``max_tokens``, the context limit)."""
+        if self.propose is None or seq.prefill_only:
+            return []
+        k = min(self.spec_tokens, room, seq.params.max_tokens - len(seq.output_ids) - 1,
+                self.max_model_len - seq.num_tokens)
+        return self.propose(seq, k)[:k] if k > 0 else []
 
     def prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """The chained hashes of ``seq``'s full pages before its last token (which is always
@@ -276,12 +312,15 @@ class BatchScheduler:
             self.pool.cache_page(page, h)
         seq.hashes.extend(new)
 
-    def _chunk(self, seq: Sequence, count: int) -> ScheduledChunk:
-        return ScheduledChunk(seq, seq.num_computed, count, seq.num_computed + count == seq.num_tokens)
+    def _chunk(self, seq: Sequence, count: int, drafts: list[int] | None = None) -> ScheduledChunk:
+        return ScheduledChunk(seq, seq.num_computed, count + len(drafts or ()),
+                              seq.num_computed + count == seq.num_tokens, tuple(drafts or ()))
 
     def _reserve(self, seq: Sequence, count: int, scheduled: set[int]) -> bool:
-        """Give ``seq`` pages for ``count`` more tokens, preempting others if needed."""
-        need = pages_needed(seq.num_computed + count, self.page_size) - len(seq.block_table)
+        """Give ``seq`` pages for ``count`` more tokens, preempting others if needed (it may
+        hold more already: pages reserved for drafts that were rejected)."""
+        need = max(0, pages_needed(seq.num_computed + count, self.page_size)
+                   - len(seq.block_table))
         while True:
             pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None)
             if pages is not None:
@@ -309,34 +348,58 @@ class BatchScheduler:
 
     # ---------------------------------------------------------------- results
 
-    def update(self, batch: Batch, sampled: list[int]) -> list[SeqUpdate]:
-        """Apply a step's sampled tokens (one per sampling chunk, in order)."""
+    def update(self, batch: Batch, sampled: list[int],
+               counts: list[int] | None = None) -> list[SeqUpdate]:
+        """Apply a step's sampled tokens: per sampling chunk, in order, one token or
+        ``counts[i]`` of them (speculative decoding: accepted drafts and the target's token)."""
         updates: list[SeqUpdate] = []
-        tokens = iter(sampled)
+        pos = 0
+        nth = iter(counts) if counts is not None else None
         for chunk in batch.chunks:
             seq = chunk.seq
-            token = next(tokens) if chunk.sample and not seq.prefill_only else None
+            tokens: list[int] = []
+            if chunk.sample and not seq.prefill_only:
+                n = next(nth) if nth is not None else 1
+                tokens, pos = sampled[pos:pos + n], pos + n
             if seq.status is not Status.RUNNING:
                 continue  # removed (aborted) while the step ran
-            seq.num_computed = chunk.start + chunk.count
+            if chunk.drafts:
+                # accepted drafts and the target's token (never more: a result is not trusted)
+                tokens = tokens[:len(chunk.drafts) + 1]
+                if not tokens:
+                    continue  # nothing emitted: the step's KV is recomputed by the next one
+                self.spec_draft_tokens += len(chunk.drafts)
+                self.spec_accepted_tokens += len(tokens) - 1
+            elif seq.prefill_only or not tokens:
+                seq.num_computed = chunk.start + chunk.count
+                if self.prefix_caching:
+                    self._register(seq)
+                if seq.prefill_only and seq.num_computed == seq.num_tokens:
+                    self.running.remove(seq)
+                    seq.status = Status.HELD  # pages stay until the transfers complete
+                    seq.finish_reason = "prefilled"
+                    updates.append(SeqUpdate(seq, [], "prefilled"))
+                continue
+            new: list[int] = []
+            reason = None
+            for token in tokens:  # a stop or the length limit may fall inside an accepted run
+                seq.output_ids.append(token)
+                new.append(token)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    break
+            # computed: the chunk's positions whose tokens were kept (a rejected draft's KV lies
+            # past this); the last emitted token is not computed yet
+            seq.num_computed = min(chunk.start + (len(tokens) if chunk.drafts else chunk.count),
+                                   seq.num_tokens - 1)
             if self.prefix_caching:
                 self._register(seq)
-            if seq.prefill_only and seq.num_computed == seq.num_tokens:
-                self.running.remove(seq)
-                seq.status = Status.HELD  # pages stay until the transfers complete
-                seq.finish_reason = "prefilled"
-                updates.append(SeqUpdate(seq, [], "prefilled"))
-                continue
-            if token is None:
-                continue
-            seq.output_ids.append(token)
-            reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
                 self.running.remove(seq)
                 self._release(seq)
                 seq.status = Status.FINISHED
-            updates.append(SeqUpdate(seq, [token], reason))
+            updates.append(SeqUpdate(seq, new, reason))
         return updates
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

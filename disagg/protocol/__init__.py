@@ -197,6 +197,8 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     pages_cached: int = 0  # free pages holding a cached prefix (evictable; in pages_free)
     prefix_query_tokens: int = 0  # prompt tokens of requests that looked the prefix cache up
     prefix_hit_tokens: int = 0  # ... of which served from this node's prefix cache
+    spec_draft_tokens: int = 0  # speculative decoding: drafted tokens verified (cumulative)
+    spec_accepted_tokens: int = 0  # ... of which accepted (emitted without their own step)
     v: int = PROTOCOL_VERSION
 
 

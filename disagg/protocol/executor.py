@@ -24,6 +24,9 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     top_p: float = 1.0
     seed: int = 0  # sampling seed of the request
     output_index: int = 0  # index of the output token being sampled (seeds its draw)
+    # speculative decoding: the last num_draft token_ids are drafts to verify (sample is set;
+    # the step emits 1 .. num_draft + 1 tokens for this chunk, disagg.engine.speculative)
+    num_draft: int = 0
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):
@@ -36,7 +39,8 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=Tru
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen=True):
-    """Sampled tokens, one per chunk with ``sample=True``, in chunk order.
+    """Sampled tokens of the chunks with ``sample=True``, in chunk order: one each, or
+    ``counts[i]`` for the i-th such chunk when ``counts`` is given (speculative decoding).
 
     When ``hidden_rows > 0`` a second zmq frame follows: the final hidden states of the chunks
     with ``want_hidden``, in chunk order, ``[hidden_rows, hidden_size]`` in the model dtype."""
@@ -45,6 +49,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen
     token_ids: list[int]
     error: str | None = None  # set when the step failed; the executor keeps serving
     hidden_rows: int = 0
+    counts: list[int] | None = None
 
 
 class KVMemoryInfo(msgspec.Struct, frozen=True):

@@ -69,6 +69,10 @@ _NODE_EXTRA = (
      "cache up.", "prefix_query_tokens", "counter"),
     ("disagg_node_prefix_hit_tokens", "Prompt tokens served from the node's prefix cache.",
      "prefix_hit_tokens", "counter"),
+    ("disagg_node_spec_draft_tokens", "Speculative decoding: drafted tokens verified.",
+     "spec_draft_tokens", "counter"),
+    ("disagg_node_spec_accepted_tokens", "Speculative decoding: drafted tokens accepted.",
+     "spec_accepted_tokens", "counter"),
 )
 
 

@@ -1,0 +1,142 @@
+"""Speculative decoding: drafting by prompt lookup, and verification of drafted tokens.
+
+A decode step of a sequence normally computes its one new token. With speculation the
+scheduler appends up to K drafted tokens to that chunk (``SeqChunk.num_draft``); the model
+computes all K+1 positions at once (causal, like a prefill chunk), and the runner verifies the
+drafts against the target's own distributions at those positions (``verify``):
+
+- greedy requests accept drafts while each equals the target's argmax, then add the target's
+  own token (the correction, or a bonus after a fully accepted run): the output is token for
+  token what decoding without speculation gives;
+- sampled requests use rejection sampling. Drafts here are deterministic (prompt lookup, or a
+  draft model's greedy choice), i.e. a one-hot proposal q, so a draft x is accepted with
+  probability p(x) and a rejection draws from p with x removed (``max(p - q, 0)``,
+  renormalised): every emitted token follows the target distribution p exactly. Each output
+  index draws from its own generator seeded by ``(request seed, output index)``, so a seed
+  still reproduces a run.
+
+The KV the step wrote at rejected positions lies past the sequence's computed length: never
+read, overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from disagg.engine.sampling import draw_seed, filter_logits, sample, usable_or_greedy
+from disagg.protocol.executor import SeqChunk
+
+if TYPE_CHECKING:
+    from disagg.config import SchedulerConfig
+    from disagg.engine.scheduling import Sequence
+
+METHODS = ("ngram", "draft", "mtp")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a node drafts: ``method`` (ngram), ``tokens`` drafted per sequence and step."""
+
+    method: str
+    tokens: int
+    lookup_max: int = 4
+    lookup_min: int = 1
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return propose_ngram(seq.prompt_ids + seq.output_ids, k, self.lookup_max,
+                             self.lookup_min)
+
+    def scheduler_args(self) -> dict[str, Any]:
+        """``BatchScheduler`` keyword arguments."""
+        return {"spec_tokens": self.tokens, "propose": self.propose}
+
+
+def speculation(cfg: SchedulerConfig) -> Speculation | None:
+    """The node's drafting set-up from its config (None: speculation off)."""
+    if cfg.speculative_method is None:
+        return None
+    return Speculation(cfg.speculative_method, cfg.num_speculative_tokens,
+                       cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+
+
+def propose_ngram(tokens: list[int] | np.ndarray, k: int, n_max: int = 4,
+                  n_min: int = 1) -> list[int]:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last ``n`` tokens
+    (longest ``n`` first, from ``n_max`` down to ``n_min``) and propose the up to ``k`` tokens
+    that followed it. Empty when nothing matches."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    total = arr.shape[0]
+    if k <= 0 or total < n_min + 1:
+        return []
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        tail = arr[total - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:total - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the token after the latest match
+            return arr[start:start + k].tolist()
+    return []
+
+
+def verify(logits: torch.Tensor, chunk: SeqChunk, argmax: list[int] | None = None) -> list[int]:
+    """The tokens a chunk with ``chunk.num_draft`` = k drafts emits, given the target's float32
+    ``logits [k + 1, V]`` at its last k + 1 positions (``argmax``: their argmax, if already
+    on the host). Returns the accepted drafts plus one target token (1 to k + 1 tokens)."""
+    k = chunk.num_draft
+    drafts = chunk.token_ids[len(chunk.token_ids) - k:] if k else []
+    if chunk.temperature <= 0.0:
+        best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
+        out: list[int] = []
+        for j, d in enumerate(drafts):
+            out.append(int(best[j]))
+            if best[j] != d:
+                return out
+        out.append(int(best[k]))
+        return out
+    out = []
+    for j in range(k + 1):
+        row = filter_logits(logits[j] / chunk.temperature, chunk.top_k, chunk.top_p)
+        probs = usable_or_greedy(torch.softmax(row, dim=-1), logits[j])
+        gen = torch.Generator(device=logits.device).manual_seed(
+            draw_seed(chunk.seed, chunk.output_index + j))
+        if j == k:  # every draft accepted: the bonus token, as a plain decode would draw it
+            out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            return out
+        d = drafts[j]
+        u = float(torch.rand(1, generator=gen, device=logits.device).item())
+        if u < float(probs[d].item()):
+            out.append(d)
+            continue
+        residual = probs.clone()
+        residual[d] = 0.0
+        if float(residual.sum().item()) <= 0.0:  # p was one-hot on d: it cannot be rejected
+            out.append(d)
+            continue
+        out.append(int(torch.multinomial(residual, 1, generator=gen).item()))
+        return out
+    return out
+
+
+def verify_all(logits: torch.Tensor, chunks: list[SeqChunk]) -> tuple[list[int], list[int]]:
+    """Tokens of every sampled chunk of a step (``logits``: their rows in order, 1 +
+    ``num_draft`` each) and how many each emitted. One device-to-host copy for the argmax."""
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens: list[int] = []
+    counts: list[int] = []
+    row = 0
+    for c in chunks:
+        n = c.num_draft + 1
+        if c.num_draft == 0 and c.temperature <= 0.0:
+            out = [int(greedy[row])]
+        elif c.num_draft == 0:
+            out = sample(logits[row:row + 1], [c])
+        else:
+            out = verify(logits[row:row + n], c, greedy[row:row + n])
+        tokens += out
+        counts.append(len(out))
+        row += n
+    return tokens, counts

@@ -1,0 +1,82 @@
+"""Speculative decoding (prompt lookup) in real nodes: a mixed node and a decoder fed by a
+prefiller keep greedy output token-exact with transformers while drafts are accepted and
+rejected; Stats and Prometheus count them; ``disagg-bench serve --workload copy`` reports the
+acceptance rate; pools full afterwards."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from disagg.client import Client
+from nodes import PAGE, greedy, node, pools_full, prompt, running, stats, wait_for
+from tinymodels import TINY, free_port, hf_greedy, make_tiny_model
+
+SPEC = ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]
+PROMPTS = [prompt(6) * 2 + prompt(3), prompt(2 * PAGE + 1), [9] * 10]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("spec") / "llama")
+
+
+def generate(addr: str, ids: list[int]) -> list[int]:
+    c = Client(addr)
+    try:
+        return [t for m in c.generate(prompt_token_ids=ids, sampling=greedy(NEW))
+                for t in getattr(m, "token_ids", [])]
+    finally:
+        c.close()
+
+
+def test_a_mixed_node_drafts_and_stays_token_exact(model_dir, tmp_path):
+    metrics = f"127.0.0.1:{free_port()}"
+    addr, proc = node("mixed", model_dir, tmp_path, "--num-pages", "64", "--max-batch-tokens",
+                      "8", "--metrics-listen", metrics, *SPEC)
+    with running([proc]):
+        for ids in PROMPTS:
+            assert generate(addr, ids) == hf_greedy(model_dir, ids, NEW), ids
+        s = stats(addr)
+        assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+
+        def exported() -> bool:  # the endpoint polls the node's Stats once a second
+            text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+            return all(re.search(rf"disagg_node_spec_{name}_tokens_total{{[^}}]*}} "
+                                 rf"{float(value)}\n", text)
+                       for name, value in (("draft", s.spec_draft_tokens),
+                                           ("accepted", s.spec_accepted_tokens)))
+
+        wait_for(exported, what="Prometheus counters of drafted and accepted tokens")
+        out = tmp_path / "copy.json"
+        r = subprocess.run([sys.executable, "-m", "disagg.bench", "serve", "--connect", addr,
+                            "--workload", "copy", "--num-prompts", "4", "--input-len", "16",
+                            "--output-len", "8", "--vocab-size", str(TINY["vocab_size"]),
+                            "--warmup", "1", "--timeout", "60", "--json", str(out)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        spec = json.loads(out.read_text())["summary"]["speculative"]
+        assert spec["draft_tokens"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+        assert "acceptance rate" in r.stdout
+        wait_for(lambda: pools_full(addr), what="full pool")
+
+
+@pytest.mark.fabric
+def test_a_decoder_drafts_after_a_remote_prefill(model_dir, tmp_path):
+    p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "64", "--max-batch-tokens",
+                     "5")
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
+                     p_addr, "--heartbeat", "0.2", *SPEC)
+    with running([p, d], [d_addr]):
+        for ids in PROMPTS:
+            assert generate(d_addr, ids) == hf_greedy(model_dir, ids, NEW), ids
+        s = stats(d_addr)
+        assert s.kv_units_received > 0 and s.spec_draft_tokens > 0
+        for addr in (p_addr, d_addr):
+            wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
