@@ -75,7 +75,13 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     tp = init_tensor_parallel(cfg, rank, control, device)
     model = build_model(cfg, device, tp)
     arch = model.arch
-    backend = get_backend(ecfg.attention_backend, device)
+    backend_name = ecfg.attention_backend
+    if arch.mla is not None and backend_name in ("auto", "torch"):
+        backend_name = "torch"  # MLA's latent attention has no Triton kernel yet
+    elif arch.mla is not None:
+        raise ExecutorError(f"--attention-backend {backend_name}: MLA models run on the torch "
+                            "backend for now (auto picks it)")
+    backend = get_backend(backend_name, device)
     max_model_len = cfg.scheduler.max_model_len or arch.max_position_embeddings
     log.info("model %s on %s in %.1f s (%s weights)", arch.architecture, device,
              time.perf_counter() - t0, "random" if ecfg.random_weights else "loaded")
@@ -107,6 +113,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             log.info("CUDA graphs are not used with --tp > 1 yet; running decode eagerly")
         elif backend.name != "triton":
             log.info("CUDA graphs need the triton attention backend; running decode eagerly")
+        elif arch.moe is not None:
+            log.info("CUDA graphs are not used for MoE models yet; running decode eagerly")
         else:
             try:
                 runner.enable_cuda_graphs(

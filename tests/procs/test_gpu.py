@@ -33,6 +33,23 @@ def test_cuda_greedy_matches_transformers(tmp_path, kind, backend):
     assert [o.token_ids for o in outs] == refs
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"])
+def test_cuda_moe_and_mla_greedy_matches_transformers(tmp_path, kind):
+    """The MoE / MLA torch path on CUDA (MLA on the torch attention backend), with and
+    without prompt-lookup speculation."""
+    from disagg.engine.speculative import Speculation
+
+    path = make_tiny_model(kind, tmp_path / kind)
+    refs = [hf_greedy(path, p, 8) for p in PROMPTS]
+    model = load_model(path, "float32", "cuda:0")
+    backend = "torch" if "deepseek" in kind else "triton"
+    for spec in (None, Speculation("ngram", 3)):
+        llm = LLM(model, num_pages=64, page_size=16, max_batch_tokens=16,
+                  attention_backend=backend, speculative=spec)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert [o.token_ids for o in outs] == refs, spec
+
+
 def test_cuda_node_maps_executor_kv(tmp_path):
     from disagg.client import AsyncClient
     from disagg.node import Node
