@@ -117,8 +117,10 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             log.info("CUDA graphs are not used for MoE models yet; running decode eagerly")
         else:
             try:
+                s = cfg.scheduler
                 runner.enable_cuda_graphs(
-                    min(cfg.scheduler.max_running, cfg.scheduler.max_batch_tokens), max_model_len)
+                    min(s.max_running, s.max_batch_tokens), max_model_len,
+                    spec_tokens=s.num_speculative_tokens if s.speculative_method else 0)
             except Exception:  # the node still serves, only slower
                 log.exception("CUDA graph capture failed; running decode eagerly")
                 runner.graphs = None

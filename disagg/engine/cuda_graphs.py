@@ -15,6 +15,11 @@ each layer's attention; ``set_base`` is a stream-ordered fill the runner issues 
 
 Each graph also computes the float32 logits and their argmax, so a greedy step costs one replay
 and one device-to-host copy. CUDA only; the runner never builds this on CPU.
+
+Speculative decoding (``q_len`` = 1 + K > 1): a second set of graphs runs decode steps whose
+sequences carry drafts, every sequence padded to exactly ``q_len`` query rows (padding rows:
+token 0, ``slot_mapping`` -1, after the real ones, so causal attention keeps them out of the
+real rows' view). Attention then runs the chunked-prefill kernel with ``max_q_len = q_len``.
 """
 
 from __future__ import annotations
@@ -60,8 +65,10 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         layer_hook: Callable[[int], None] | None = None,
+        q_len: int = 1,
     ) -> None:
         self.model = model
+        self.q_len = q = q_len
         self.kv = kv
         self.backend = backend
         self.layer_hook = layer_hook
@@ -71,31 +78,34 @@ class DecodeGraphs:
         self.buckets = buckets_for(max_batch)
         n = self.buckets[-1]
         dev = model.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(n * q, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n * q, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros((n, self.max_pages), dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
         # one host staging row per input, pinned so the copies are async and cheap
-        self._host = torch.zeros((3, n), dtype=torch.int64).pin_memory()  # ids, positions, slots
-        self._host_lens = torch.ones(n, dtype=torch.int32).pin_memory()
+        self._host = torch.zeros((3, n * q), dtype=torch.int64).pin_memory()  # ids, pos, slots
+        self._host_lens = torch.full((n,), q, dtype=torch.int32).pin_memory()
         self._host_tables = torch.zeros((n, self.max_pages), dtype=torch.int32).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> logits, argmax
         self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
 
     def fits(self, num_seqs: int, max_pages: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_pages <= self.max_pages
 
     def _meta(self, b: int) -> AttentionMetadata:
+        q = self.q_len
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b * q], block_tables=self.block_tables[:b],
             seq_lens=self.seq_lens[:b], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
-            num_decodes=b, max_q_len=1, max_seq_len=self.max_model_len)
+            num_decodes=b if q == 1 else 0, max_q_len=q, max_seq_len=self.max_model_len)
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv, self._meta(b),
+        t = b * self.q_len
+        hidden = self.model(self.input_ids[:t], self.positions[:t], self.kv, self._meta(b),
                             self.backend, self.layer_hook)
         logits = self.model.logits(hidden)
         return logits, logits.argmax(dim=-1)
@@ -124,38 +134,46 @@ class DecodeGraphs:
 
     def _reset_inputs(self) -> None:
         self.input_ids.zero_()
-        self.positions.zero_()
+        self.positions.copy_(torch.arange(self.q_len, device=self.positions.device).repeat(
+            self.buckets[-1]))
         self.slot_mapping.fill_(-1)
         self.block_tables.zero_()
-        self.seq_lens.fill_(1)
+        self.seq_lens.fill_(self.q_len)
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the bucket for ``len(token_ids)`` decodes. ``tables`` is ``[n, w]`` with
-        ``w <= max_pages``. Returns (logits ``[n, V]`` float32, argmax ``[n]``), views of the
-        graph's outputs valid until the next replay."""
-        n = int(token_ids.shape[0])
+        """Replay the bucket for ``n = len(token_ids) / q_len`` sequences, ``q_len`` rows each
+        (padded by the caller: ``spec_rows``). ``tables`` is ``[n, w]`` with ``w <=
+        max_pages``. Returns (logits ``[n * q_len, V]`` float32, argmax), views of the graph's
+        outputs valid until the next replay."""
+        q = self.q_len
+        t = int(token_ids.shape[0])
+        n = t // q
         b = pick_bucket(n, self.buckets)
-        assert b is not None
+        assert b is not None and n * q == t
         w = int(tables.shape[1])
         host = self._host.numpy()
-        host[:, :b] = 0
-        host[0, :n] = token_ids
-        host[1, :n] = positions
-        host[2, :b] = -1
-        host[2, :n] = slots
+        host[0, :b * q] = 0
+        host[0, :t] = token_ids
+        host[1, :b * q] = np.tile(np.arange(q), b)  # padding sequences: positions 0 .. q-1
+        host[1, :t] = positions
+        host[2, :b * q] = -1
+        host[2, :t] = slots
         lens = self._host_lens.numpy()
-        lens[:b] = 1
-        lens[:n] = positions + 1
+        lens[:b] = q
+        lens[:n] = positions[q - 1::q] + 1
         ht = self._host_tables.numpy()
         ht[:n, :w] = tables
-        if n < b:
-            ht[n:b, 0] = 0  # padding rows read page 0, a valid id
-        self.input_ids[:b].copy_(self._host[0, :b], non_blocking=True)
-        self.positions[:b].copy_(self._host[1, :b], non_blocking=True)
-        self.slot_mapping[:b].copy_(self._host[2, :b], non_blocking=True)
+        # columns the kernel reads: padding rows past a sequence's own pages read page 0
+        cols = max(w, -(-int(lens[:b].max()) // self.page_size))
+        ht[:n, w:cols] = 0
+        ht[n:b, :cols] = 0
+        self.input_ids[:b * q].copy_(self._host[0, :b * q], non_blocking=True)
+        self.positions[:b * q].copy_(self._host[1, :b * q], non_blocking=True)
+        self.slot_mapping[:b * q].copy_(self._host[2, :b * q], non_blocking=True)
         self.seq_lens[:b].copy_(self._host_lens[:b], non_blocking=True)
-        self.block_tables[:b, :w].copy_(self._host_tables[:b, :w], non_blocking=True)
+        self.block_tables[:b, :cols].copy_(self._host_tables[:b, :cols], non_blocking=True)
         self.graphs[b].replay()
+        self.replays += 1
         logits, tokens = self.outputs[b]
-        return logits[:n], tokens[:n]
+        return logits[:t], tokens[:t]

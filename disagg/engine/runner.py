@@ -135,10 +135,12 @@ class ModelRunner:
         self.device = model.device
         self.split_bound = 0  # CUDA: decode split count chosen for this bound (graph-stable)
         self.graphs: DecodeGraphs | None = None  # disagg.engine.cuda_graphs.DecodeGraphs once enabled (CUDA only)
+        self.spec_graphs: DecodeGraphs | None = None  # decode steps carrying drafts
 
-    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int, spec_tokens: int = 0) -> float:
         """Capture decode-only steps for batch buckets up to ``max_batch`` (CUDA only; a no-op
-        elsewhere). Returns the capture time in seconds."""
+        elsewhere), and with ``spec_tokens`` > 0 decode steps carrying that many drafts per
+        sequence (buckets up to 64). Returns the capture time in seconds."""
         if self.device.type != "cuda":
             return 0.0
         from disagg.engine.cuda_graphs import DecodeGraphs
@@ -149,6 +151,14 @@ class ModelRunner:
         self.graphs = graphs
         log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", graphs.buckets,
                  seconds)
+        if spec_tokens > 0:
+            spec = DecodeGraphs(self.model, self.kv, self.backend, min(max_batch, 64),
+                                max_model_len, self.layer_hook, q_len=spec_tokens + 1)
+            took = spec.capture_all()
+            seconds += took
+            self.spec_graphs = spec
+            log.info("captured speculative decode CUDA graphs (%d drafts) for batch sizes %s in "
+                     "%.1f s", spec_tokens, spec.buckets, took)
         self.split_bound = max_model_len
         t0 = time.perf_counter()
         n = self._warm_eager_decode(graphs, max_batch)
@@ -204,6 +214,31 @@ class ModelRunner:
             return False
         return self.graphs.fits(len(plan.chunks), int(host.tables.shape[1]))
 
+    def _spec_graph_step(self, plan: StepPlan, host: HostStep
+                         ) -> tuple[list[int], list[int]] | None:
+        """Replay a speculative decode graph for a step of decodes carrying drafts (each
+        padded to the graph's rows), or None when the step does not fit one."""
+        g = self.spec_graphs
+        chunks = plan.chunks
+        if g is None or host.hidden_rows or not any(c.num_draft for c in chunks):
+            return None
+        q = g.q_len
+        lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
+        if (not all(c.sample and len(c.token_ids) == c.num_draft + 1 for c in chunks)
+                or int(lens.max()) > q or not g.fits(len(chunks), int(host.tables.shape[1]))
+                or int(host.positions.max()) + q > g.max_model_len):
+            return None
+        starts = host.positions[host.cu[:-1]]
+        real = np.arange(q)[None, :] < lens[:, None]
+        ids = np.zeros((len(chunks), q), dtype=np.int64)
+        ids[real] = host.token_ids
+        slots = np.full((len(chunks), q), -1, dtype=np.int64)
+        slots[real] = host.slots
+        positions = starts[:, None] + np.arange(q)[None, :]
+        logits, _ = g.run(ids.ravel(), positions.ravel(), slots.ravel(), host.tables)
+        rows = torch.from_numpy(np.flatnonzero(real.ravel())).to(self.device, non_blocking=True)
+        return verify_all(logits.index_select(0, rows), list(chunks))
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
         """Run one step. Returns the sampled tokens of the chunks with ``sample=True`` (one
@@ -217,6 +252,8 @@ class ModelRunner:
             logits, greedy = self.graphs.run(host.token_ids, host.positions, host.slots,
                                              host.tables)
             return sample(logits, plan.chunks, greedy), None, None
+        if self.spec_graphs is not None and (out := self._spec_graph_step(plan, host)):
+            return out[0], None, out[1]
         input_ids, positions, meta = self._to_device(host, plan.num_decodes)
         hidden = self.model(input_ids, positions, self.kv, meta, self.backend, self.layer_hook)
         rows, hidden_rows = host.sample_rows, host.hidden_rows

@@ -50,6 +50,29 @@ def test_cuda_moe_and_mla_greedy_matches_transformers(tmp_path, kind):
         assert [o.token_ids for o in outs] == refs, spec
 
 
+def test_cuda_graphs_with_drafts_match_eager(tmp_path):
+    """Decode steps carrying drafts replay their own CUDA graphs (sequences padded to 1 + K
+    rows): the same tokens as eager steps and as transformers (float32), drafts accepted."""
+    from disagg.engine.speculative import Speculation
+
+    path = make_tiny_model("llama", tmp_path / "llama")
+    model = load_model(path, "float32", "cuda:0")
+    prompts = PROMPTS + [[9] * 12, [5, 6, 7, 8] * 4]
+    spec = Speculation("ngram", 3)
+    outs = []
+    for graphs in (False, True):
+        llm = LLM(model, num_pages=64, page_size=16, max_batch_tokens=64,
+                  attention_backend="triton", speculative=spec)
+        if graphs:
+            llm.runner.enable_cuda_graphs(16, 512, spec_tokens=3)
+        outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(
+            max_tokens=16, ignore_eos=True))])
+        if graphs:
+            assert llm.runner.spec_graphs is not None and llm.runner.spec_graphs.replays > 0
+            assert llm.scheduler.spec_accepted_tokens > 0
+    assert outs[0] == outs[1] == [hf_greedy(path, p, 16) for p in prompts]
+
+
 def test_cuda_node_maps_executor_kv(tmp_path):
     from disagg.client import AsyncClient
     from disagg.node import Node
