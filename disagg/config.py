@@ -55,9 +55,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
         if self.speculative_method not in (None, "ngram", "draft", "mtp"):
             raise ConfigError("--speculative-method must be ngram, draft or mtp, got "
                               f"{self.speculative_method!r}")
-        if self.speculative_method in ("draft", "mtp"):
-            raise ConfigError(f"--speculative-method {self.speculative_method} is not "
-                              "implemented yet; use ngram")
+        if self.speculative_method == "mtp":
+            raise ConfigError("--speculative-method mtp is not implemented yet; use ngram or "
+                              "draft")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("--num-speculative-tokens must be in [1, 16], got "
                               f"{self.num_speculative_tokens}")
@@ -88,6 +88,7 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
     # CUDA with num_pages 0: GPU fraction for weights + activations + KV pool
     gpu_memory_utilization: float = 0.9  # (--gpu-memory-utilization)
     cuda_graphs: bool = True  # CUDA: decode-only steps replay captured graphs (--enforce-eager)
+    draft_model: str | None = None  # --speculative-method draft: a local HF directory (--draft-model)
 
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -187,3 +188,8 @@ class NodeConfig(msgspec.Struct, frozen=True):
         self.executor.validate()
         self.cache.validate()
         self.scheduler.validate()
+        draft = self.scheduler.speculative_method == "draft"
+        if draft != (self.executor.draft_model is not None):
+            raise ConfigError("--speculative-method draft and --draft-model DIR go together")
+        if draft and len(self.devices) > 1:
+            raise ConfigError("--speculative-method draft runs with one executor (--tp 1) for now")

@@ -41,12 +41,20 @@ class LLM:
         attention_backend: str = "auto",
         prefix_caching: bool = True,
         speculative: Speculation | None = None,
+        draft_model: Transformer | None = None,
     ):
+        """``speculative``: drafting (``Speculation``); with method ``draft``, ``draft_model``
+        is the draft (same vocabulary, on the same device)."""
         arch = model.arch
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
                           model.dtype, arch.kv_parts)
         kv = torch.zeros(layout.shape, dtype=model.dtype, device=model.device)
         self.runner = ModelRunner(model, kv, get_backend(attention_backend, model.device))
+        if draft_model is not None:
+            from disagg.engine.drafting import attach_draft
+
+            attach_draft(self.runner, draft_model, attention_backend, graphs=False, max_batch=1,
+                         max_model_len=max_model_len or arch.max_position_embeddings)
         self.pool = PagePool(num_pages)
         self.scheduler = BatchScheduler(
             self.pool, page_size, max_batch_tokens, max_running,

@@ -74,6 +74,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     t0 = time.perf_counter()
     tp = init_tensor_parallel(cfg, rank, control, device)
     model = build_model(cfg, device, tp)
+    draft = (build_model(cfg, device, model_dir=ecfg.draft_model)
+             if ecfg.draft_model is not None and cfg.role != "prefill" else None)
     arch = model.arch
     backend_name = ecfg.attention_backend
     if arch.mla is not None and backend_name in ("auto", "torch"):
@@ -88,11 +90,12 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     if cfg.cache.num_pages:
         num_pages = cfg.cache.num_pages
     elif device.type == "cuda":
-        num_pages = pages_from_free_memory(cfg, model, backend, max_model_len)
+        num_pages = share_with_draft(pages_from_free_memory(cfg, model, backend, max_model_len),
+                                     arch, draft)
     else:
-        num_pages = KVLayout.pages_for_budget(
+        num_pages = share_with_draft(KVLayout.pages_for_budget(
             cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads,
-            cfg.cache.page_size, arch.head_dim, model.dtype, kv_parts=arch.kv_parts)
+            cfg.cache.page_size, arch.head_dim, model.dtype, kv_parts=arch.kv_parts), arch, draft)
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
                       arch.head_dim, model.dtype, arch.kv_parts)
     alloc = KVAllocation.create(layout, device)
@@ -125,6 +128,12 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                 log.exception("CUDA graph capture failed; running decode eagerly")
                 runner.graphs = None
 
+    if draft is not None:
+        from disagg.engine.drafting import attach_draft
+
+        attach_draft(runner, draft, backend_name, graphs=runner.graphs is not None,
+                     max_batch=min(cfg.scheduler.max_running, cfg.scheduler.max_batch_tokens),
+                     max_model_len=max_model_len)
     freeze_startup_objects(f"executor {rank}")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -214,20 +223,33 @@ def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
     return TensorParallel(rank, size)
 
 
-def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None = None) -> Any:
+def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None = None,
+                model_dir: str | None = None) -> Any:
     """Load the model directory's weights (this rank's shard under TP), or draw them from the
     seed with ``random_weights`` (then only ``config.json`` is read, and the weights are
-    generated on ``device``)."""
+    generated on ``device``). ``model_dir``: another directory (the draft model)."""
     ecfg = cfg.executor
-    assert ecfg.model is not None
+    path = model_dir or ecfg.model
+    assert path is not None
     if ecfg.random_weights:
         from disagg.model.config import ModelArch
         from disagg.model.loader import random_model
 
-        return random_model(ModelArch.from_dir(ecfg.model), ecfg.dtype, device, ecfg.seed, tp)
+        return random_model(ModelArch.from_dir(path), ecfg.dtype, device, ecfg.seed, tp)
     from disagg.model.loader import load_model
 
-    return load_model(ecfg.model, ecfg.dtype, device, tp)
+    return load_model(path, ecfg.dtype, device, tp)
+
+
+def share_with_draft(pages: int, arch: Any, draft: Any) -> int:
+    """Pages sized for the target alone, shrunk so a draft model's cache with the same page
+    ids fits in the same budget."""
+    if draft is None:
+        return pages
+    a, d = arch, draft.arch
+    mine = a.num_layers * a.kv_parts * a.num_kv_heads * a.head_dim
+    theirs = d.num_layers * d.kv_parts * d.num_kv_heads * d.head_dim
+    return max(1, pages * mine // (mine + theirs))
 
 
 def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_len: int) -> int:

@@ -76,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["ngram", "draft", "mtp"],
                     help="speculative decoding on decode and mixed nodes: ngram (prompt lookup: "
                          "the continuation of the latest earlier match of the last n tokens); "
-                         "draft and mtp are not implemented yet")
+                         "draft: a smaller model of the same vocabulary (--draft-model); mtp is "
+                         "not implemented yet")
+    ap.add_argument("--draft-model", default=None, metavar="DIR",
+                    help="--speculative-method draft: the draft model's local HF directory")
     ap.add_argument("--num-speculative-tokens", type=int, default=s.num_speculative_tokens,
                     help="tokens drafted per sequence and step (verified in one forward pass)")
     ap.add_argument("--prompt-lookup-max", type=int, default=s.prompt_lookup_max,
@@ -167,7 +170,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                 attention_backend=args.attention_backend, threads=args.threads,
                                 seed=args.seed, random_weights=args.random_weights,
                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                cuda_graphs=not args.enforce_eager),
+                                cuda_graphs=not args.enforce_eager,
+                                draft_model=args.draft_model),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_mb=args.kv_cache_mb, prefix_caching=args.prefix_caching),
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens,

@@ -31,6 +31,7 @@ from disagg.protocol.executor import SeqChunk, StepPlan
 
 if TYPE_CHECKING:
     from disagg.engine.cuda_graphs import DecodeGraphs
+    from disagg.engine.drafting import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class ModelRunner:
         self.split_bound = 0  # CUDA: decode split count chosen for this bound (graph-stable)
         self.graphs: DecodeGraphs | None = None  # disagg.engine.cuda_graphs.DecodeGraphs once enabled (CUDA only)
         self.spec_graphs: DecodeGraphs | None = None  # decode steps carrying drafts
+        self.drafter: DraftModel | None = None  # draft-model speculation (sees every step)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, spec_tokens: int = 0) -> float:
         """Capture decode-only steps for batch buckets up to ``max_batch`` (CUDA only; a no-op
@@ -245,6 +247,8 @@ class ModelRunner:
         each, or with drafts the 1 .. num_draft + 1 that verification emits: then ``counts``
         says how many per chunk, else it is None) and the final hidden states ``[k, H]`` of the
         chunks with ``want_hidden`` (None when there are none)."""
+        if self.drafter is not None:  # its own runner bounds-checks what it computes
+            plan = self.drafter.fill(plan)
         host = flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
         if self.counter is not None:
             self.counter.set_base(plan.counter_base)

@@ -12,11 +12,15 @@ full page a step completes is registered in the cache (prompt and generated toke
 A prefill node's jobs (prefill-only sequences) do the same; its messenger ships a job's cached
 pages at once when the job's first chunk starts after them.
 
-Speculative decoding (``propose`` given): a decode chunk carries up to ``spec_tokens`` drafted
-tokens after its one new token (within the step's token budget, the request's ``max_tokens``
-and the context limit); pages are reserved for every drafted position. The step verifies them
-(``disagg.engine.speculative``) and returns 1 .. k + 1 tokens for the chunk: the sequence's
-computed length grows by the tokens it keeps, so the KV of rejected drafts is never counted.
+Speculative decoding (``spec_tokens`` > 0): a decode chunk carries up to ``spec_tokens`` drafted
+positions after its one new token (within the step's token budget, the request's
+``max_tokens`` and the context limit); pages are reserved for every drafted position. With
+``propose`` (prompt lookup) the scheduler drafts the tokens; with ``draft_model`` the executor's
+draft model does, and the scheduler tracks what that model has computed (``draft_computed``)
+so each chunk carries the tokens it has not seen yet (``draft_prefix``: after a remote prefill,
+the whole prompt). The step verifies the drafts (``disagg.engine.speculative``) and returns
+1 .. k + 1 tokens for the chunk: the sequence's computed length grows by the tokens it keeps,
+so the KV of rejected drafts is never counted.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at its first start
     matched: bool = False  # its first start looked the cache up (counted in the statistics)
     lookup: tuple[int, list[bytes]] | None = None  # (num_tokens, prefix_hashes) last computed
+    draft_computed: int = 0  # leading tokens whose KV the draft model has (draft_model mode)
 
     @property
     def num_tokens(self) -> int:
@@ -82,13 +87,15 @@ class Sequence:
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed in this step
-    count: int  # tokens computed in this step (drafts included)
+    count: int  # tokens computed in this step (drafted positions included)
     sample: bool  # this chunk reaches the end of the sequence's tokens
-    drafts: tuple[int, ...] = ()  # speculative tokens after the sequence's last one
+    spec: int = 0  # drafted positions after the sequence's last token
+    drafts: tuple[int, ...] = ()  # their tokens, when the scheduler drafted them
+    draft_prefix: tuple[int, ...] = ()  # draft model: tokens before ``start`` it has not seen
 
     def to_wire(self) -> SeqChunk:
         s, p = self.seq, self.seq.params
-        n = self.count - len(self.drafts)
+        n = self.count - self.spec
         return SeqChunk(
             slot=s.slot,
             token_ids=s.tokens(self.start, self.start + n) + list(self.drafts),
@@ -102,6 +109,8 @@ class ScheduledChunk:
             seed=s.seed,
             output_index=len(s.output_ids),
             num_draft=len(self.drafts),
+            draft_tokens=self.spec - len(self.drafts),
+            draft_prefix=list(self.draft_prefix),
         )
 
 
@@ -135,10 +144,12 @@ class BatchScheduler:
         cache_salt: bytes = b"",
         spec_tokens: int = 0,
         propose: Callable[[Sequence, int], list[int]] | None = None,
+        draft_model: bool = False,
     ):
         """``prefix_caching``: reuse cached full pages; ``cache_salt``: the model's identity,
         the parent of every prompt's first page hash; ``propose(seq, k)``: up to ``k`` drafted
-        tokens to follow ``seq`` (speculative decoding, at most ``spec_tokens`` per step)."""
+        tokens to follow ``seq`` (speculative decoding, at most ``spec_tokens`` per step);
+        ``draft_model``: the executor drafts them with its draft model instead."""
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -152,7 +163,8 @@ class BatchScheduler:
         self.cache_root = cache_salt
         self.prefix_query_tokens = 0  # prompt tokens of sequences that looked the cache up
         self.prefix_hit_tokens = 0  # ... of which served from the cache
-        self.spec_tokens = spec_tokens if propose is not None else 0
+        self.draft_model = draft_model and propose is None
+        self.spec_tokens = spec_tokens if propose is not None or self.draft_model else 0
         self.propose = propose
         self.spec_draft_tokens = 0  # drafted tokens verified
         self.spec_accepted_tokens = 0  # ... of which accepted
@@ -188,6 +200,7 @@ class BatchScheduler:
         pages, seq.block_table = seq.block_table, []
         seq.num_computed = 0
         seq.hashes = []
+        seq.draft_computed = 0
         seq.status = Status.FINISHED
         return pages
 
@@ -232,11 +245,11 @@ class BatchScheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             count = min(seq.num_tokens - seq.num_computed, budget)
-            drafts = self._drafts(seq, budget - count) if seq.is_decode else []
-            if not self._reserve(seq, count + len(drafts), scheduled):
+            spec, drafts = self._drafts(seq, budget - count) if seq.is_decode else (0, [])
+            if not self._reserve(seq, count + spec, scheduled):
                 continue  # preempted itself
-            chunk = self._chunk(seq, count, drafts)
-            (drafted if drafts else decodes if seq.is_decode else prefills).append(chunk)
+            chunk = self._chunk(seq, count, spec, drafts)
+            (drafted if spec else decodes if seq.is_decode else prefills).append(chunk)
             scheduled.add(seq.slot)
             budget -= chunk.count
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
@@ -262,14 +275,20 @@ class BatchScheduler:
             return None
         return Batch(decodes + drafted + prefills, len(decodes))
 
-    def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """Drafted tokens for decode ``seq``: within ``room`` more tokens this step, and never
-        past what it may still emit (``max_tokens``, the context limit)."""
-        if self.propose is None or seq.prefill_only:
-            return []
+    def _drafts(self, seq: Sequence, room: int) -> tuple[int, list[int]]:
+        """Drafted positions for decode ``seq`` and their tokens (empty when the executor's
+        draft model proposes them): within ``room`` more tokens this step, and never past what
+        it may still emit (``max_tokens``, the context limit)."""
+        if not self.spec_tokens or seq.prefill_only:
+            return 0, []
         k = min(self.spec_tokens, room, seq.params.max_tokens - len(seq.output_ids) - 1,
                 self.max_model_len - seq.num_tokens)
-        return self.propose(seq, k)[:k] if k > 0 else []
+        if k <= 0:
+            return 0, []
+        if self.propose is None:
+            return k, []
+        drafts = self.propose(seq, k)[:k]
+        return len(drafts), drafts
 
     def prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """The chained hashes of ``seq``'s full pages before its last token (which is always
@@ -312,9 +331,14 @@ class BatchScheduler:
             self.pool.cache_page(page, h)
         seq.hashes.extend(new)
 
-    def _chunk(self, seq: Sequence, count: int, drafts: list[int] | None = None) -> ScheduledChunk:
-        return ScheduledChunk(seq, seq.num_computed, count + len(drafts or ()),
-                              seq.num_computed + count == seq.num_tokens, tuple(drafts or ()))
+    def _chunk(self, seq: Sequence, count: int, spec: int = 0,
+               drafts: list[int] | None = None) -> ScheduledChunk:
+        start = seq.num_computed
+        prefix = (tuple(seq.tokens(seq.draft_computed, start))
+                  if self.draft_model and not seq.prefill_only and seq.draft_computed < start
+                  else ())
+        return ScheduledChunk(seq, start, count + spec, start + count == seq.num_tokens, spec,
+                              tuple(drafts or ()), prefix)
 
     def _reserve(self, seq: Sequence, count: int, scheduled: set[int]) -> bool:
         """Give ``seq`` pages for ``count`` more tokens, preempting others if needed (it may
@@ -345,6 +369,7 @@ class BatchScheduler:
             self.pool.free(seq.block_table)
             seq.block_table = []
         seq.hashes = []
+        seq.draft_computed = 0
 
     # ---------------------------------------------------------------- results
 
@@ -363,14 +388,18 @@ class BatchScheduler:
                 tokens, pos = sampled[pos:pos + n], pos + n
             if seq.status is not Status.RUNNING:
                 continue  # removed (aborted) while the step ran
-            if chunk.drafts:
+            if chunk.spec:
                 # accepted drafts and the target's token (never more: a result is not trusted)
-                tokens = tokens[:len(chunk.drafts) + 1]
+                tokens = tokens[:chunk.spec + 1]
                 if not tokens:
                     continue  # nothing emitted: the step's KV is recomputed by the next one
-                self.spec_draft_tokens += len(chunk.drafts)
+                self.spec_draft_tokens += chunk.spec
                 self.spec_accepted_tokens += len(tokens) - 1
-            elif seq.prefill_only or not tokens:
+                # the draft model computed the chunk's first ``spec`` positions; those kept
+                seq.draft_computed = chunk.start + min(len(tokens), chunk.spec)
+            elif self.draft_model:  # it computed the chunk's tokens with the target
+                seq.draft_computed = chunk.start + chunk.count
+            if not chunk.spec and (seq.prefill_only or not tokens):
                 seq.num_computed = chunk.start + chunk.count
                 if self.prefix_caching:
                     self._register(seq)
@@ -390,7 +419,7 @@ class BatchScheduler:
                     break
             # computed: the chunk's positions whose tokens were kept (a rejected draft's KV lies
             # past this); the last emitted token is not computed yet
-            seq.num_computed = min(chunk.start + (len(tokens) if chunk.drafts else chunk.count),
+            seq.num_computed = min(chunk.start + (len(tokens) if chunk.spec else chunk.count),
                                    seq.num_tokens - 1)
             if self.prefix_caching:
                 self._register(seq)

@@ -39,7 +39,8 @@ METHODS = ("ngram", "draft", "mtp")
 
 @dataclass(frozen=True)
 class Speculation:
-    """How a node drafts: ``method`` (ngram), ``tokens`` drafted per sequence and step."""
+    """How a node drafts: ``method`` (ngram: prompt lookup in the scheduler; draft: the
+    executor's draft model), ``tokens`` drafted per sequence and step."""
 
     method: str
     tokens: int
@@ -51,7 +52,9 @@ class Speculation:
                              self.lookup_min)
 
     def scheduler_args(self) -> dict[str, Any]:
-        """``BatchScheduler`` keyword arguments."""
+        """``BatchScheduler`` keyword arguments (``draft``: the executor's draft model drafts)."""
+        if self.method == "draft":
+            return {"spec_tokens": self.tokens, "draft_model": True}
         return {"spec_tokens": self.tokens, "propose": self.propose}
 
 

@@ -27,6 +27,10 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # speculative decoding: the last num_draft token_ids are drafts to verify (sample is set;
     # the step emits 1 .. num_draft + 1 tokens for this chunk, disagg.engine.speculative)
     num_draft: int = 0
+    # draft model: propose draft_tokens drafts after token_ids (then verified as above), having
+    # first run it over draft_prefix (tokens before start_pos it has not computed) and the chunk
+    draft_tokens: int = 0
+    draft_prefix: list[int] = []
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):

@@ -186,3 +186,25 @@ def test_stops_inside_accepted_runs_and_seeded_sampling_reproduces(llama):
                 speculative=spec).generate(PROMPTS, sampled)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert llm.pool.num_free == llm.pool.num_pages
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "other"])
+def test_greedy_with_a_draft_model_equals_transformers(llama, tiny_models, draft_kind):
+    """The target as its own draft (every draft accepted: the mechanism's upper bound) and a
+    different tiny model of the same vocabulary (most rejected); chunked prefills, a prompt
+    cached from an earlier request (the draft catches up over it), stops inside runs."""
+    path, model = llama
+    draft = model if draft_kind == "same" else load_model(tiny_models["qwen2"], "float32")
+    llm = LLM(model, num_pages=64, page_size=PAGE, max_batch_tokens=6,
+              speculative=Speculation("draft", 3), draft_model=draft)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    refs = [hf_greedy(path, p, 16) for p in PROMPTS]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == refs
+    s = llm.scheduler
+    if draft_kind == "same":
+        assert s.spec_accepted_tokens == s.spec_draft_tokens > 0
+    else:
+        assert s.spec_accepted_tokens < s.spec_draft_tokens
+    again = llm.generate([PROMPTS[2] + refs[2]], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert again[0].token_ids == hf_greedy(path, PROMPTS[2] + refs[2], 5)
+    assert llm.pool.num_free == llm.pool.num_pages

@@ -68,11 +68,19 @@ def test_a_mixed_node_drafts_and_stays_token_exact(model_dir, tmp_path):
 
 
 @pytest.mark.fabric
-def test_a_decoder_drafts_after_a_remote_prefill(model_dir, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_decoder_drafts_after_a_remote_prefill(model_dir, tmp_path, method):
+    """With a draft model, the decoder's draft computes the prompt itself at the first step
+    (the prefiller ships the target's KV only)."""
+    spec = SPEC
+    if method == "draft":
+        draft = make_tiny_model("qwen2", tmp_path / "draft", seed=3)
+        spec = ["--speculative-method", "draft", "--draft-model", str(draft),
+                "--num-speculative-tokens", "2"]
     p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "64", "--max-batch-tokens",
                      "5")
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
-                     p_addr, "--heartbeat", "0.2", *SPEC)
+                     p_addr, "--heartbeat", "0.2", *spec)
     with running([p, d], [d_addr]):
         for ids in PROMPTS:
             assert generate(d_addr, ids) == hf_greedy(model_dir, ids, NEW), ids

@@ -1,0 +1,95 @@
+"""Draft-model speculation in the executor: fill a step's drafts before the target verifies.
+
+The draft model (same vocabulary, smaller) has its own paged KV cache with the target's page
+ids, so the scheduler's block tables serve both. For a step whose chunks ask for
+``draft_tokens`` drafts, ``DraftModel.fill``:
+
+1. runs the draft over every chunk (``draft_prefix``, the tokens before the chunk it has not
+   computed -- one after a fully accepted run, the whole prompt after a remote prefill -- then
+   the chunk's own tokens), taking its greedy token after each drafting chunk: draft 1;
+2. runs k - 1 more single-token steps over the drafting chunks, each feeding the last draft at
+   the next position: drafts 2 .. k;
+3. returns the plan with each drafting chunk's ``token_ids`` extended by its drafts
+   (``num_draft``), for the target to verify (``disagg.engine.speculative``).
+
+Drafts are the draft model's greedy choices: a one-hot proposal, which rejection sampling
+handles exactly. The draft's KV past the accepted tokens is overwritten later, never read.
+Its steps replay the draft runner's decode CUDA graphs when they are plain decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import torch
+
+from disagg.engine.runner import ModelRunner
+from disagg.model.transformer import Transformer
+from disagg.protocol.executor import SeqChunk, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class DraftModel:
+    def __init__(self, runner: ModelRunner, target_vocab: int):
+        vocab = runner.model.arch.vocab_size
+        if vocab != target_vocab:
+            raise ValueError(f"the draft model's vocabulary ({vocab}) differs from the target's "
+                             f"({target_vocab})")
+        self.runner = runner
+
+    def fill(self, plan: StepPlan) -> StepPlan:
+        chunks = plan.chunks
+        drafting = [i for i, c in enumerate(chunks) if c.draft_tokens > 0]
+        first = [_first_pass(c) for c in chunks]
+        single = all(len(c.token_ids) == 1 for c in first)
+        if single:  # a plain decode step for the draft: every row sampled, graph-replayable
+            first = [msgspec.structs.replace(c, sample=True) for c in first]
+        lead = next((i for i, c in enumerate(first) if len(c.token_ids) > 1), len(first))
+        tokens, _, _ = self.runner.execute(StepPlan(plan.step_id, first, lead))
+        sampled = [i for i, c in enumerate(first) if c.sample]
+        last = dict(zip(sampled, tokens, strict=True))
+        drafts = {i: [last[i]] for i in drafting}
+        for j in range(1, max((chunks[i].draft_tokens for i in drafting), default=0)):
+            rows = [i for i in drafting if chunks[i].draft_tokens > j]
+            step = [SeqChunk(chunks[i].slot, [drafts[i][-1]], chunks[i].start_pos + j,
+                             chunks[i].block_table, True) for i in rows]
+            out, _, _ = self.runner.execute(StepPlan(plan.step_id, step, len(step)))
+            for i, t in zip(rows, out, strict=True):
+                drafts[i].append(t)
+        filled = [msgspec.structs.replace(c, token_ids=c.token_ids + drafts[i],
+                                          num_draft=len(drafts[i]), draft_tokens=0,
+                                          draft_prefix=[])
+                  if i in drafts else c for i, c in enumerate(chunks)]
+        return StepPlan(plan.step_id, filled, plan.num_decodes, plan.counter_base)
+
+
+def _first_pass(c: SeqChunk) -> SeqChunk:
+    """The draft's view of a chunk: its unseen prefix and its tokens, greedy, sampled only when
+    it drafts."""
+    return SeqChunk(c.slot, c.draft_prefix + c.token_ids, c.start_pos - len(c.draft_prefix),
+                    c.block_table, c.draft_tokens > 0)
+
+
+def attach_draft(runner: ModelRunner, draft: Transformer, backend: str, graphs: bool,
+                 max_batch: int, max_model_len: int) -> DraftModel:
+    """Give ``runner`` a draft model: its own KV cache over the runner's page ids, its own
+    attention backend (torch for MLA, as for targets), and decode CUDA graphs when the target
+    has them."""
+    from disagg.engine.attention import get_backend
+    from disagg.engine.kv_memory import KVLayout
+
+    a = draft.arch
+    layout = KVLayout(a.num_layers, runner.num_pages, a.num_kv_heads, runner.page_size,
+                      a.head_dim, draft.dtype, a.kv_parts)
+    kv = torch.zeros(layout.shape, dtype=draft.dtype, device=draft.device)
+    sub = ModelRunner(draft, kv, get_backend("torch" if a.mla is not None else backend,
+                                             draft.device))
+    if graphs and a.moe is None and a.mla is None:
+        sub.enable_cuda_graphs(max_batch, max_model_len)
+    drafter = DraftModel(sub, runner.model.arch.vocab_size)
+    runner.drafter = drafter
+    log.info("draft model %s: %d layers, %.1f MiB KV over the same %d pages", a.architecture,
+             a.num_layers, layout.nbytes / 2**20, runner.num_pages)
+    return drafter
