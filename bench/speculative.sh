@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Speculative decoding with prompt lookup (docs/BENCHMARKS.md, "Speculative decoding"): one
-# mixed node serving the embedded SmolLM2-135M (real weights) with --speculative-method ngram,
-# then without, on the copy workload (a passage, then its start again) at batch 1 and 16.
-#   bench/speculative.sh WORK        results: WORK/spec_{ngram,off}_b{1,16}.json, node logs
+# Speculative decoding (docs/BENCHMARKS.md, "Speculative decoding"): one mixed node serving the
+# embedded SmolLM2-135M (real weights) with --speculative-method ngram, then draft (the model as
+# its own draft: every draft accepted, the mechanism's upper bound), then without, on the copy
+# workload (a passage, then its start again) at batch 1 and 16.
+#   bench/speculative.sh WORK        results: WORK/spec_{ngram,draft,off}_b{1,16}.json, logs
 set -u
 WORK=${1:?usage: speculative.sh WORK}
 DEVICE=${DEVICE:-cuda:0}; DTYPE=${DTYPE:-bfloat16}; K=${K:-4}
 INLEN=${INLEN:-512}; OUTLEN=${OUTLEN:-256}; VOCAB=${VOCAB:-49152}
 PORT=${PORT:-7788}
 mkdir -p "$WORK"
-for mode in ngram off; do
-  flag=(); [ $mode = ngram ] && flag=(--speculative-method ngram --num-speculative-tokens "$K")
+DRAFT=$(python3 -c "from disagg.model.default import default_model_dir as d; print(d(progress=False))")
+for mode in ${MODES:-ngram draft off}; do
+  flag=()
+  [ $mode = ngram ] && flag=(--speculative-method ngram --num-speculative-tokens "$K")
+  [ $mode = draft ] && flag=(--speculative-method draft --draft-model "$DRAFT" \
+                             --num-speculative-tokens "$K")
   python3 -m disagg --role mixed --listen "tcp://127.0.0.1:$PORT" --devices "$DEVICE" \
     --dtype "$DTYPE" --max-model-len 2048 --startup-timeout 400 "${flag[@]}" ${EXTRA:-} \
     > "$WORK/node_$mode.log" 2>&1 &

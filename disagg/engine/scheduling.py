@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from disagg.engine.cache import PagePool, page_hashes, pages_needed
 from disagg.protocol import SamplingParams
@@ -63,6 +64,7 @@ class Sequence:
     matched: bool = False  # its first start looked the cache up (counted in the statistics)
     lookup: tuple[int, list[bytes]] | None = None  # (num_tokens, prefix_hashes) last computed
     draft_computed: int = 0  # leading tokens whose KV the draft model has (draft_model mode)
+    spec_state: Any = None  # the drafting method's own state (prompt lookup: a token array)
 
     @property
     def num_tokens(self) -> int:

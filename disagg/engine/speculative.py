@@ -48,14 +48,34 @@ class Speculation:
     lookup_min: int = 1
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        return propose_ngram(seq.prompt_ids + seq.output_ids, k, self.lookup_max,
-                             self.lookup_min)
+        return propose_ngram(token_array(seq), k, self.lookup_max, self.lookup_min)
 
     def scheduler_args(self) -> dict[str, Any]:
         """``BatchScheduler`` keyword arguments (``draft``: the executor's draft model drafts)."""
         if self.method == "draft":
             return {"spec_tokens": self.tokens, "draft_model": True}
         return {"spec_tokens": self.tokens, "propose": self.propose}
+
+
+def token_array(seq: Sequence) -> np.ndarray:
+    """``seq``'s tokens as an int64 array, kept on the sequence and extended by the tokens
+    added since the last call (converting the whole history every step costs more than the
+    lookup itself)."""
+    n, p = seq.num_tokens, len(seq.prompt_ids)
+    buf, have = seq.spec_state if seq.spec_state is not None else (np.empty(0, np.int64), 0)
+    if have > n:  # cannot shrink while alive; start over to be safe
+        buf, have = np.empty(0, np.int64), 0
+    if buf.shape[0] < n:
+        grown = np.empty(max(n, 2 * buf.shape[0], 64), np.int64)
+        grown[:have] = buf[:have]
+        buf = grown
+    if have < p:
+        buf[have:p] = seq.prompt_ids[have:]
+        have = p
+    if have < n:
+        buf[have:n] = seq.output_ids[have - p:]
+    seq.spec_state = (buf, n)
+    return buf[:n]
 
 
 def speculation(cfg: SchedulerConfig) -> Speculation | None:
@@ -67,22 +87,29 @@ def speculation(cfg: SchedulerConfig) -> Speculation | None:
 
 
 def propose_ngram(tokens: list[int] | np.ndarray, k: int, n_max: int = 4,
-                  n_min: int = 1) -> list[int]:
+                  n_min: int = 1, max_candidates: int = 256) -> list[int]:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last ``n`` tokens
     (longest ``n`` first, from ``n_max`` down to ``n_min``) and propose the up to ``k`` tokens
-    that followed it. Empty when nothing matches."""
+    that followed it. Empty when nothing matches.
+
+    One vectorised scan finds where the last token occurred; each candidate (latest first, at
+    most ``max_candidates``) is extended backwards while it matches."""
     arr = np.asarray(tokens, dtype=np.int64)
     total = arr.shape[0]
     if k <= 0 or total < n_min + 1:
         return []
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
-        tail = arr[total - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:total - 1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # the token after the latest match
-            return arr[start:start + k].tolist()
-    return []
+    best_n, best_j = 0, -1
+    for j in np.flatnonzero(arr[:total - 1] == arr[total - 1])[::-1][:max_candidates].tolist():
+        m = 1
+        while m < n_max and j - m >= 0 and arr[j - m] == arr[total - 1 - m]:
+            m += 1
+        if m > best_n:
+            best_n, best_j = m, j
+            if m == n_max:
+                break
+    if best_n < n_min:
+        return []
+    return arr[best_j + 1:best_j + 1 + k].tolist()
 
 
 def verify(logits: torch.Tensor, chunk: SeqChunk, argmax: list[int] | None = None) -> list[int]:

@@ -31,6 +31,27 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert propose_ngram([4, 1, 2, 4], 2, n_min=2) == []  # only a 1-gram would match
 
 
+def lookup_by_definition(tokens, k, n_max, n_min):
+    """Longest n first; among matches of that n, the latest earlier occurrence."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        tail = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_prompt_lookup_equals_its_definition_on_random_sequences():
+    g = torch.Generator().manual_seed(5)
+    for trial in range(400):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        vocab = 2 + trial % 6
+        tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+        for n_max, n_min in ((4, 1), (3, 2)):
+            assert propose_ngram(tokens, 3, n_max, n_min) == lookup_by_definition(
+                tokens, 3, n_max, n_min), (tokens, n_max, n_min)
+
+
 def chunk(tokens, k, temperature=0.0, seed=0, index=0):
     return SeqChunk(0, list(tokens), 10, [0, 1, 2, 3], True, temperature=temperature, seed=seed,
                     output_index=index, num_draft=k)
