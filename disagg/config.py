@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from disagg.remote.discovery import split_specs
+
 ENV_PREFIX = "DISAGG_"
 
 
@@ -105,7 +107,10 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
 class DisaggConfig(msgspec.Struct, frozen=True):
     """Prefill/decode roles: peers, transfers, deadlines."""
 
-    prefill_peers: list[str] = []  # decode: prefill nodes' --listen addresses (--prefill-peer)
+    # decode: prefill nodes' --listen addresses, or dns:NAME:PORT (every address NAME
+    # resolves to, re-resolved every peer_resolve_interval_s) (--prefill-peer)
+    prefill_peers: list[str] = []
+    peer_resolve_interval_s: float = 10.0  # (--peer-resolve-interval)
     transfer_backend: str = "fabric"  # fabric | cuda-ipc (--transfer-backend)
     fabric_provider: str = "tcp"  # tcp | shm | net | verbs | efa (--fabric-provider)
     fabric_lanes: int = 1  # endpoints writes are striped over, NICs nearest first (--fabric-lanes)
@@ -141,7 +146,12 @@ class DisaggConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--local-prefill-max-tokens must be >= 0")
         if not 0 < self.peer_share <= 1:
             raise ConfigError(f"--peer-share must be in (0, 1], got {self.peer_share}")
-        for name in ("prefill_timeout_s", "heartbeat_s", "peer_timeout_s", "ownership_timeout_s"):
+        try:
+            split_specs(self.prefill_peers, "--prefill-peer")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("prefill_timeout_s", "heartbeat_s", "peer_timeout_s", "ownership_timeout_s",
+                     "peer_resolve_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
 

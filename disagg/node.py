@@ -208,7 +208,8 @@ class Node:
             self._kv_tensors(), max_slots=2 * cfg.scheduler.max_running,
             timeout_s=d.prefill_timeout_s, heartbeat_s=d.heartbeat_s,
             peer_timeout_s=d.peer_timeout_s,
-            kv_fds=self.executors.kv_fds if self.executors else None, metrics=self.metrics)
+            kv_fds=self.executors.kv_fds if self.executors else None, metrics=self.metrics,
+            resolve_interval_s=d.peer_resolve_interval_s)
         actors.append(("messenger", self.messenger.run))
 
     async def _guard(self, coro: object, name: str) -> None:

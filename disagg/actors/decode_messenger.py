@@ -3,8 +3,9 @@
 Receives: ``SendPrefill`` / ``StopPrefill`` / ``ForgetPrefill`` from the scheduler
 (``inproc://``), the commands of its ``disagg.remote.decode.DecodeRemote``; ``Pong`` /
 ``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` / ``PrefillProgress`` / ``Challenge`` from
-prefill nodes (one DEALER per ``--prefill-peer``); expectation completions from the transfer
-engine.
+prefill nodes (one DEALER per ``--prefill-peer`` address, or per address a ``dns:`` entry
+resolves to as they come and go: ``disagg.actors.peer_discovery``; one that vanishes is dead);
+expectation completions from the transfer engine.
 Sends: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` / ``ChallengeAnswer`` to prefillers;
 ``AttemptEvent`` / ``PeersAlive`` / ``MessengerStats`` to the scheduler.
 Owns: the prefill peers (liveness, load, health, challenge slots), and per attempt the wire
@@ -26,7 +27,6 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -35,7 +35,9 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.messenger_base import MessengerBase
-from disagg.actors.sockets import HANDSHAKE_FAILED, dialing, monitor_events, pending
+from disagg.actors.peer_discovery import PeerDiscovery
+from disagg.actors.prefill_peers import Peer, Wire, close_peer, dial
+from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending
 from disagg.actors.transfer import TransferEngine
 from disagg.fabric.topology import MAX_LANES
 from disagg.protocol.inproc import (
@@ -61,14 +63,8 @@ from disagg.protocol.peer import (
     PrefillProgress,
     PrefillRequest,
 )
-from disagg.remote.ownership import (
-    CHALLENGE_SLOTS,
-    CHALLENGE_UNITS,
-    NONCE_BYTES,
-    area_rows,
-    nonce_offset,
-)
-from disagg.remote.peer_health import PeerHealth
+from disagg.remote.discovery import split_specs
+from disagg.remote.ownership import CHALLENGE_UNITS, NONCE_BYTES, area_rows, nonce_offset
 from disagg.remote.transfer_plan import incompatibility, make_key, new_generation, request_units
 from disagg.serving.metrics import Metrics
 from disagg.serving.routing import PrefixIndex, prefix_keys
@@ -82,47 +78,10 @@ CHALLENGE_ARMED_S = 3600.0  # an armed challenge key is re-armed after this
 CHALLENGE_SLOT = (1 << 8) - 1  # the slot bits of challenge keys (logs only: generations are random)
 
 
-@dataclass
-class Peer:
-    address: str
-    sock: zmq.asyncio.Socket
-    alive: bool = False
-    last_pong: float = 0.0
-    queued_tokens: int = 0  # from its last Pong
-    sent_tokens: int = 0  # tokens we sent since that Pong
-    incompatible: str | None = None
-    layout: KVLayoutDesc | None = None  # from its last Pong: sizes the expected units
-    monitor: Any = None  # zmq monitor socket: connection events of ``sock``
-    epoch: int = 0  # connections to this address that went down (a dead process's did)
-    down_at: float = 0.0  # when the last one went down (monotonic)
-    redial: bool = False  # a handshake failed: libzmq may not retry by itself (NOTES.md)
-    slot: int = 0  # its challenge slot in the context buffer's challenge area
-    challenge: Any = None  # (key, Expectation) a challenge's nonce writes land under
-    health: PeerHealth = field(default_factory=PeerHealth)
-
-
-@dataclass
-class Wire:
-    """What this messenger holds for one attempt (``SendPrefill`` until ``ForgetPrefill``)."""
-
-    request_id: str
-    peer: Peer
-    epoch: int  # the peer's connection epoch when the request was sent
-    ctx_slot: int
-    expectation: Any
-    window: Any  # its registrations (TransferEngine.window): closed once no KV is wanted
-    tokens: int
-    started_at: float
-    wanted: bool = True  # until StopPrefill
-    landed: int = 0  # units of its key seen landed (progress)
-    dead_reported: bool = False
-    down_reported: bool = False
-
-
 class DecodeMessenger(MessengerBase):
     def __init__(
         self,
-        peers: list[str],
+        peers: list[str],  # --prefill-peer entries: addresses and dns:NAME:PORT
         ctx: zmq.asyncio.Context,
         sched_sock: zmq.asyncio.Socket,
         transfer: TransferEngine,
@@ -134,14 +93,18 @@ class DecodeMessenger(MessengerBase):
         peer_timeout_s: float = 5.0,
         kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
         metrics: Metrics | None = None,
+        resolve_interval_s: float = 10.0,  # dns: entries re-resolved this often
     ):
         # with a window per attempt the shared registrations need no remote access at all
         self.register_access = "source" if transfer.windows else "target"
+        self.ctx = ctx
         self.peers: list[Peer] = []
-        for address in peers:
-            sock, monitor = dialing(ctx, address)
-            self.peers.append(Peer(address, sock, monitor=monitor,
-                                   slot=len(self.peers) % CHALLENGE_SLOTS))
+        static, names = split_specs(peers)
+        for address in static:
+            self.peers.append(dial(ctx, address, self.peers, len(self.peers) - 1))
+        self.discovery = PeerDiscovery(names, static, self.update_peers, resolve_interval_s)
+        self._changes: list[tuple[str, bool]] = []  # (address, appeared) not yet applied
+        self._last_slot = len(self.peers) - 1  # challenge slot of the peer dialed last
         # context slots, then the challenge area (its last bytes), never a context slot
         super().__init__(sched_sock, transfer, layout, kvs, kv_fds,
                          max_slots + area_rows(layout.context_bytes), metrics)
@@ -162,16 +125,20 @@ class DecodeMessenger(MessengerBase):
 
     async def run(self) -> None:
         """Loop: 1. wait for a scheduler or prefiller message (at most one heartbeat);
-        2. handle it; 3. every heartbeat: ping peers, update liveness, expire drains."""
+        2. handle it; 3. every heartbeat: apply peer set changes, ping peers, update
+        liveness, expire drains."""
         poller = zmq.asyncio.Poller()
         poller.register(self.sched, zmq.POLLIN)
         for p in self.peers:
             poller.register(p.sock, zmq.POLLIN)
             poller.register(p.monitor, zmq.POLLIN)
+        if self.discovery.names:
+            self._spawn(self.discovery.run())
         next_beat = 0.0
         while True:
             now = time.monotonic()
             if now >= next_beat:
+                self._apply_peer_changes(poller)
                 await self._heartbeat(now)
                 next_beat = now + self.heartbeat_s
             events = dict(await poller.poll(max(1, int((next_beat - now) * 1000))))
@@ -213,7 +180,7 @@ class DecodeMessenger(MessengerBase):
                         log.error("prefiller %s refused: %s", peer.address, why)
                     peer.incompatible = why
                     peer.layout = pong.layout
-                    peer.alive = peer.incompatible is None
+                    peer.alive = peer.incompatible is None and not peer.removed
                     await self._report_alive()
                 case Challenge() as ch:
                     self._spawn(self._answer(peer, ch))
@@ -381,6 +348,8 @@ class DecodeMessenger(MessengerBase):
     async def _heartbeat(self, now: float) -> None:
         seq = next(self._ping)
         for p in self.peers:
+            if p.removed:
+                continue
             if p.redial:  # something else answered on its address: dial again, from scratch
                 p.redial = False
                 with contextlib.suppress(zmq.ZMQError):
@@ -396,8 +365,9 @@ class DecodeMessenger(MessengerBase):
         for w in list(self.wires.values()):
             if not w.peer.alive and not w.dead_reported:
                 w.dead_reported = True
+                gone = "left the peer set" if w.peer.removed else "died"
                 await self._event(AttemptEvent(w.request_id, "peer_dead", "prefiller_dead",
-                                               f"prefiller {w.peer.address} died"))
+                                               f"prefiller {w.peer.address} {gone}"))
             elif (not w.wanted and not w.down_reported and w.peer.epoch > w.epoch
                   and now > w.peer.down_at + FENCE_GRACE_S):
                 # the connection it was sent on went down: the process is gone (a stopped
@@ -420,6 +390,36 @@ class DecodeMessenger(MessengerBase):
             await self._to_scheduler(PeersAlive(n))
             await self._to_scheduler(self.stats())
 
+    # ------------------------------------------------------------------ peer set
+
+    async def update_peers(self, appeared: list[str], vanished: list[str]) -> None:
+        """Discovery's news, applied by the loop at its next heartbeat (between polls)."""
+        self._changes += [(a, True) for a in appeared] + [(a, False) for a in vanished]
+
+    def _apply_peer_changes(self, poller: zmq.asyncio.Poller) -> None:
+        """Dial the peers that appeared (their Pongs are checked like a static peer's); those
+        that vanished are dead from now on, as if they had stopped answering (the heartbeat
+        reports their attempts ``peer_dead``), and are closed once no attempt names them."""
+        for address, appeared in self._changes:
+            p = next((p for p in self.peers if p.address == address), None)
+            if p is None and appeared:
+                p = dial(self.ctx, address, self.peers, self._last_slot)
+                self._last_slot = p.slot
+                self.peers.append(p)
+                poller.register(p.sock, zmq.POLLIN)
+                poller.register(p.monitor, zmq.POLLIN)
+            elif p is not None:  # one back before it was closed: its next Pong revives it
+                p.removed, p.alive = not appeared, p.alive and appeared
+                if not appeared:
+                    log.warning("prefiller %s left the peer set; treating it as dead", address)
+        self._changes.clear()
+        for p in [p for p in self.peers if p.removed]:
+            if all(w.peer is not p for w in self.wires.values()):
+                self.peers.remove(p)
+                poller.unregister(p.sock)
+                poller.unregister(p.monitor)
+                close_peer(p)
+
     # ------------------------------------------------------------------ plumbing
 
     def stats(self) -> MessengerStats:
@@ -440,6 +440,4 @@ class DecodeMessenger(MessengerBase):
     def close(self) -> None:
         self._cancel_tasks()
         for p in self.peers:
-            p.sock.disable_monitor()
-            p.monitor.close()
-            p.sock.close()
+            close_peer(p)

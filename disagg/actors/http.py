@@ -2,7 +2,7 @@
 
 Receives: HTTP requests (aiohttp) on ``--http-listen``: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or SSE streams), ``GET /v1/models``, ``/health``,
-``/metrics``.
+``/metrics``; in front of the router also ``GET /v1/disagg/advice`` (``Router.advice``).
 Sends: client-protocol ``GenerateRequest`` / ``Abort`` / ``StatsRequest`` through a ``Backend``
 (``disagg.client.AsyncClient`` on a node's client address, or the router in-process); an
 ``Abort`` whenever an HTTP client goes away or a stop string matches.
@@ -110,6 +110,9 @@ class Gateway:
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
         ])
+        self._advice = getattr(backend, "advice", None)  # the router's P:D advice
+        if callable(self._advice):
+            self.app.add_routes([web.get("/v1/disagg/advice", self.advice)])
 
     @property
     def url(self) -> str:
@@ -178,6 +181,10 @@ class Gateway:
             return _json({"status": "ok"})
         return _error(ApiError(503, "the node has not answered a Stats request recently",
                                "server_error", code="unavailable"))
+
+    async def advice(self, request: web.Request) -> web.Response:
+        assert self._advice is not None
+        return _json(self._advice().to_json())
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

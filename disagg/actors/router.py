@@ -9,6 +9,8 @@ peer every ``poll_interval`` seconds; replies back to clients under their own re
 Owns: the in-flight table (router id -> client, peer). A peer silent for ``dead_after`` seconds
 is dead: its requests that have not streamed a token yet are resent to another peer, the others
 end with ``Error`` code ``unavailable``. A dead peer that answers again is used again.
+``dns:NAME:PORT`` peers come and go (``disagg.actors.peer_discovery``): one that appears is
+connected, one that vanishes is dead at once (as above), then forgotten.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.frontend import decode_client_frames
+from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.sockets import CLIENT_FRAME_BYTES
 from disagg.client import RequestError
 from disagg.protocol import (
@@ -41,8 +44,10 @@ from disagg.protocol import (
     StatsRequest,
     TokenChunk,
 )
+from disagg.remote.discovery import split_specs
 from disagg.serving import security
 from disagg.serving.admission import MAX_REQUEST_ID
+from disagg.serving.advice import Advice, LatencyWindow, Slo, advise_from_stats
 from disagg.serving.metrics import Metrics, RequestTimer
 from disagg.serving.routing import LoadBalancer, prefix_keys
 
@@ -68,8 +73,12 @@ class Flight:
 class Router:
     def __init__(self, decode_peers: list[str], listen: str | None = None,
                  ctx: zmq.asyncio.Context | None = None, metrics: Metrics | None = None,
-                 poll_interval: float = 0.5, dead_after: float = 3.0):
-        self.balancer = LoadBalancer(decode_peers, dead_after)
+                 poll_interval: float = 0.5, dead_after: float = 3.0,
+                 resolve_interval: float = 10.0, slo: Slo | None = None):
+        static, names = split_specs(decode_peers, "--decode-peer")
+        self.balancer = LoadBalancer(static, dead_after, dynamic=bool(names))
+        self.discovery = PeerDiscovery(names, static, self._peers_changed, resolve_interval)
+        self._peer_tasks: dict[str, asyncio.Task[None]] = {}
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         security.install(self.ctx, security.keys_from_env())
@@ -90,6 +99,8 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._any_alive = asyncio.Event()
         self.peer_up = _peer_gauge(self.metrics)
+        self.slo, self.latency = slo or Slo(), LatencyWindow()  # for advice()
+        self.metrics.watch_advice(self.advice)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -97,12 +108,9 @@ class Router:
         """Connect to every peer, bind ``listen``; returns once a peer answered Stats (or after
         ``wait_for_peer`` seconds, with a warning)."""
         for addr in self.balancer.order:
-            sock = self.ctx.socket(zmq.DEALER)
-            security.client(sock)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(addr)
-            self.peers[addr] = sock
-            self._tasks.append(asyncio.create_task(self._guard(self._from_peer(addr, sock))))
+            self._connect(addr)
+        if self.discovery.names:
+            self._tasks.append(asyncio.create_task(self._guard(self.discovery.run())))
         if self.listen is not None:
             self.front = self.ctx.socket(zmq.ROUTER)
             security.server(self.front)
@@ -145,12 +153,41 @@ class Router:
 
     # ------------------------------------------------------------------ peers
 
+    def _connect(self, addr: str) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        security.client(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        self.peers[addr] = sock
+        task = asyncio.create_task(self._guard(self._from_peer(addr, sock)))
+        self._tasks.append(task)
+        self._peer_tasks[addr] = task
+
+    async def _peers_changed(self, appeared: list[str], vanished: list[str]) -> None:
+        """Discovery: connect the peers that appeared; those that vanished die at once (their
+        requests moved or ended as for a silent peer), then are forgotten."""
+        for addr in appeared:
+            if self.balancer.add(addr):
+                self._connect(addr)
+        for addr in vanished:
+            if addr not in self.peers:
+                continue
+            self.balancer.peers[addr].alive = False
+            await self._peer_died(addr, "left the peer set")
+            self.balancer.remove(addr)
+            task = self._peer_tasks.pop(addr)
+            task.cancel()
+            self._tasks.remove(task)
+            self.peers.pop(addr).close(linger=500)  # the Aborts just sent, if it is there
+            with contextlib.suppress(KeyError):
+                self.peer_up.remove(addr)
+
     async def _poll(self) -> None:
         """Loop: 1. send StatsRequest to every peer; 2. declare silent peers dead and move or
         fail their requests; 3. sleep ``poll_interval``."""
         stats = self._enc.encode(StatsRequest())
         while True:
-            for sock in self.peers.values():
+            for sock in list(self.peers.values()):
                 with contextlib.suppress(zmq.ZMQError):
                     await sock.send(stats, zmq.NOBLOCK)
             for addr in self.balancer.check(time.monotonic()):
@@ -182,15 +219,16 @@ class Router:
                 continue  # late reply of an aborted or moved request
             if isinstance(msg, TokenChunk):
                 f.streamed = True
+                self.latency.tokens(f.key, len(msg.token_ids), time.monotonic())
                 if f.timer is not None:
                     f.timer.on_tokens(len(msg.token_ids))
                 await f.deliver(msgspec.structs.replace(msg, request_id=f.client_id))
             else:
                 await self._end(f, msgspec.structs.replace(msg, request_id=f.client_id))
 
-    async def _peer_died(self, addr: str) -> None:
-        log.warning("decode peer %s did not answer Stats for %.1fs: marked dead", addr,
-                    self.balancer.dead_after)
+    async def _peer_died(self, addr: str, why: str = "") -> None:
+        log.warning("decode peer %s %s: marked dead", addr,
+                    why or f"did not answer Stats for {self.balancer.dead_after:.1f}s")
         self.peer_up.labels(addr).set(0)
         self.metrics.forget_node(addr)
         self.peer_stats.pop(addr, None)
@@ -225,6 +263,7 @@ class Router:
     async def _end(self, f: Flight, terminal: Finished | Error) -> None:
         if self.flights.pop(f.key, None) is None:
             return
+        self.latency.finish(f.key, terminal, time.monotonic())
         if f.front_key is not None:
             self.by_client.pop(f.front_key, None)
         if f.peer is not None:
@@ -238,6 +277,7 @@ class Router:
 
     async def _submit(self, f: Flight) -> None:
         self.flights[f.key] = f
+        self.latency.start(f.key, time.monotonic())
         if f.front_key is not None:
             self.by_client[f.front_key] = f
         await self._place(f)
@@ -289,6 +329,11 @@ class Router:
         if not live:
             raise TimeoutError("no decode node is live")
         return self._aggregate(live)
+
+    def advice(self) -> Advice:
+        """Prefill : decode advice from the live peers' last Stats and recent latencies."""
+        live = [self.peer_stats[a] for a in self.balancer.alive() if a in self.peer_stats]
+        return advise_from_stats(live, self.latency, self.slo, time.monotonic())
 
     def _aggregate(self, live: list[Stats]) -> Stats:
         """Every count summed over ``live``; the router's own refusals added."""
@@ -375,12 +420,15 @@ def _peer_gauge(metrics: Metrics) -> Any:
 async def start_router(listen: str | None, decode_peers: list[str], http_listen: str | None = None,
                        model_dir: str | None = None, model_name: str | None = None,
                        max_model_len: int | None = None, poll_interval: float = 0.5,
-                       dead_after: float = 3.0, wait_for_peer: float = 60.0) -> tuple[Router, Any]:
+                       dead_after: float = 3.0, wait_for_peer: float = 60.0,
+                       resolve_interval: float = 10.0, slo: Slo | None = None
+                       ) -> tuple[Router, Any]:
     """Start a router (and its HTTP gateway when ``http_listen`` is set). Returns
     ``(router, gateway or None)``; stop the gateway first, then the router."""
     from disagg.actors.http import Gateway
 
-    router = Router(decode_peers, listen, poll_interval=poll_interval, dead_after=dead_after)
+    router = Router(decode_peers, listen, poll_interval=poll_interval, dead_after=dead_after,
+                    resolve_interval=resolve_interval, slo=slo)
     await router.start(wait_for_peer)
     gateway = None
     if http_listen is not None:
@@ -408,7 +456,8 @@ async def start_router(listen: str | None, decode_peers: list[str], http_listen:
 async def run_router(listen: str, decode_peers: list[str], http_listen: str | None = None,
                      model_dir: str | None = None, model_name: str | None = None,
                      max_model_len: int | None = None, poll_interval: float = 0.5,
-                     dead_after: float = 3.0) -> int:
+                     dead_after: float = 3.0, resolve_interval: float = 10.0,
+                     slo: Slo | None = None) -> int:
     """``disagg-node --role router``: serve until SIGINT/SIGTERM. Returns an exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -416,7 +465,8 @@ async def run_router(listen: str, decode_peers: list[str], http_listen: str | No
         loop.add_signal_handler(sig, stop.set)
     try:
         router, gateway = await start_router(listen, decode_peers, http_listen, model_dir,
-                                             model_name, max_model_len, poll_interval, dead_after)
+                                             model_name, max_model_len, poll_interval, dead_after,
+                                             resolve_interval=resolve_interval, slo=slo)
     except Exception as e:
         log.error("could not start: %s", e)
         return 1

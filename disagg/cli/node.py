@@ -97,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--restart-window", type=float, default=600.0, metavar="SECONDS")
     d = DisaggConfig()
     ap.add_argument("--prefill-peer", action="append", default=[], dest="prefill_peers",
-                    help="decode role: a prefill node's --listen address (repeatable)")
+                    help="decode role: a prefill node's --listen address, or dns:NAME:PORT for "
+                         "every address NAME resolves to, re-resolved (repeatable)")
+    ap.add_argument("--peer-resolve-interval", type=float, default=d.peer_resolve_interval_s,
+                    metavar="SECONDS", help="how often dns:NAME:PORT entries of --prefill-peer "
+                    "and --decode-peer are resolved again (peers that appear are connected, "
+                    "those that vanish are treated as dead)")
     ap.add_argument("--transfer-backend", default=d.transfer_backend, choices=["fabric", "cuda-ipc"])
     ap.add_argument("--fabric-provider", default=d.fabric_provider,
                     help="libfabric provider: tcp, shm, net, verbs, efa")
@@ -133,7 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None,
                     help="model id in the HTTP API (default: the model directory's name)")
     ap.add_argument("--decode-peer", action="append", default=[], dest="decode_peers",
-                    help="router role: a decode node's --listen address (repeatable)")
+                    help="router role: a decode node's --listen address, or dns:NAME:PORT "
+                         "(repeatable)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0, metavar="MS",
+                    help="router role: time-to-first-token objective (p90) that the "
+                         "prefill:decode advice (/v1/disagg/advice) plans for")
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0, metavar="MS",
+                    help="router role: time-per-output-token objective (p90) for the advice")
     ap.add_argument("--curve-keys", default=None, metavar="DIR",
                     help="authenticate and encrypt client and node-to-node sockets with the "
                          "node's CURVE keys in DIR (DIR/node of `disagg-node keygen DIR`)")
@@ -186,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                   prompt_lookup_min=args.prompt_lookup_min),
         disagg=DisaggConfig(
             prefill_peers=args.prefill_peers, transfer_backend=args.transfer_backend,
+            peer_resolve_interval_s=args.peer_resolve_interval,
             fabric_provider=args.fabric_provider, fabric_lanes=args.fabric_lanes,
             fabric_stripe_bytes=args.fabric_stripe_bytes,
             fabric_mr_per_attempt=args.fabric_mr_per_attempt,
@@ -314,13 +326,25 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.role, level=args.log_level)
     if args.role == "router":
         from disagg.actors.router import run_router
+        from disagg.remote.discovery import split_specs
+        from disagg.serving.advice import Slo
 
         if not args.decode_peers:
             print("disagg-node: --role router needs at least one --decode-peer", file=sys.stderr)
             sys.exit(2)
+        try:
+            split_specs(args.decode_peers, "--decode-peer")
+            slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+            if not args.peer_resolve_interval > 0:
+                raise ValueError("--peer-resolve-interval must be > 0")
+        except ValueError as e:
+            print(f"disagg-node: {e}", file=sys.stderr)
+            sys.exit(2)
         sys.exit(asyncio.run(run_router(args.listen, args.decode_peers, args.http_listen,
                                         args.model, args.served_model_name,
-                                        args.max_model_len or None)))
+                                        args.max_model_len or None,
+                                        resolve_interval=args.peer_resolve_interval,
+                                        slo=slo)))
     if args.http_listen and args.role == "prefill":
         print("disagg-node: --http-listen needs --role mixed, decode or router", file=sys.stderr)
         sys.exit(2)

@@ -7,8 +7,10 @@ ids, so the scheduler's block tables serve both. For a step whose chunks ask for
 1. runs the draft over every chunk (``draft_prefix``, the tokens before the chunk it has not
    computed -- one after a fully accepted run, the whole prompt after a remote prefill -- then
    the chunk's own tokens), taking its greedy token after each drafting chunk: draft 1;
-2. runs k - 1 more single-token steps over the drafting chunks, each feeding the last draft at
-   the next position: drafts 2 .. k;
+2. runs k more single-token steps over the drafting chunks, each feeding the last draft at
+   the next position: drafts 2 .. k, and a last one that only computes draft k's KV (so after
+   a fully accepted run the draft has seen every token and its next step is a plain decode,
+   graph-replayable, instead of a two-token chunk);
 3. returns the plan with each drafting chunk's ``token_ids`` extended by its drafts
    (``num_draft``), for the target to verify (``disagg.engine.speculative``).
 
@@ -51,13 +53,14 @@ class DraftModel:
         sampled = [i for i, c in enumerate(first) if c.sample]
         last = dict(zip(sampled, tokens, strict=True))
         drafts = {i: [last[i]] for i in drafting}
-        for j in range(1, max((chunks[i].draft_tokens for i in drafting), default=0)):
-            rows = [i for i in drafting if chunks[i].draft_tokens > j]
+        for j in range(1, max((chunks[i].draft_tokens for i in drafting), default=0) + 1):
+            rows = [i for i in drafting if chunks[i].draft_tokens >= j]
             step = [SeqChunk(chunks[i].slot, [drafts[i][-1]], chunks[i].start_pos + j,
                              chunks[i].block_table, True) for i in rows]
             out, _, _ = self.runner.execute(StepPlan(plan.step_id, step, len(step)))
             for i, t in zip(rows, out, strict=True):
-                drafts[i].append(t)
+                if len(drafts[i]) < chunks[i].draft_tokens:  # the last pass: KV only
+                    drafts[i].append(t)
         filled = [msgspec.structs.replace(c, token_ids=c.token_ids + drafts[i],
                                           num_draft=len(drafts[i]), draft_tokens=0,
                                           draft_prefix=[])

@@ -397,8 +397,8 @@ class BatchScheduler:
                     continue  # nothing emitted: the step's KV is recomputed by the next one
                 self.spec_draft_tokens += chunk.spec
                 self.spec_accepted_tokens += len(tokens) - 1
-                # the draft model computed the chunk's first ``spec`` positions; those kept
-                seq.draft_computed = chunk.start + min(len(tokens), chunk.spec)
+                # the draft model computed every position of the chunk; those kept
+                seq.draft_computed = chunk.start + len(tokens)
             elif self.draft_model:  # it computed the chunk's tokens with the target
                 seq.draft_computed = chunk.start + chunk.count
             if not chunk.spec and (seq.prefill_only or not tokens):

@@ -16,8 +16,10 @@ Every name starts with ``disagg_``; units are seconds, bytes and counts.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -31,6 +33,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from disagg.protocol import Stats
+
+if TYPE_CHECKING:
+    from disagg.serving.advice import Advice
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -120,6 +125,40 @@ class _StatsCollector(Collector):
         yield reqs
 
 
+class _AdviceCollector(Collector):
+    """The router's prefill : decode advice (``disagg.serving.advice``), computed per scrape."""
+
+    def __init__(self, advice: Callable[[], Advice]) -> None:
+        self.advice = advice
+
+    def collect(self) -> Iterator[Metric]:
+        from disagg.serving.advice import VERDICTS
+
+        a = self.advice()
+        ratio = GaugeMetricFamily("disagg_advice_prefill_decode_ratio",
+                                  "Suggested prefill : decode node ratio (prefill nodes per "
+                                  "decode node; NaN while unknown).")
+        ratio.add_metric([], math.nan if a.ratio is None else a.ratio)
+        yield ratio
+        verdict = GaugeMetricFamily("disagg_advice_verdict", "1 for the current verdict "
+                                    "(prefill-bound, decode-bound, balanced, unknown), else 0.",
+                                    labels=["verdict"])
+        for v in VERDICTS:
+            verdict.add_metric([v], 1.0 if a.verdict == v else 0.0)
+        yield verdict
+        pressure = GaugeMetricFamily("disagg_advice_pressure", "Capacity a pool needs to meet "
+                                     "its SLO over the capacity it has (1: at the SLO).",
+                                     labels=["pool"])
+        nodes = GaugeMetricFamily("disagg_advice_nodes", "Live nodes per pool, as the advice "
+                                  "counts them.", labels=["pool"])
+        for pool, pi, n in (("prefill", a.prefill_pressure, a.prefill_nodes),
+                            ("decode", a.decode_pressure, a.decode_nodes)):
+            pressure.add_metric([pool], math.nan if pi is None else pi)
+            nodes.add_metric([pool], float(n))
+        yield pressure
+        yield nodes
+
+
 class Metrics:
     """All metrics of one process. Thread-safe (prometheus-client's own locking)."""
 
@@ -184,6 +223,10 @@ class Metrics:
 
     def forget_node(self, node: str) -> None:
         self._stats.last.pop(node, None)
+
+    def watch_advice(self, advice: Callable[[], Advice]) -> None:
+        """Expose ``advice()`` (called at each scrape) as the ``disagg_advice_*`` gauges."""
+        self.registry.register(_AdviceCollector(advice))
 
     def observe_transfer(self, direction: str, nbytes: int, writes: int = 1,
                          latency_s: float | None = None) -> None:

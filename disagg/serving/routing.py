@@ -109,8 +109,11 @@ class PeerLoad:
 
 
 class LoadBalancer:
-    def __init__(self, peers: list[str], dead_after: float = 5.0):
-        if not peers:
+    """The peers' loads and liveness; ``dynamic``: peers come and go (``add`` / ``remove``,
+    discovery), so the set may start empty."""
+
+    def __init__(self, peers: list[str], dead_after: float = 5.0, dynamic: bool = False):
+        if not peers and not dynamic:
             raise ValueError("the router needs at least one --decode-peer")
         if len(set(peers)) != len(peers):
             raise ValueError(f"--decode-peer given twice: {peers}")
@@ -168,12 +171,26 @@ class LoadBalancer:
         self._turn = (self.order.index(best.address) + 1) % n
         return best.address
 
+    def add(self, peer: str) -> bool:
+        """A new peer (not live before its first Stats); False if it is known already."""
+        if peer in self.peers:
+            return False
+        self.peers[peer] = PeerLoad(peer)
+        self.order.append(peer)
+        return True
+
+    def remove(self, peer: str) -> None:
+        """Forget ``peer`` (its requests must have been moved or ended first)."""
+        if self.peers.pop(peer, None) is not None:
+            self.order.remove(peer)
+
     def on_start(self, peer: str) -> None:
         self.peers[peer].in_flight += 1
 
     def on_end(self, peer: str) -> None:
-        p = self.peers[peer]
-        p.in_flight = max(0, p.in_flight - 1)
+        p = self.peers.get(peer)
+        if p is not None:
+            p.in_flight = max(0, p.in_flight - 1)
 
     def alive(self) -> list[str]:
         return [a for a in self.order if self.peers[a].alive]
