@@ -57,9 +57,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
         if self.speculative_method not in (None, "ngram", "draft", "mtp"):
             raise ConfigError("--speculative-method must be ngram, draft or mtp, got "
                               f"{self.speculative_method!r}")
-        if self.speculative_method == "mtp":
-            raise ConfigError("--speculative-method mtp is not implemented yet; use ngram or "
-                              "draft")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("--num-speculative-tokens must be in [1, 16], got "
                               f"{self.num_speculative_tokens}")
@@ -203,3 +200,6 @@ class NodeConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--speculative-method draft and --draft-model DIR go together")
         if draft and len(self.devices) > 1:
             raise ConfigError("--speculative-method draft runs with one executor (--tp 1) for now")
+        if self.scheduler.speculative_method == "mtp" and self.role == "decode":
+            raise ConfigError("--speculative-method mtp runs on mixed nodes for now (a decode "
+                              "node would need the prefiller's MTP-layer KV)")

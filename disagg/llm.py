@@ -50,6 +50,10 @@ class LLM:
                           model.dtype, arch.kv_parts)
         kv = torch.zeros(layout.shape, dtype=model.dtype, device=model.device)
         self.runner = ModelRunner(model, kv, get_backend(attention_backend, model.device))
+        if speculative is not None and speculative.method == "mtp":
+            from disagg.engine.mtp_drafting import MTPDrafter
+
+            self.runner.mtp_drafter = MTPDrafter(self.runner, speculative.tokens)
         if draft_model is not None:
             from disagg.engine.drafting import attach_draft
 
@@ -82,5 +86,5 @@ class LLM:
                 raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
             plan = StepPlan(next(self._steps), [c.to_wire() for c in batch.chunks], batch.num_decodes)
             tokens, _, counts = self.runner.execute(plan)
-            self.scheduler.update(batch, tokens, counts)
+            self.scheduler.update(batch, tokens, counts, self.runner.next_drafts)
         return [Output(s.output_ids, s.finish_reason or "") for s in seqs]

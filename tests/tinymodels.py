@@ -107,6 +107,44 @@ def _make_sparse(kind: str, path: Path, seed: int, overrides: dict) -> Path:
     return path
 
 
+def add_mtp_layer(path: Path, seed: int = 0, copy_last: bool = False) -> Path:
+    """Give a tiny DeepSeek-V3 checkpoint one multi-token-prediction layer
+    (``model.layers.{L}.*``, as DeepSeek ships it; transformers' model ignores it): random
+    tensors shaped like the last layer's, or (``copy_last``) its copies, plus ``enorm``,
+    ``hnorm``, ``eh_proj`` and ``shared_head.norm``; ``num_nextn_predict_layers`` 1."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    last = f"model.layers.{layers - 1}."
+    tensors = {}
+    for name, file in index["weight_map"].items():
+        if name.startswith(last):
+            with safe_open(str(path / file), "pt") as f:
+                t = f.get_tensor(name)
+            new = name.replace(last, f"model.layers.{layers}.")
+            tensors[new] = t.clone() if copy_last or t.dim() == 1 else (
+                torch.randn(t.shape, generator=gen) * 0.08)
+    mtp = f"model.layers.{layers}."
+    tensors[mtp + "enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    tensors[mtp + "hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    tensors[mtp + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.08
+    tensors[mtp + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "mtp.safetensors"),
+              metadata={"format": "pt"})
+    index["weight_map"].update({k: "mtp.safetensors" for k in tensors})
+    index_path.write_text(json.dumps(index))
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     import transformers
 

@@ -73,7 +73,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         raise ExecutorError("executor needs a resolved model directory")
     t0 = time.perf_counter()
     tp = init_tensor_parallel(cfg, rank, control, device)
-    model = build_model(cfg, device, tp)
+    mtp = cfg.scheduler.speculative_method == "mtp" and cfg.role != "prefill"
+    model = build_model(cfg, device, tp, mtp=mtp)
     draft = (build_model(cfg, device, model_dir=ecfg.draft_model)
              if ecfg.draft_model is not None and cfg.role != "prefill" else None)
     arch = model.arch
@@ -128,6 +129,10 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                 log.exception("CUDA graph capture failed; running decode eagerly")
                 runner.graphs = None
 
+    if mtp:
+        from disagg.engine.mtp_drafting import MTPDrafter
+
+        runner.mtp_drafter = MTPDrafter(runner, cfg.scheduler.num_speculative_tokens)
     if draft is not None:
         from disagg.engine.drafting import attach_draft
 
@@ -164,7 +169,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                         if hidden is not None:
                             frames.append(tensor_bytes(hidden))
                         frames[0] = enc.encode(StepResult(plan.step_id, tokens, hidden_rows=rows,
-                                                          counts=counts))
+                                                          counts=counts,
+                                                          drafts=runner.next_drafts))
                     except Exception as e:  # the step fails, the executor keeps serving
                         log.exception("step %d failed", plan.step_id)
                         frames = [enc.encode(StepResult(plan.step_id, [],
@@ -224,7 +230,7 @@ def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
 
 
 def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None = None,
-                model_dir: str | None = None) -> Any:
+                model_dir: str | None = None, mtp: bool = False) -> Any:
     """Load the model directory's weights (this rank's shard under TP), or draw them from the
     seed with ``random_weights`` (then only ``config.json`` is read, and the weights are
     generated on ``device``). ``model_dir``: another directory (the draft model)."""
@@ -235,10 +241,10 @@ def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None
         from disagg.model.config import ModelArch
         from disagg.model.loader import random_model
 
-        return random_model(ModelArch.from_dir(path), ecfg.dtype, device, ecfg.seed, tp)
+        return random_model(ModelArch.from_dir(path), ecfg.dtype, device, ecfg.seed, tp, mtp)
     from disagg.model.loader import load_model
 
-    return load_model(path, ecfg.dtype, device, tp)
+    return load_model(path, ecfg.dtype, device, tp, mtp)
 
 
 def share_with_draft(pages: int, arch: Any, draft: Any) -> int:

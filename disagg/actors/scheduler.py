@@ -176,7 +176,8 @@ class SchedulerActor:
                     for c in batch.chunks:
                         await self.step_failed(c.seq, result.error)
                     continue
-                for update in self.sched.update(batch, result.token_ids, result.counts):
+                for update in self.sched.update(batch, result.token_ids, result.counts,
+                                                result.drafts):
                     await self._emit(update)
                 await self.pages_changed()
         except ExecutorError as e:

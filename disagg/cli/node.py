@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["ngram", "draft", "mtp"],
                     help="speculative decoding on decode and mixed nodes: ngram (prompt lookup: "
                          "the continuation of the latest earlier match of the last n tokens); "
-                         "draft: a smaller model of the same vocabulary (--draft-model); mtp is "
-                         "not implemented yet")
+                         "draft: a smaller model of the same vocabulary (--draft-model); mtp: "
+                         "a DeepSeek-V3 checkpoint's multi-token-prediction layer (mixed nodes)")
     ap.add_argument("--draft-model", default=None, metavar="DIR",
                     help="--speculative-method draft: the draft model's local HF directory")
     ap.add_argument("--num-speculative-tokens", type=int, default=s.num_speculative_tokens,

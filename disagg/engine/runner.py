@@ -32,6 +32,7 @@ from disagg.protocol.executor import SeqChunk, StepPlan
 if TYPE_CHECKING:
     from disagg.engine.cuda_graphs import DecodeGraphs
     from disagg.engine.drafting import DraftModel
+    from disagg.engine.mtp_drafting import MTPDrafter
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # disagg.engine.cuda_graphs.DecodeGraphs once enabled (CUDA only)
         self.spec_graphs: DecodeGraphs | None = None  # decode steps carrying drafts
         self.drafter: DraftModel | None = None  # draft-model speculation (sees every step)
+        self.mtp_drafter: MTPDrafter | None = None  # MTP speculation (after every step)
+        self.next_drafts: list[list[int]] | None = None  # mtp: the last step's drafts
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, spec_tokens: int = 0) -> float:
         """Capture decode-only steps for batch buckets up to ``max_batch`` (CUDA only; a no-op
@@ -252,23 +255,32 @@ class ModelRunner:
         host = flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
         if self.counter is not None:
             self.counter.set_base(plan.counter_base)
-        if self.graphs is not None and self._graphable(plan, host):
+        graphs_ok = self.mtp_drafter is None  # MTP needs every step's hidden rows
+        if graphs_ok and self.graphs is not None and self._graphable(plan, host):
             logits, greedy = self.graphs.run(host.token_ids, host.positions, host.slots,
                                              host.tables)
             return sample(logits, plan.chunks, greedy), None, None
-        if self.spec_graphs is not None and (out := self._spec_graph_step(plan, host)):
+        if graphs_ok and self.spec_graphs is not None and (
+                out := self._spec_graph_step(plan, host)):
             return out[0], None, out[1]
         input_ids, positions, meta = self._to_device(host, plan.num_decodes)
         hidden = self.model(input_ids, positions, self.kv, meta, self.backend, self.layer_hook)
         rows, hidden_rows = host.sample_rows, host.hidden_rows
         ctx = hidden[hidden_rows] if hidden_rows else None
-        if not rows:
-            return [], ctx, None
-        logits = self.model.logits(hidden[rows])
         sampled: list[SeqChunk] = [c for c in plan.chunks if c.sample]
-        if len(rows) == len(sampled):
-            return sample(logits, sampled), ctx, None
-        tokens, counts = verify_all(logits, sampled)
+        tokens: list[int] = []
+        counts: list[int] | None = None
+        if rows:
+            logits = self.model.logits(hidden[rows])
+            if len(rows) == len(sampled):
+                tokens = sample(logits, sampled)
+            else:
+                tokens, counts = verify_all(logits, sampled)
+        if self.mtp_drafter is not None:
+            from disagg.engine.mtp_drafting import emitted_per_chunk
+
+            self.next_drafts = self.mtp_drafter.after_step(
+                plan, hidden, emitted_per_chunk(tokens, counts, len(sampled)))
         return tokens, ctx, counts
 
 

@@ -94,6 +94,7 @@ class ScheduledChunk:
     spec: int = 0  # drafted positions after the sequence's last token
     drafts: tuple[int, ...] = ()  # their tokens, when the scheduler drafted them
     draft_prefix: tuple[int, ...] = ()  # draft model: tokens before ``start`` it has not seen
+    next_known: bool = False  # mtp: send the token after the chunk (``SeqChunk.next_token``)
 
     def to_wire(self) -> SeqChunk:
         s, p = self.seq, self.seq.params
@@ -101,6 +102,8 @@ class ScheduledChunk:
         return SeqChunk(
             slot=s.slot,
             token_ids=s.tokens(self.start, self.start + n) + list(self.drafts),
+            next_token=(s.token(self.start + n) if self.next_known and self.start + n < s.num_tokens
+                        else -1),
             start_pos=self.start,
             block_table=list(s.block_table),
             sample=self.sample and not s.prefill_only,
@@ -147,11 +150,14 @@ class BatchScheduler:
         spec_tokens: int = 0,
         propose: Callable[[Sequence, int], list[int]] | None = None,
         draft_model: bool = False,
+        mtp: bool = False,
     ):
         """``prefix_caching``: reuse cached full pages; ``cache_salt``: the model's identity,
         the parent of every prompt's first page hash; ``propose(seq, k)``: up to ``k`` drafted
         tokens to follow ``seq`` (speculative decoding, at most ``spec_tokens`` per step);
-        ``draft_model``: the executor drafts them with its draft model instead."""
+        ``draft_model``: the executor drafts them with its draft model instead; ``mtp``: the
+        executor's MTP layer drafts after each step (``propose`` offers those drafts) and every
+        chunk reserves the page of the position after it (the MTP layer computes it)."""
         self.pool = pool
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -166,6 +172,7 @@ class BatchScheduler:
         self.prefix_query_tokens = 0  # prompt tokens of sequences that looked the cache up
         self.prefix_hit_tokens = 0  # ... of which served from the cache
         self.draft_model = draft_model and propose is None
+        self.mtp = mtp
         self.spec_tokens = spec_tokens if propose is not None or self.draft_model else 0
         self.propose = propose
         self.spec_draft_tokens = 0  # drafted tokens verified
@@ -248,7 +255,7 @@ class BatchScheduler:
                 continue
             count = min(seq.num_tokens - seq.num_computed, budget)
             spec, drafts = self._drafts(seq, budget - count) if seq.is_decode else (0, [])
-            if not self._reserve(seq, count + spec, scheduled):
+            if not self._reserve(seq, count + spec + self._ahead(seq, count + spec), scheduled):
                 continue  # preempted itself
             chunk = self._chunk(seq, count, spec, drafts)
             (drafted if spec else decodes if seq.is_decode else prefills).append(chunk)
@@ -259,7 +266,8 @@ class BatchScheduler:
             if self.prefix_caching and not seq.block_table:
                 self._match(seq)
             count = min(seq.num_tokens - seq.num_computed, budget)
-            need = pages_needed(seq.num_computed + count, self.page_size) - len(seq.block_table)
+            need = pages_needed(seq.num_computed + count + self._ahead(seq, count),
+                                self.page_size) - len(seq.block_table)
             pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None)
             if pages is None:
                 # a waiting sequence holds no pages between steps: its cached ones go back
@@ -276,6 +284,11 @@ class BatchScheduler:
         if not decodes and not drafted and not prefills:
             return None
         return Batch(decodes + drafted + prefills, len(decodes))
+
+    def _ahead(self, seq: Sequence, count: int) -> int:
+        """Positions past a chunk of ``count`` tokens to reserve now: with MTP, the next one
+        (within the context limit)."""
+        return int(self.mtp and seq.num_computed + count < self.max_model_len)
 
     def _drafts(self, seq: Sequence, room: int) -> tuple[int, list[int]]:
         """Drafted positions for decode ``seq`` and their tokens (empty when the executor's
@@ -340,7 +353,7 @@ class BatchScheduler:
                   if self.draft_model and not seq.prefill_only and seq.draft_computed < start
                   else ())
         return ScheduledChunk(seq, start, count + spec, start + count == seq.num_tokens, spec,
-                              tuple(drafts or ()), prefix)
+                              tuple(drafts or ()), prefix, self.mtp)
 
     def _reserve(self, seq: Sequence, count: int, scheduled: set[int]) -> bool:
         """Give ``seq`` pages for ``count`` more tokens, preempting others if needed (it may
@@ -375,19 +388,23 @@ class BatchScheduler:
 
     # ---------------------------------------------------------------- results
 
-    def update(self, batch: Batch, sampled: list[int],
-               counts: list[int] | None = None) -> list[SeqUpdate]:
+    def update(self, batch: Batch, sampled: list[int], counts: list[int] | None = None,
+               drafts: list[list[int]] | None = None) -> list[SeqUpdate]:
         """Apply a step's sampled tokens: per sampling chunk, in order, one token or
-        ``counts[i]`` of them (speculative decoding: accepted drafts and the target's token)."""
+        ``counts[i]`` of them (speculative decoding: accepted drafts and the target's token);
+        ``drafts`` (mtp): per sampling chunk, the drafts for its next step."""
         updates: list[SeqUpdate] = []
         pos = 0
         nth = iter(counts) if counts is not None else None
+        nxt = iter(drafts) if drafts is not None else None
         for chunk in batch.chunks:
             seq = chunk.seq
             tokens: list[int] = []
             if chunk.sample and not seq.prefill_only:
                 n = next(nth) if nth is not None else 1
                 tokens, pos = sampled[pos:pos + n], pos + n
+                if nxt is not None:
+                    seq.spec_state = list(next(nxt, []))
             if seq.status is not Status.RUNNING:
                 continue  # removed (aborted) while the step ran
             if chunk.spec:

@@ -48,13 +48,15 @@ class Speculation:
     lookup_min: int = 1
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
+        if self.method == "mtp":  # what the MTP layer drafted after the sequence's last step
+            return list(seq.spec_state or [])[:k]
         return propose_ngram(token_array(seq), k, self.lookup_max, self.lookup_min)
 
     def scheduler_args(self) -> dict[str, Any]:
         """``BatchScheduler`` keyword arguments (``draft``: the executor's draft model drafts)."""
         if self.method == "draft":
             return {"spec_tokens": self.tokens, "draft_model": True}
-        return {"spec_tokens": self.tokens, "propose": self.propose}
+        return {"spec_tokens": self.tokens, "propose": self.propose, "mtp": self.method == "mtp"}
 
 
 def token_array(seq: Sequence) -> np.ndarray:

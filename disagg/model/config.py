@@ -88,6 +88,7 @@ class ModelArch:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     moe: MoEArch | None = None
     mla: MLAArch | None = None
+    mtp_layers: int = 0  # DeepSeek-V3 multi-token-prediction layers after the last layer
 
     @property
     def kv_parts(self) -> int:
@@ -156,6 +157,8 @@ class ModelArch:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             moe=_moe(cfg, arch, num_layers),
             mla=mla,
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_layers") or 0)
+            if arch == "DeepseekV3ForCausalLM" else 0,
         )
 
     def identity(self, dtype: str) -> bytes:

@@ -102,9 +102,10 @@ def _fused_slices(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
 
 def load_model(
     path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, mtp: bool = False,
 ) -> Transformer:
-    """Load a checkpoint; under ``tp`` only this rank's slices (``disagg.model.tp``)."""
+    """Load a checkpoint; under ``tp`` only this rank's slices (``disagg.model.tp``); with
+    ``mtp`` its multi-token-prediction layer too (``disagg.model.mtp``)."""
     from safetensors import safe_open  # only here: random weights need no safetensors
 
     path = Path(path)
@@ -112,7 +113,7 @@ def load_model(
     full = ModelArch.from_dir(path)
     arch = tp.local_arch(full)
     dev = torch.device(device)
-    model = Transformer(arch, resolve_dtype(dtype, arch, dev), dev, tp)
+    model = Transformer(arch, resolve_dtype(dtype, arch, dev), dev, tp, mtp=mtp)
     slices = _fused_slices(arch)
     expected = {name for name, _ in model.named_parameters()}
     seen: set[str] = set()
@@ -120,7 +121,7 @@ def load_model(
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                target = _target(name, arch)
+                target = _target(name, arch, mtp)
                 if target is None:
                     log.debug("skipping tensor %s", name)
                     continue
@@ -177,7 +178,11 @@ def _shard(tp: TensorParallel, kind: str, tensor: torch.Tensor, arch: ModelArch)
 Target = tuple[str, int | None, int | None, str]  # parameter, expert, fused part, TP split
 
 
-def _target(name: str, arch: ModelArch) -> Target | None:
+_MTP_MAP = {"enorm.weight": "mtp.enorm", "hnorm.weight": "mtp.hnorm",
+            "eh_proj.weight": "mtp.eh_proj", "shared_head.norm.weight": "mtp.head_norm"}
+
+
+def _target(name: str, arch: ModelArch, mtp: bool = False) -> Target | None:
     if name == "model.embed_tokens.weight":
         return ("embed", None, None, "replicated")
     if name == "model.norm.weight":
@@ -185,10 +190,19 @@ def _target(name: str, arch: ModelArch) -> Target | None:
     if name == "lm_head.weight":
         return None if arch.tie_word_embeddings else ("lm_head", None, None, "replicated")
     m = _LAYER.match(name)
-    if m is None or int(m.group(1)) >= arch.num_layers:
+    if m is None:
         return None
-    layer, rest = f"layers.{m.group(1)}", m.group(2)
-    sparse = arch.moe is not None and arch.moe.sparse_layers[int(m.group(1))]
+    index, rest = int(m.group(1)), m.group(2)
+    layer = f"layers.{index}"
+    if index == arch.num_layers and mtp:  # the multi-token-prediction layer
+        if rest in _MTP_MAP:
+            return (_MTP_MAP[rest], None, None, "replicated")
+        if rest.startswith(("shared_head.", "embed_tokens.")):
+            return None  # copies of the main model's head and embedding
+        layer, index = "mtp.block", index - 1  # a layer like the last one
+    elif index >= arch.num_layers:
+        return None
+    sparse = arch.moe is not None and arch.moe.sparse_layers[index]
     if arch.mla is not None and rest in _MLA_MAP:
         param, part, kind = _MLA_MAP[rest]
         return (f"{layer}.{param}", None, part, kind)
@@ -210,14 +224,14 @@ def _target(name: str, arch: ModelArch) -> Target | None:
 
 def random_model(
     arch: ModelArch, dtype: str = "auto", device: str | torch.device = "cpu", seed: int = 0,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, mtp: bool = False,
 ) -> Transformer:
     """A model with weights drawn from ``seed`` directly on ``device`` (no files needed);
     under ``tp`` each rank draws its own shard (shapes and speed, not a given function)."""
     dev = torch.device(device)
     tp = tp or TensorParallel()
     local = tp.local_arch(arch)
-    model = Transformer(local, resolve_dtype(dtype, local, dev), dev, tp)
+    model = Transformer(local, resolve_dtype(dtype, local, dev), dev, tp, mtp=mtp)
     gen = torch.Generator(device=dev).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm") or name == "norm":

@@ -21,6 +21,7 @@ from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import ModelArch
 from disagg.model.mla import MLAAttention
 from disagg.model.moe import MoEMLP
+from disagg.model.mtp import MTPLayer
 from disagg.model.rotary import Rotary, rms_norm, rotate_half
 from disagg.model.tp import TensorParallel
 
@@ -136,8 +137,9 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None):
-        """``arch`` holds this rank's shapes (``TensorParallel.local_arch``) under TP."""
+                 tp: TensorParallel | None = None, mtp: bool = False):
+        """``arch`` holds this rank's shapes (``TensorParallel.local_arch``) under TP;
+        ``mtp``: also hold the checkpoint's multi-token-prediction layer (a draft)."""
         super().__init__()
         self.arch = arch
         self.tp = tp or TensorParallel()
@@ -156,6 +158,12 @@ class Transformer(nn.Module):
                 torch.empty(arch.vocab_size, h, dtype=dtype, device=device), requires_grad=False
             )
         self.rotary = Rotary(arch, device)
+        self.mtp: MTPLayer | None = None
+        if mtp:
+            if arch.mtp_layers < 1:
+                raise ValueError(f"{arch.architecture} has no multi-token-prediction layer "
+                                 "(num_nextn_predict_layers)")
+            self.mtp = MTPLayer(arch, dtype, device, self.tp)
 
     @torch.inference_mode()
     def forward(

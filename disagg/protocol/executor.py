@@ -31,6 +31,8 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # first run it over draft_prefix (tokens before start_pos it has not computed) and the chunk
     draft_tokens: int = 0
     draft_prefix: list[int] = []
+    # mtp: the token after an unfinished chunk (its position's MTP input), -1 when none
+    next_token: int = -1
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):
@@ -54,6 +56,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen
     error: str | None = None  # set when the step failed; the executor keeps serving
     hidden_rows: int = 0
     counts: list[int] | None = None
+    drafts: list[list[int]] | None = None  # mtp: drafts per sampled chunk for its next step
 
 
 class KVMemoryInfo(msgspec.Struct, frozen=True):

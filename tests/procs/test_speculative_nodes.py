@@ -88,3 +88,26 @@ def test_a_decoder_drafts_after_a_remote_prefill(model_dir, tmp_path, method):
         assert s.kv_units_received > 0 and s.spec_draft_tokens > 0
         for addr in (p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
+
+
+def test_a_mixed_node_drafts_with_deepseeks_mtp_layer(tmp_path):
+    from tinymodels import add_mtp_layer
+
+    path = add_mtp_layer(make_tiny_model("deepseek_v3", tmp_path / "v3"))
+    addr, proc = node("mixed", path, tmp_path, "--num-pages", "64", "--max-batch-tokens", "6",
+                      "--speculative-method", "mtp", "--num-speculative-tokens", "2")
+    with running([proc]):
+        for ids in PROMPTS[:2]:
+            assert generate(addr, ids) == hf_greedy(path, ids, NEW), ids
+        assert stats(addr).spec_draft_tokens > 0
+        wait_for(lambda: pools_full(addr), what="full pool")
+
+
+def test_mtp_on_a_decode_node_is_refused_by_name():
+    from disagg.cli.node import build_parser, config_from_args
+    from disagg.config import ConfigError
+
+    args = build_parser().parse_args(["--role", "decode", "--prefill-peer", "tcp://127.0.0.1:1",
+                                      "--speculative-method", "mtp"])
+    with pytest.raises(ConfigError, match="mtp runs on mixed nodes"):
+        config_from_args(args)

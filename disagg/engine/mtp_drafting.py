@@ -1,0 +1,134 @@
+"""Multi-token-prediction drafting in the executor (``--speculative-method mtp``).
+
+After the main model's step, ``MTPDrafter.after_step`` runs the checkpoint's MTP layer
+(``disagg.model.mtp``) over the positions whose token became known in the step, each with the
+main model's hidden state at the position before: a chunk at positions ``s .. s + n - 1`` gives
+positions ``s + 1 .. s + kept`` (``kept``: the positions whose tokens the step kept: all, or
+the accepted drafts plus one), their tokens being the chunk's next ones and the token the step
+emitted (an unfinished prefill chunk: ``SeqChunk.next_token``, the prompt's next token). A
+chunk starting at 0 also computes position 0 (no previous token). Every position's MTP KV is
+therefore written exactly once, in the step that learns its token, and a later step sees it.
+
+For each chunk that sampled, the layer then drafts: its output at the last position predicts
+draft 1; fed back (with draft 1 as the token) it predicts draft 2, and so on. Drafts are
+returned per sampled chunk; the scheduler offers them as the next step's drafts (so the next
+step verifies them like prompt-lookup drafts). The scheduler reserves the page of the
+position after a chunk (``BatchScheduler`` look-ahead), and the drafting positions' pages
+when free; a draft whose position has no page is not made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disagg.engine.runner import ModelRunner, flatten_plan
+from disagg.protocol.executor import SeqChunk, StepPlan
+
+
+class MTPDrafter:
+    def __init__(self, runner: ModelRunner, tokens: int):
+        model = runner.model
+        if model.mtp is None:
+            raise ValueError("--speculative-method mtp needs the checkpoint's MTP layer loaded")
+        a = model.arch
+        self.runner, self.tokens = runner, tokens
+        self.cache = torch.zeros((1, runner.num_pages, a.kv_parts, a.num_kv_heads,
+                                  runner.page_size, a.head_dim), dtype=model.dtype,
+                                 device=model.device)
+
+    @torch.inference_mode()
+    def after_step(self, plan: StepPlan, hidden: torch.Tensor,
+                   emitted: list[list[int]]) -> list[list[int]]:
+        """``hidden``: the step's final hidden rows; ``emitted``: per sampled chunk, the tokens
+        the step emitted. Returns the drafts per sampled chunk."""
+        chunks: list[SeqChunk] = []
+        rows: list[int] = []
+        h = hidden.shape[1]
+        zero = hidden.new_zeros(1, h)
+        row = 0
+        out_index = 0
+        last_of: dict[int, int] = {}  # sampled chunk -> index of its MTP chunk
+        for c in plan.chunks:
+            n = len(c.token_ids)
+            tokens = list(c.token_ids)
+            if c.sample:
+                kept = emitted[out_index]  # with drafts: the accepted ones and one more
+                tokens = (tokens[:len(kept)] if c.num_draft else tokens) + [kept[-1]]
+            elif c.next_token >= 0:
+                tokens = tokens + [c.next_token]
+            positions = list(range(c.start_pos + 1, c.start_pos + len(tokens)))
+            src = [row + j for j in range(len(positions))]  # hidden at the position before
+            ids = tokens[1:]
+            if c.start_pos == 0:  # position 0: its own token, no previous hidden
+                positions, ids, src = [0, *positions], [tokens[0], *ids], [-1, *src]
+            limit = len(c.block_table) * self.runner.page_size
+            keep = [j for j, p in enumerate(positions) if p < limit]
+            if keep:
+                if c.sample:
+                    last_of[out_index] = len(chunks)
+                chunks.append(SeqChunk(c.slot, [ids[j] for j in keep], positions[keep[0]],
+                                       c.block_table, c.sample))
+                rows += [src[j] for j in keep]
+            if c.sample:
+                out_index += 1
+            row += n
+        drafts: list[list[int]] = [[] for _ in emitted]
+        if not chunks:
+            return drafts
+        index = torch.tensor([max(r, 0) for r in rows], device=hidden.device)
+        previous = torch.where(torch.tensor([r < 0 for r in rows], device=hidden.device)[:, None],
+                               zero, hidden.index_select(0, index))
+        y, last = self._run(StepPlan(plan.step_id, chunks, 0), previous)
+        want = {k: v for k, v in last_of.items() if chunks[v].sample}
+        tails = {k: last[v] for k, v in want.items()}
+        for _ in range(self.tokens):
+            if not tails:
+                break
+            picks = self._argmax(y, tails)
+            step, keys = [], []
+            for k, (tok, (pos, table)) in picks.items():
+                drafts[k].append(tok)
+                if len(drafts[k]) < self.tokens and pos + 1 < len(table) * self.runner.page_size:
+                    step.append(SeqChunk(chunks[want[k]].slot, [tok], pos + 1, table, True))
+                    keys.append(k)
+            if not step:
+                break
+            prev_rows = torch.stack([y[tails[k][0]] for k in keys])
+            y, last = self._run(StepPlan(plan.step_id, step, len(step)), prev_rows)
+            tails = {k: last[i] for i, k in enumerate(keys)}
+        return drafts
+
+    def _run(self, plan: StepPlan, previous: torch.Tensor
+             ) -> tuple[torch.Tensor, list[tuple[int, tuple[int, list[int]]]]]:
+        """The MTP layer over ``plan``; returns its output rows and, per chunk, (its last row,
+        (its last position, its block table))."""
+        r = self.runner
+        model = r.model
+        assert model.mtp is not None
+        host = flatten_plan(plan, r.page_size, r.num_pages, model.arch.vocab_size)
+        ids, positions, meta = r._to_device(host, plan.num_decodes)
+        cos, sin = model.rotary.cos_sin(positions, model.dtype)
+        y = model.mtp(ids, previous, positions, model.embed, cos, sin, self.cache, meta,
+                      r.backend)
+        ends = host.cu[1:] - 1
+        last = [(int(ends[i]), (int(host.positions[ends[i]]), c.block_table))
+                for i, c in enumerate(plan.chunks)]
+        return y, last
+
+    def _argmax(self, y: torch.Tensor, tails: dict[int, tuple[int, tuple[int, list[int]]]]
+                ) -> dict[int, tuple[int, tuple[int, list[int]]]]:
+        keys = list(tails)
+        rows = torch.tensor([tails[k][0] for k in keys], device=y.device)
+        tokens = self.runner.model.logits(y.index_select(0, rows)).argmax(dim=-1).tolist()
+        return {k: (int(t), tails[k][1]) for k, t in zip(keys, tokens, strict=True)}
+
+
+def emitted_per_chunk(tokens: list[int], counts: list[int] | None, sampled: int) -> list[list[int]]:
+    """Split a step's flat sampled tokens into one list per sampled chunk."""
+    counts = counts if counts is not None else [1] * sampled
+    out, pos = [], 0
+    for n in counts:
+        out.append(tokens[pos:pos + n])
+        pos += n
+    return out
+

@@ -1,0 +1,74 @@
+"""Multi-token-prediction drafting (DeepSeek-V3's MTP layer as the draft): greedy output
+token-exact with transformers, and the drafts of the incremental, paged, chunked path equal
+the layer run once over the whole sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.engine.speculative import Speculation
+from disagg.llm import LLM
+from disagg.model.loader import load_model
+from disagg.protocol import SamplingParams
+from disagg.protocol.executor import SeqChunk, StepPlan
+from tinymodels import add_mtp_layer, hf_greedy, make_tiny_model
+
+PAGE = 4
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], list(range(10, 10 + 3 * PAGE + 1)), [3, 4]]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    path = add_mtp_layer(make_tiny_model("deepseek_v3", tmp_path_factory.mktemp("mtp") / "v3"))
+    return path, load_model(path, "float32", mtp=True)
+
+
+def reference_draft(model, tokens: list[int]) -> int:
+    """The MTP layer's next-token prediction after ``tokens``, computed in one pass over the
+    whole sequence on fresh caches: the main model's hidden states at 0 .. n-2, then the layer
+    at positions 0 .. n-1."""
+    llm = LLM(model, num_pages=64, page_size=PAGE)
+    runner = llm.runner
+    table = list(range(-(-len(tokens) // PAGE)))
+    ids, pos, meta, _, _ = runner.build(StepPlan(0, [SeqChunk(0, tokens[:-1], 0, table, False)],
+                                                 0))
+    hidden = model(ids, pos, runner.kv, meta, runner.backend)
+    ids, pos, meta, _, _ = runner.build(StepPlan(0, [SeqChunk(0, tokens, 0, table, False)], 0))
+    previous = torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden])
+    cos, sin = model.rotary.cos_sin(pos, model.dtype)
+    cache = torch.zeros_like(runner.kv[:1])
+    y = model.mtp(ids, previous, pos, model.embed, cos, sin, cache, meta, runner.backend)
+    return int(model.logits(y[-1:]).argmax(dim=-1).item())
+
+
+@pytest.mark.parametrize("budget", [64, 5])
+def test_mtp_drafts_keep_greedy_exact_and_match_one_pass(v3, budget):
+    path, model = v3
+    llm = LLM(model, num_pages=96, page_size=PAGE, max_batch_tokens=budget,
+              speculative=Speculation("mtp", 2))
+    seqs = {}
+    update = llm.scheduler.update
+
+    def spy(batch, *args):
+        for c in batch.chunks:
+            seqs[c.seq.request_id] = c.seq
+        return update(batch, *args)
+
+    llm.scheduler.update = spy  # type: ignore[method-assign]
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, NEW) for p in PROMPTS]
+    assert llm.scheduler.spec_draft_tokens > 0
+    assert llm.pool.num_free == llm.pool.num_pages
+    for seq in seqs.values():  # the drafts left after the last step
+        assert seq.spec_state and seq.spec_state[0] == reference_draft(
+            model, seq.prompt_ids + seq.output_ids)
+
+
+def test_a_checkpoint_without_an_mtp_layer_is_refused(tmp_path):
+    path = make_tiny_model("deepseek_v3", tmp_path / "v3")
+    with pytest.raises(ValueError, match="mtp"):
+        load_model(path, "float32", mtp=True)
+    with pytest.raises(ValueError, match="no multi-token-prediction layer"):
+        load_model(make_tiny_model("qwen3_moe", tmp_path / "q"), "float32", mtp=True)
