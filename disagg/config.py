@@ -110,6 +110,8 @@ class DisaggConfig(msgspec.Struct, frozen=True):
     peer_resolve_interval_s: float = 10.0  # (--peer-resolve-interval)
     transfer_backend: str = "fabric"  # fabric | cuda-ipc (--transfer-backend)
     fabric_provider: str = "tcp"  # tcp | shm | net | verbs | efa (--fabric-provider)
+    # the address the fabric endpoint binds: peers on other hosts write to it (--fabric-address)
+    fabric_address: str = ""  # empty: loopback (one host)
     fabric_lanes: int = 1  # endpoints writes are striped over, NICs nearest first (--fabric-lanes)
     fabric_stripe_bytes: int = 1 << 20  # with lanes > 1, runs cut to this (--fabric-stripe-bytes)
     # decode: register KV + context memory anew for each attempt, revoked when it ends:

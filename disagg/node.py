@@ -161,7 +161,8 @@ class Node:
                                        timeout_s=d.prefill_timeout_s, device=device,
                                        lanes=d.fabric_lanes,
                                        stripe_bytes=d.fabric_stripe_bytes,
-                                       mr_per_attempt=d.fabric_mr_per_attempt).start()
+                                       mr_per_attempt=d.fabric_mr_per_attempt,
+                                       address=d.fabric_address).start()
         return self.transfer
 
     def _kv_tensors(self) -> list[torch.Tensor]:

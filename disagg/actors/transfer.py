@@ -98,7 +98,8 @@ class StagedRegion:
 class TransferEngine:
     def __init__(self, backend: str = "fabric", provider: str = "tcp", timeout_s: float = 30.0,
                  device: torch.device | None = None, lanes: int = 1,
-                 stripe_bytes: int = STRIPE_BYTES, mr_per_attempt: str = "auto"):
+                 stripe_bytes: int = STRIPE_BYTES, mr_per_attempt: str = "auto",
+                 address: str = ""):
         kw: dict[str, Any] = {"weight_bits": UNIT_BITS, "default_timeout": timeout_s}
         self.device = device if device is not None else torch.device("cpu")
         self.lanes = lanes
@@ -109,7 +110,7 @@ class TransferEngine:
         else:
             nearest = nearest_nics(self.device) if lanes > 1 else ()
             self.engine = make_backend(backend, provider=provider, lanes=lanes, nearest=nearest,
-                                       **kw)
+                                       address=address, **kw)
         self.backend = backend
         # "backend/provider": what a peer's engine must match (carried in Pong)
         self.transport = f"{backend}/{self.engine.provider}"

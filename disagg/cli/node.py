@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transfer-backend", default=d.transfer_backend, choices=["fabric", "cuda-ipc"])
     ap.add_argument("--fabric-provider", default=d.fabric_provider,
                     help="libfabric provider: tcp, shm, net, verbs, efa")
+    ap.add_argument("--fabric-address", default=d.fabric_address,
+                    help="the local address the fabric endpoint binds and advertises to "
+                         "peers (default: loopback, one host; on a cluster the host or pod IP)")
     ap.add_argument("--fabric-lanes", type=int, default=d.fabric_lanes,
                     help="fabric endpoints to stripe KV writes over (one per NIC, nearest the "
                          "GPU first; several on one NIC when there are fewer NICs)")
@@ -199,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
             prefill_peers=args.prefill_peers, transfer_backend=args.transfer_backend,
             peer_resolve_interval_s=args.peer_resolve_interval,
             fabric_provider=args.fabric_provider, fabric_lanes=args.fabric_lanes,
+            fabric_address=args.fabric_address,
             fabric_stripe_bytes=args.fabric_stripe_bytes,
             fabric_mr_per_attempt=args.fabric_mr_per_attempt,
             local_prefill_max_tokens=args.local_prefill_max_tokens,

@@ -35,18 +35,22 @@ BACKENDS = ("fabric", "cuda-ipc")
 
 
 def make_backend(name: str = "fabric", provider: str | None = "tcp", lanes: int = 1,
-                 nearest: tuple[str, ...] = (), **kw: Any) -> TransferBackend:
-    """Build a transfer engine by ``--transfer-backend`` name (not started). ``fabric`` with
-    ``lanes`` > 1 stripes writes over that many endpoints, on the interfaces named in
-    ``nearest`` first (see ``disagg.fabric.striped``)."""
+                 nearest: tuple[str, ...] = (), address: str = "", **kw: Any) -> TransferBackend:
+    """Build a transfer engine by ``--transfer-backend`` name (not started). ``fabric`` binds
+    its endpoint(s) on ``address`` (``--fabric-address``; empty: loopback, the provider's
+    choice); with ``lanes`` > 1 it stripes writes
+    over that many endpoints, on the interfaces named in ``nearest`` first (see
+    ``disagg.fabric.striped``)."""
     if name == "fabric" and lanes > 1:
         from disagg.fabric.striped import StripedEngine, discover_lanes
 
-        return StripedEngine(discover_lanes(provider, lanes, nearest), **kw)
+        return StripedEngine(discover_lanes(provider, lanes, nearest, node=address or "127.0.0.1",
+                                            source=bool(address)), **kw)
     if name == "fabric":
         from disagg.fabric.engine import FabricEngine, discover
 
-        return FabricEngine(discover(provider), **kw)
+        return FabricEngine(discover(provider, node=address or "127.0.0.1",
+                                     source=bool(address)), **kw)
     if name == "cuda-ipc":
         from disagg.fabric.cuda_ipc import CudaIpcEngine
 

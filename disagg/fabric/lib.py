@@ -98,6 +98,7 @@ def getinfo(
     hmem: bool = False,
     domain: str | None = None,
     delivery_complete: bool = True,
+    source: bool = False,
 ) -> list[FabricInfo]:
     """``fi_getinfo`` for RDM endpoints with RMA writes and 8-byte-capable remote CQ data.
 
@@ -105,19 +106,20 @@ def getinfo(
     ``delivery_complete``: ask for FI_DELIVERY_COMPLETE as the endpoints' default (a write's
     completion then means its data was placed at the target); interfaces of a provider that
     cannot are returned without it (``FabricInfo.delivery_complete`` False: a completion then
-    only means the source buffer may be reused).
+    only means the source buffer may be reused). ``source``: ``node`` is the local address to
+    bind (FI_SOURCE), not a destination hint.
     """
     if delivery_complete:
         try:
-            return _getinfo(provider, node, hmem, domain, lib.FI_DELIVERY_COMPLETE)
+            return _getinfo(provider, node, hmem, domain, lib.FI_DELIVERY_COMPLETE, source)
         except FabricError as e:
             if e.errno != lib.FI_ENODATA:
                 raise
-    return _getinfo(provider, node, hmem, domain, 0)
+    return _getinfo(provider, node, hmem, domain, 0, source)
 
 
 def _getinfo(provider: str | None, node: str | None, hmem: bool, domain: str | None,
-             op_flags: int) -> list[FabricInfo]:
+             op_flags: int, source: bool = False) -> list[FabricInfo]:
     hints = ffi.gc(lib.fi_allocinfo(), lib.fi_freeinfo)
     if hints == ffi.NULL:
         raise MemoryError("fi_allocinfo")
@@ -138,7 +140,7 @@ def _getinfo(provider: str | None, node: str | None, hmem: bool, domain: str | N
         hints.domain_attr.name = _strdup(domain)
     out = ffi.new("struct fi_info **")
     node_c = ffi.new("char[]", node.encode()) if node else ffi.NULL
-    flags = 0
+    flags = lib.FI_SOURCE if source and node else 0
     rc = lib.fi_getinfo(lib.DG_VERSION, node_c, ffi.NULL, flags, hints, out)
     if rc < 0:
         raise FabricError(f"fi_getinfo(provider={provider!r})", rc)
@@ -368,9 +370,11 @@ def pid() -> int:
     return os.getpid()
 
 
-def discover(provider: str | None = "tcp", node: str | None = "127.0.0.1") -> FabricInfo:
-    """The first RDM/RMA-capable interface of ``provider`` ("tcp", "shm", "net", "verbs", ...)."""
-    infos = getinfo(provider, node)
+def discover(provider: str | None = "tcp", node: str | None = "127.0.0.1",
+             source: bool = False) -> FabricInfo:
+    """The first RDM/RMA-capable interface of ``provider`` ("tcp", "shm", "net", "verbs", ...);
+    with ``source``, bound to the local address ``node``."""
+    infos = getinfo(provider, node, source=source)
     if not infos:
         raise FabricError(f"fi_getinfo(provider={provider!r})", -lib.FI_ENODATA)
     usable = [i for i in infos if i.cq_data_size >= 4]

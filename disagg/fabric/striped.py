@@ -68,8 +68,8 @@ def lanes_of(desc: MemoryDescriptor) -> list[MemoryDescriptor]:
 
 
 def discover_lanes(provider: str | None, lanes: int, nearest: Sequence[str] = (),
-                   node: str | None = "127.0.0.1") -> list[fl.FabricInfo]:
-    infos = [i for i in fl.getinfo(provider, node) if i.cq_data_size >= 4]
+                   node: str | None = "127.0.0.1", source: bool = False) -> list[fl.FabricInfo]:
+    infos = [i for i in fl.getinfo(provider, node, source=source) if i.cq_data_size >= 4]
     if not infos:
         raise fl.FabricError(f"fi_getinfo(provider={provider!r})", -fl.lib.FI_ENODATA)
     return [infos[i] for i in lane_domains([i.domain for i in infos], lanes, nearest)]

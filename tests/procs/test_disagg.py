@@ -241,3 +241,31 @@ def test_a_decoder_sends_a_conversations_turns_to_the_prefiller_holding_it(model
             history = history + out + prompt(5, salt=40 + turn)
         started = sorted(stats(a).started for a in (p1_addr, p2_addr))
         assert started == [0, 3]  # every turn on the same prefiller
+
+
+def test_fabric_endpoints_bound_to_their_hosts_addresses(model_dir, tmp_path):
+    """``--fabric-address``: a prefiller's endpoint on 127.0.0.2 writes into a decoder's on
+    127.0.0.3 (distinct loopback addresses acting as hosts); each advertises its own."""
+    import asyncio
+
+    from disagg.fabric import make_backend
+
+    async def bound(address: str) -> bytes:
+        engine = make_backend("fabric", "tcp", address=address).start()
+        try:
+            return bytes(engine.address)
+        finally:
+            await engine.close()
+
+    assert bytes([127, 0, 0, 2]) in asyncio.run(bound("127.0.0.2"))[:8]
+    p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "64",
+                     "--fabric-address", "127.0.0.2")
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer", p_addr,
+                     "--heartbeat", "0.2", "--fabric-address", "127.0.0.3")
+    with running([p, d], [d_addr]):
+        n = 3 * PAGE + 1
+        assert tokens(d_addr, prompt(n, salt=8), NEW) == hf_greedy(model_dir, prompt(n, salt=8),
+                                                                   NEW)
+        assert stats(d_addr).kv_units_received > 0
+        for addr in (p_addr, d_addr):
+            wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
