@@ -22,6 +22,7 @@ refusals) is suspect for a back-off (``disagg.remote.peer_health``): others are 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -71,6 +72,8 @@ from disagg.serving.routing import PrefixIndex, prefix_keys
 
 log = logging.getLogger(__name__)
 
+FORGOTTEN_KEPT = 4096  # attempts remembered after they ended, for a trailing PrefillDone
+
 FENCE_GRACE_S = 1.0  # after a peer's connection went down, for bytes already on their way
 PREFIX_SLACK_TOKENS = 4096  # queue a prefiller holding the prefix may have beyond the shortest
 CHALLENGE_WAIT_S = 2.0  # for a challenge's nonce to land before reading it anyway
@@ -113,6 +116,8 @@ class DecodeMessenger(MessengerBase):
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
         self.wires: dict[str, Wire] = {}  # by request id
+        # forgotten attempts -> their peer: a PrefillDone may trail the KV that ended them
+        self.forgotten: collections.OrderedDict[str, Peer] = collections.OrderedDict()
         self.prefixes = PrefixIndex()  # which prefiller got each prompt prefix last
         self._ping = itertools.count()
         self._peer_dec = msgspec.msgpack.Decoder(PeerReply)
@@ -191,10 +196,14 @@ class DecodeMessenger(MessengerBase):
                     if w is not None:  # no write of it can land any more
                         await self._settled(rid, "failed", code, message)
                 case PrefillDone(request_id=rid) as done:
+                    timings = (done.queue_s, done.compute_s, done.tail_s)
                     if self._of(rid, peer) is not None:
-                        await self._settled(rid, "done", timings=(done.queue_s, done.compute_s,
-                                                                  done.tail_s),
+                        await self._settled(rid, "done", timings=timings,
                                             cached_tokens=done.cached_tokens)
+                    elif self.forgotten.get(rid) is peer:  # its KV landed before: news only
+                        del self.forgotten[rid]
+                        await self._event(AttemptEvent(rid, "done", timings=timings,
+                                                       cached_tokens=done.cached_tokens))
                 case AbortAck(request_id=rid):
                     if self._of(rid, peer) is not None:
                         await self._settled(rid, "acked")
@@ -336,6 +345,9 @@ class DecodeMessenger(MessengerBase):
         w = self.wires.pop(rid, None)
         if w is None:
             return
+        self.forgotten[rid] = w.peer
+        while len(self.forgotten) > FORGOTTEN_KEPT:
+            self.forgotten.popitem(last=False)
         w.expectation.cancel()
         w.window.close()
         self.ctx_free.append(w.ctx_slot)

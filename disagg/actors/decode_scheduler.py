@@ -22,7 +22,7 @@ import msgspec
 from disagg.actors.sides import SchedulerPort, SchedulerSide
 from disagg.engine.cache import pages_needed
 from disagg.engine.scheduling import Batch, Sequence, Status
-from disagg.protocol import Error
+from disagg.protocol import Error, Finished, Usage
 from disagg.protocol.executor import StepPlan, StepResult
 from disagg.protocol.inproc import (
     AttemptEvent,
@@ -49,6 +49,8 @@ from disagg.remote.transfer_plan import new_generation
 
 log = logging.getLogger(__name__)
 
+HOLD_FINISH_S = 2.0  # at most this long a finished request's Finished waits for PrefillDone
+
 
 class DecodeSide(SchedulerSide):
     def __init__(self, port: SchedulerPort, *, local_prefill_max_tokens: int = 0,
@@ -62,6 +64,9 @@ class DecodeSide(SchedulerSide):
         self.seqs: dict[int, Sequence] = {}  # slot -> sequence, while remote
         self.clock: dict[int, dict[str, float]] = {}  # slot -> TTFT milestones (monotonic s)
         self.sent: dict[int, str] = {}  # slot -> its latest attempt's request id
+        # slot -> (sequence, finish reason, deadline): finished before its prefiller's
+        # PrefillDone came in; its Finished waits (bounded) for the prefiller's timings and hit
+        self.held: dict[int, tuple[Sequence, str, float]] = {}
         self._menc = msgspec.msgpack.Encoder()
 
     async def enqueue(self, seq: Sequence) -> bool:
@@ -96,10 +101,33 @@ class DecodeSide(SchedulerSide):
         await self._pump()
 
     def next_deadline(self) -> float | None:
-        return self.remote.next_deadline()
+        held = min((d for _, _, d in self.held.values()), default=None)
+        own = self.remote.next_deadline()
+        return held if own is None else own if held is None else min(own, held)
 
     async def expire(self, now: float) -> None:
         await self._carry_out(self.remote.expire(now))
+        for slot in [s for s, (_, _, d) in self.held.items() if d <= now]:
+            await self._finish_held(slot)
+
+    async def hold_finish(self, seq: Sequence, reason: str) -> bool:
+        """Hold the Finished of a remotely prefilled request whose prefiller's PrefillDone
+        has not arrived yet (it can trail the KV): its timings and prefix-cache hit come with
+        it. Sent when it arrives, when the attempt ends otherwise, or after HOLD_FINISH_S."""
+        clock = self.clock.get(seq.slot)
+        if clock is None or "sent" not in clock or "prefill_queue" in clock:
+            return False
+        self.held[seq.slot] = (seq, reason, time.monotonic() + HOLD_FINISH_S)
+        return True
+
+    async def _finish_held(self, slot: int) -> None:
+        held = self.held.pop(slot, None)
+        if held is None:
+            return
+        seq, reason, _ = held
+        usage = Usage(len(seq.prompt_ids), len(seq.output_ids), self.cached_tokens(seq))
+        await self.port.end(seq, Finished(seq.request_id, reason, usage,
+                                          timings=self.timings_of(seq)))
 
     async def _pump(self) -> None:
         """Reserve pages for queued remote prefills, oldest first, while the pool allows."""
@@ -153,6 +181,9 @@ class DecodeSide(SchedulerSide):
                 if kind == "failed" or kind == "peer_dead":
                     log.warning("remote prefill %s: %s %s", rid, ev.code or kind, ev.message)
                 await self._carry_out(self.remote.event(rid, kind, now, ev.code, ev.message))
+                slot = int(rid.split(".")[0])
+                if kind != "landed" and kind != "progress" and self.sent.get(slot) == rid:
+                    await self._finish_held(slot)  # nothing more of its attempt will come
             case PeersAlive(count=n):
                 await self._carry_out(self.remote.set_peers_alive(n))
 
@@ -191,6 +222,7 @@ class DecodeSide(SchedulerSide):
         return {k: round(1000 * v, 3) for k, v in out.items()}
 
     async def release(self, seq: Sequence) -> bool:
+        self.held.pop(seq.slot, None)
         self.clock.pop(seq.slot, None)
         self.sent.pop(seq.slot, None)
         if self.seqs.pop(seq.slot, None) is None:

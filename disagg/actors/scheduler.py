@@ -393,7 +393,8 @@ class SchedulerActor:
         self.side.emitting(seq)
         text = live.detok.push(update.new_token_ids)
         await self._send(live.identity, TokenChunk(seq.request_id, update.new_token_ids, text))
-        if update.finish_reason is not None:
+        if update.finish_reason is not None and not await self.side.hold_finish(
+                seq, update.finish_reason):
             await self._end(seq, Finished(seq.request_id, update.finish_reason, self._usage(seq),
                                           timings=self.side.timings_of(seq)))
 

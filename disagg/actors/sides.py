@@ -75,6 +75,12 @@ class SchedulerSide:
     def emitting(self, seq: Sequence) -> None:
         """Tokens of ``seq`` are about to go to its client."""
 
+    async def hold_finish(self, seq: Sequence, reason: str) -> bool:
+        """``seq`` finished (``reason``): True if the side sends its ``Finished`` later
+        (through ``port.end``, within a bound), e.g. once what its usage and timings need
+        has arrived. Its pages are free already; only the terminal message waits."""
+        return False
+
     def cached_tokens(self, seq: Sequence) -> int:
         """Prompt tokens of ``seq`` not computed for it (taken from a prefix cache)."""
         return seq.cached_tokens

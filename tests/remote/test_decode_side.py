@@ -4,6 +4,7 @@ commands turned into messenger messages, pool pages and request outcomes, with n
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 
@@ -262,3 +263,41 @@ def test_pages_of_a_failed_or_fenced_attempt_never_enter_the_cache():
         assert port.pool.num_cached == 0 and port.pool.num_free == 16
 
     run(go())
+
+
+def test_a_finish_before_prefilldone_waits_for_its_timings_and_hit():
+    """The KV landed, the request finished, and only then the prefiller's PrefillDone came:
+    the Finished carries the prefiller's timings and prefix-cache hit anyway, whatever the
+    order; without any PrefillDone it goes out after the hold bound, without them."""
+    from disagg.actors.decode_scheduler import HOLD_FINISH_S
+
+    async def go(done_first: bool, done: bool):
+        side, port = side_with()
+        await side.handle_messenger(PeersAlive(1))
+        seq = long_seq()
+        await side.enqueue(seq)
+        rid = port.sent[0].request_id
+        event = AttemptEvent(rid, "done", timings=(0.01, 0.02, 0.0), cached_tokens=8)
+        if done_first:
+            await side.handle_messenger(event)
+        await side.handle_messenger(AttemptEvent(rid, "landed"))
+        side.emitting(seq)
+        held = await side.hold_finish(seq, "length")
+        assert held is not done_first
+        if done and not done_first:
+            assert port.ended == []
+            await side.handle_messenger(event)
+        elif not done:
+            await side.expire(time.monotonic() + HOLD_FINISH_S + 0.1)
+        if held:
+            [(ended, fin)] = port.ended
+            assert ended is seq and isinstance(fin, Finished) and fin.reason == "length"
+            assert fin.timings is not None
+            assert ("prefill_queue" in fin.timings) is done
+            assert fin.usage.cached_tokens == (8 if done else 0)
+        else:  # nothing held: the scheduler sends it at once, with everything
+            assert side.timings_of(seq) is not None and "prefill_queue" in side.timings_of(seq)
+            assert side.cached_tokens(seq) == 8
+
+    for done_first, done in ((True, True), (False, True), (False, False)):
+        run(go(done_first, done))
