@@ -59,6 +59,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
 
     Loop: 1. wait (bounded) for a command; 2. run the step; 3. reply. Exits on ``Shutdown``
     or when the parent process is gone."""
+    from disagg.engine import drafting
     from disagg.engine.attention import get_backend
     from disagg.engine.kv_memory import KVAllocation, KVLayout
     from disagg.engine.runner import ModelRunner
@@ -91,12 +92,12 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     if cfg.cache.num_pages:
         num_pages = cfg.cache.num_pages
     elif device.type == "cuda":
-        num_pages = share_with_draft(pages_from_free_memory(cfg, model, backend, max_model_len),
-                                     arch, draft)
+        num_pages = drafting.share_with_draft(
+            pages_from_free_memory(cfg, model, backend, max_model_len), arch, draft)
     else:
-        num_pages = share_with_draft(KVLayout.pages_for_budget(
-            cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads,
-            cfg.cache.page_size, arch.head_dim, model.dtype, kv_parts=arch.kv_parts), arch, draft)
+        num_pages = drafting.share_with_draft(KVLayout.pages_for_budget(
+            cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads, cfg.cache.page_size,
+            arch.head_dim, model.dtype, kv_parts=arch.kv_parts), arch, draft)
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
                       arch.head_dim, model.dtype, arch.kv_parts)
     alloc = KVAllocation.create(layout, device)
@@ -109,6 +110,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         from disagg.kernels.counter import LayerCounter
 
         counter = LayerCounter.create(device)
+        counter.warm()
     runner = ModelRunner(model, alloc.tensor, backend, counter)
     log.info("loaded %s on %s: %d pages of %d tokens (%.1f MiB KV)", arch.architecture, device,
              num_pages, cfg.cache.page_size, layout.nbytes / 2**20)
@@ -134,11 +136,19 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
 
         runner.mtp_drafter = MTPDrafter(runner, cfg.scheduler.num_speculative_tokens)
     if draft is not None:
-        from disagg.engine.drafting import attach_draft
-
-        attach_draft(runner, draft, backend_name, graphs=runner.graphs is not None,
+        drafting.attach_draft(runner, draft, backend_name, graphs=runner.graphs is not None,
                      max_batch=min(cfg.scheduler.max_running, cfg.scheduler.max_batch_tokens),
                      max_model_len=max_model_len)
+    if device.type == "cuda":
+        from disagg.kernels.compile_watch import arm
+
+        t1 = time.perf_counter()
+        if runner.graphs is None:
+            runner.pin_decode_splits(min(cfg.scheduler.max_running,
+                                         cfg.scheduler.max_batch_tokens), max_model_len)
+        lengths = runner.warm_prefill(cfg.scheduler.max_batch_tokens, max_model_len)
+        log.info("warmed prefill steps of %s tokens in %.1f s", lengths, time.perf_counter() - t1)
+        arm(f"executor {rank}")
     freeze_startup_objects(f"executor {rank}")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -245,17 +255,6 @@ def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None
     from disagg.model.loader import load_model
 
     return load_model(path, ecfg.dtype, device, tp, mtp)
-
-
-def share_with_draft(pages: int, arch: Any, draft: Any) -> int:
-    """Pages sized for the target alone, shrunk so a draft model's cache with the same page
-    ids fits in the same budget."""
-    if draft is None:
-        return pages
-    a, d = arch, draft.arch
-    mine = a.num_layers * a.kv_parts * a.num_kv_heads * a.head_dim
-    theirs = d.num_layers * d.kv_parts * d.num_kv_heads * d.head_dim
-    return max(1, pages * mine // (mine + theirs))
 
 
 def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_len: int) -> int:

@@ -264,6 +264,10 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
         log.error("could not start %s: %s", what, e)
         code = 1
     else:
+        if any(d.startswith("cuda") for d in cfg.devices):  # report compiles from here on
+            from disagg.kernels.compile_watch import arm
+
+            arm("the node")
         log.info("ready: %s", node.summary)
 
         def restarted(node: Node) -> None:

@@ -22,6 +22,7 @@ Its steps replay the draft runner's decode CUDA graphs when they are plain decod
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 import torch
@@ -91,8 +92,21 @@ def attach_draft(runner: ModelRunner, draft: Transformer, backend: str, graphs: 
                                              draft.device))
     if graphs and a.moe is None and a.mla is None:
         sub.enable_cuda_graphs(max_batch, max_model_len)
+    if draft.device.type == "cuda":
+        sub.warm_prefill(max_batch, max_model_len)  # its eager chunks compile before ready
     drafter = DraftModel(sub, runner.model.arch.vocab_size)
     runner.drafter = drafter
     log.info("draft model %s: %d layers, %.1f MiB KV over the same %d pages", a.architecture,
              a.num_layers, layout.nbytes / 2**20, runner.num_pages)
     return drafter
+
+
+def share_with_draft(pages: int, arch: Any, draft: Any) -> int:
+    """Pages sized for the target alone, shrunk so a draft model's cache with the same page
+    ids fits in the same budget."""
+    if draft is None:
+        return pages
+    a, d = arch, draft.arch
+    mine = a.num_layers * a.kv_parts * a.num_kv_heads * a.head_dim
+    theirs = d.num_layers * d.kv_parts * d.num_kv_heads * d.head_dim
+    return max(1, pages * mine // (mine + theirs))

@@ -164,31 +164,64 @@ class ModelRunner:
             self.spec_graphs = spec
             log.info("captured speculative decode CUDA graphs (%d drafts) for batch sizes %s in "
                      "%.1f s", spec_tokens, spec.buckets, took)
-        self.split_bound = max_model_len
-        t0 = time.perf_counter()
-        n = self._warm_eager_decode(graphs, max_batch)
-        log.info("compiled %d eager decode launch shapes in %.1f s", n, time.perf_counter() - t0)
+        self.pin_decode_splits(max_batch, max_model_len)
         return seconds
 
     @torch.inference_mode()
-    def _warm_eager_decode(self, graphs: DecodeGraphs, max_batch: int) -> int:
-        """Eager (mixed) steps pin the decode split count to ``split_bound`` too, so it depends
-        on the batch size only; compile each distinct launch now rather than mid-serving."""
+    def pin_decode_splits(self, max_batch: int, max_model_len: int) -> int:
+        """Pin the decode split count of eager steps to ``max_model_len`` (as the graphs do),
+        so it depends on the batch size only, and compile each distinct launch now rather
+        than mid-serving (CUDA, triton backend). Returns the launches compiled."""
         from disagg.kernels.decode import default_num_splits
 
+        if self.device.type != "cuda" or self.backend.name != "triton":
+            return 0
+        t0 = time.perf_counter()
+        self.split_bound = max_model_len
         arch = self.model.arch
         seen: set[int] = set()
-        k, v = self.kv[0, :, 0], self.kv[0, :, 1]
-        for b in range(1, min(max_batch, graphs.buckets[-1]) + 1):
+        k, v = self.kv[0, :, 0], self.kv[0, :, -1]
+        width = -(-max_model_len // self.page_size)
+        for b in range(1, min(max_batch, 256) + 1):
             splits = default_num_splits(b, arch.num_kv_heads, self.split_bound, 64)
             if splits in seen:
                 continue
             seen.add(splits)
+            dev, i32 = self.device, torch.int32
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((b,), -1, dtype=torch.int64, device=dev),
+                block_tables=torch.zeros((b, width), dtype=i32, device=dev),
+                seq_lens=torch.ones(b, dtype=i32, device=dev),
+                cu_seqlens_q=torch.arange(b + 1, dtype=i32, device=dev), num_decodes=b,
+                max_q_len=1, max_seq_len=self.split_bound)
             q = torch.zeros((b, arch.num_heads, arch.head_dim), dtype=self.model.dtype,
-                            device=self.device)
-            self.backend.attend(q, k, v, graphs._meta(b), arch.head_dim**-0.5)
+                            device=dev)
+            self.backend.attend(q, k, v, meta, arch.head_dim**-0.5)
         torch.cuda.synchronize(self.device)
+        log.info("compiled %d eager decode launch shapes in %.1f s", len(seen),
+                 time.perf_counter() - t0)
         return len(seen)
+
+    @torch.inference_mode()
+    def warm_prefill(self, max_batch_tokens: int, max_model_len: int) -> list[int]:
+        """Run one eager prefill step per attention tile variant (chunks of at most 64 query
+        rows, and more) before serving, so their kernels compile now rather than stalling the
+        first short and the first long prompt. It writes KV into pages that hold nothing yet
+        and leaves the layer counter alone. Returns the chunk lengths run."""
+        hook, counter = self.layer_hook, self.counter
+        self.layer_hook, self.counter = None, None
+        lengths = sorted({min(n, max_batch_tokens, max_model_len) for n in (8, 96)})
+        try:
+            for n in lengths:
+                pages = -(-n // self.page_size)
+                if pages <= self.num_pages:
+                    chunk = SeqChunk(0, [0] * n, 0, list(range(pages)), True)
+                    self.execute(StepPlan(0, [chunk], 0))
+        finally:
+            self.layer_hook, self.counter = hook, counter
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return lengths
 
     def check_plan(self, plan: StepPlan) -> None:
         """Bounds-check a plan before it touches the cache (it crossed a process boundary)."""

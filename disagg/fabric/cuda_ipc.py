@@ -131,6 +131,14 @@ class CudaIpcEngine:
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> CudaIpcEngine:
         if self._thread is None:
+            if self.copy.split(":")[0] in ("auto", "kernel"):
+                from disagg.fabric import gather_copy
+
+                try:  # compile the copy kernel now, not during the first transfer
+                    gather_copy.warm(self.torch.device("cuda", self.device))
+                except Exception as e:  # noqa: BLE001 - the copy engines still serve
+                    log.warning("cuda-ipc: gather-copy kernel unavailable (%s)", e)
+                    self._kernel_broken = True
             self._loop = loop or asyncio.get_running_loop()
             self._running = True
             self._thread = threading.Thread(target=self._run, name="cuda-ipc-progress",

@@ -123,6 +123,14 @@ class LayerCounter:
         else:
             self._cell.value = int(self._base.item()) + value
 
+    def warm(self) -> None:
+        """Compile the bump kernel now, on scratch cells (the shared cell keeps its value)."""
+        if self._base.device.type == "cuda":
+            base, cell = (torch.zeros(1, dtype=torch.int64, device=self._base.device)
+                          for _ in range(2))
+            _get_bump_kernel()[(1,)](base, cell, 0, num_warps=1)
+            torch.cuda.synchronize(self._base.device)
+
     def read(self) -> int:
         """The cell's current value (a host load; never waits for the device)."""
         return int(self._cell.value)

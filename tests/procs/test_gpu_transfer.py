@@ -66,6 +66,9 @@ def stats(addr: str):
         c.close()
 
 
+LOGS: list = []  # the module's node logs (test_nothing_compiles_after_ready reads them)
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     """All nodes start together: a mixed reference on GPU0, and per backend a prefill node on
@@ -80,6 +83,7 @@ def nodes(tmp_path_factory):
         d = start("decode", model_dir, tmp, DECODE_DEVICE, "--prefill-peer", p[0], *extra)
         pairs[backend] = (p, d)
     procs = [mixed[1]] + [x[1] for pair in pairs.values() for x in pair]
+    LOGS[:] = [proc.log_path for proc in procs]
     try:
         for proc in procs:
             proc.wait_ready(180)
@@ -107,3 +111,12 @@ def test_prefill_gpu0_decode_gpu1_matches_mixed(nodes, backend):
     expected = sum(layers * -(-(n - 1) // PAGE) + 1 for n in LENGTHS)
     assert stats(d_addr).kv_units_received - before == expected
     assert stats(p_addr).kv_writes_sent > 0
+
+
+def test_nothing_compiles_after_ready(nodes):
+    """The prompts above (short and long, every backend, prefill and decode nodes) compiled
+    no Triton kernel after their node said ready (disagg.kernels.compile_watch logs any)."""
+    run(nodes[0])  # once more on the mixed node, all lengths
+    late = [line for log in LOGS for line in log.read_text().splitlines()
+            if "Triton compiled" in line]
+    assert late == [], "\n".join(late)
