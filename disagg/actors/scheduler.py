@@ -454,7 +454,7 @@ class SchedulerActor:
     # ------------------------------------------------------------------ replies
 
     def stats(self) -> Stats:
-        c = self.counters
+        c, n = self.counters, self.side.transfers_in_flight()
         return Stats(
             role=self.role, pages_total=self.pool.num_pages, pages_free=self.pool.num_free,
             pages_cached=self.pool.num_cached, **self.sched.counters(),
@@ -465,12 +465,8 @@ class SchedulerActor:
             waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
             max_model_len=self.max_model_len,
             **msgspec.structs.asdict(self.messenger_stats)
-            | self._own_transfer_count(),
+            | ({} if n is None else {"transfers_in_flight": n}),
         )
-
-    def _own_transfer_count(self) -> dict[str, int]:
-        n = self.side.transfers_in_flight()
-        return {} if n is None else {"transfers_in_flight": n}
 
     def _usage(self, seq: Sequence) -> Usage:
         return Usage(len(seq.prompt_ids), len(seq.output_ids), self.side.cached_tokens(seq))
