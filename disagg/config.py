@@ -20,6 +20,9 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")  # --speculative-method
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the flag."""
 
@@ -54,7 +57,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     prompt_lookup_min: int = 1  # ngram: shortest n-gram matched (--prompt-lookup-min)
 
     def validate(self) -> None:
-        if self.speculative_method not in (None, "ngram", "draft", "mtp"):
+        if self.speculative_method is not None and (
+                self.speculative_method not in SPECULATIVE_METHODS):
             raise ConfigError("--speculative-method must be ngram, draft or mtp, got "
                               f"{self.speculative_method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from disagg.config import (
     ENV_PREFIX,
+    SPECULATIVE_METHODS,
     CacheConfig,
     ConfigError,
     DisaggConfig,
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-frames-per-client", type=int, default=s.max_frames_per_client,
                     help="frames of one client being handled at once; more get 'overloaded'")
     ap.add_argument("--speculative-method", default=s.speculative_method,
-                    choices=["ngram", "draft", "mtp"],
+                    choices=list(SPECULATIVE_METHODS),
                     help="speculative decoding on decode and mixed nodes: ngram (prompt lookup: "
                          "the continuation of the latest earlier match of the last n tokens); "
                          "draft: a smaller model of the same vocabulary (--draft-model); mtp: "

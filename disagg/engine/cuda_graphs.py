@@ -86,6 +86,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
         # one host staging row per input, pinned so the copies are async and cheap
         self._host = torch.zeros((3, n * q), dtype=torch.int64).pin_memory()  # ids, pos, slots
+        self._pad_positions = np.tile(np.arange(q, dtype=np.int64), n)
         self._host_lens = torch.full((n,), q, dtype=torch.int32).pin_memory()
         self._host_tables = torch.zeros((n, self.max_pages), dtype=torch.int32).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -143,7 +144,7 @@ class DecodeGraphs:
     def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the bucket for ``n = len(token_ids) / q_len`` sequences, ``q_len`` rows each
-        (padded by the caller: ``spec_rows``). ``tables`` is ``[n, w]`` with ``w <=
+        (the caller pads drafted sequences: ``ModelRunner._spec_graph_step``). ``tables`` is ``[n, w]`` with ``w <=
         max_pages``. Returns (logits ``[n * q_len, V]`` float32, argmax), views of the graph's
         outputs valid until the next replay."""
         q = self.q_len
@@ -155,7 +156,7 @@ class DecodeGraphs:
         host = self._host.numpy()
         host[0, :b * q] = 0
         host[0, :t] = token_ids
-        host[1, :b * q] = np.tile(np.arange(q), b)  # padding sequences: positions 0 .. q-1
+        host[1, :b * q] = self._pad_positions[:b * q]  # padding sequences: positions 0 .. q-1
         host[1, :t] = positions
         host[2, :b * q] = -1
         host[2, :t] = slots

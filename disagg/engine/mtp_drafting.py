@@ -79,8 +79,7 @@ class MTPDrafter:
         previous = torch.where(torch.tensor([r < 0 for r in rows], device=hidden.device)[:, None],
                                zero, hidden.index_select(0, index))
         y, last = self._run(StepPlan(plan.step_id, chunks, 0), previous)
-        want = {k: v for k, v in last_of.items() if chunks[v].sample}
-        tails = {k: last[v] for k, v in want.items()}
+        tails = {k: last[v] for k, v in last_of.items()}
         for _ in range(self.tokens):
             if not tails:
                 break
@@ -89,7 +88,7 @@ class MTPDrafter:
             for k, (tok, (pos, table)) in picks.items():
                 drafts[k].append(tok)
                 if len(drafts[k]) < self.tokens and pos + 1 < len(table) * self.runner.page_size:
-                    step.append(SeqChunk(chunks[want[k]].slot, [tok], pos + 1, table, True))
+                    step.append(SeqChunk(chunks[last_of[k]].slot, [tok], pos + 1, table, True))
                     keys.append(k)
             if not step:
                 break
@@ -121,14 +120,3 @@ class MTPDrafter:
         rows = torch.tensor([tails[k][0] for k in keys], device=y.device)
         tokens = self.runner.model.logits(y.index_select(0, rows)).argmax(dim=-1).tolist()
         return {k: (int(t), tails[k][1]) for k, t in zip(keys, tokens, strict=True)}
-
-
-def emitted_per_chunk(tokens: list[int], counts: list[int] | None, sampled: int) -> list[list[int]]:
-    """Split a step's flat sampled tokens into one list per sampled chunk."""
-    counts = counts if counts is not None else [1] * sampled
-    out, pos = [], 0
-    for n in counts:
-        out.append(tokens[pos:pos + n])
-        pos += n
-    return out
-

@@ -23,7 +23,7 @@ import torch
 
 from disagg.config import env
 from disagg.engine.sampling import sample
-from disagg.engine.speculative import verify_all
+from disagg.engine.speculative import emitted_per_chunk, verify_all
 from disagg.kernels.counter import LayerCounter
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.transformer import Transformer
@@ -310,8 +310,6 @@ class ModelRunner:
             else:
                 tokens, counts = verify_all(logits, sampled)
         if self.mtp_drafter is not None:
-            from disagg.engine.mtp_drafting import emitted_per_chunk
-
             self.next_drafts = self.mtp_drafter.after_step(
                 plan, hidden, emitted_per_chunk(tokens, counts, len(sampled)))
         return tokens, ctx, counts

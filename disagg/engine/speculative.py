@@ -34,9 +34,6 @@ if TYPE_CHECKING:
     from disagg.config import SchedulerConfig
     from disagg.engine.scheduling import Sequence
 
-METHODS = ("ngram", "draft", "mtp")
-
-
 @dataclass(frozen=True)
 class Speculation:
     """How a node drafts: ``method`` (ngram: prompt lookup in the scheduler; draft: the
@@ -172,3 +169,13 @@ def verify_all(logits: torch.Tensor, chunks: list[SeqChunk]) -> tuple[list[int],
         counts.append(len(out))
         row += n
     return tokens, counts
+
+
+def emitted_per_chunk(tokens: list[int], counts: list[int] | None, sampled: int) -> list[list[int]]:
+    """Split a step's flat sampled tokens into one list per sampled chunk."""
+    counts = counts if counts is not None else [1] * sampled
+    out, pos = [], 0
+    for n in counts:
+        out.append(tokens[pos:pos + n])
+        pos += n
+    return out

@@ -131,7 +131,7 @@ class ModelArch:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_layers = int(cfg["num_hidden_layers"])
-        mla = _mla(cfg, rope) if arch.startswith("Deepseek") else None
+        mla = _mla(cfg, rope, arch) if arch.startswith("Deepseek") else None
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         if mla is not None:  # one latent row per token, shared by every head
             num_kv_heads, head_dim = 1, mla.kv_lora_rank + mla.qk_rope_head_dim
@@ -207,14 +207,13 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _mla(cfg: dict[str, Any], rope: dict[str, Any]) -> MLAArch:
+def _mla(cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> MLAArch:
     nope, rope_dim = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
     scale = (nope + rope_dim) ** -0.5
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
         m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
         scale *= m * m
-    v2 = cfg.get("model_type") == "deepseek_v2" or (cfg.get("architectures") or [""])[0] \
-        == "DeepseekV2ForCausalLM"
+    v2 = arch == "DeepseekV2ForCausalLM"
     return MLAArch(
         q_lora_rank=int(cfg.get("q_lora_rank") or 0),
         kv_lora_rank=int(cfg["kv_lora_rank"]),

@@ -21,7 +21,7 @@ from torch import nn
 
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import MLAArch
-from disagg.model.rotary import rms_norm
+from disagg.model.rotary import rms_norm, rotate_half
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -29,9 +29,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     Interleaved pairs ``(x0, x1), (x2, x3) ...`` come out de-interleaved (first the rotated
     evens, then the odds): the same dot products as DeepSeek's complex form."""
     if not interleave:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + rotate_half(x) * sin
     half = cos.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
