@@ -55,9 +55,12 @@ class LLM:
 
             self.runner.mtp_drafter = MTPDrafter(self.runner, speculative.tokens)
         if draft_model is not None:
-            from disagg.engine.drafting import attach_draft
+            from disagg.engine.drafting import attach_draft, spec_layout
 
-            attach_draft(self.runner, draft_model, attention_backend, graphs=False, max_batch=1,
+            spec = spec_layout(layout, draft_model, None)
+            attach_draft(self.runner, draft_model,
+                         torch.zeros(spec.shape, dtype=spec.dtype, device=model.device),
+                         attention_backend, graphs=False, max_batch=1,
                          max_model_len=max_model_len or arch.max_position_embeddings)
         self.pool = PagePool(num_pages)
         self.scheduler = BatchScheduler(

@@ -76,8 +76,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     tp = init_tensor_parallel(cfg, rank, control, device)
     mtp = cfg.scheduler.speculative_method == "mtp" and cfg.role != "prefill"
     model = build_model(cfg, device, tp, mtp=mtp)
-    draft = (build_model(cfg, device, model_dir=ecfg.draft_model)
-             if ecfg.draft_model is not None and cfg.role != "prefill" else None)
+    draft = (build_model(cfg, device, model_dir=ecfg.draft_model)  # prefill nodes prefill it
+             if ecfg.draft_model is not None else None)
     arch = model.arch
     backend_name = ecfg.attention_backend
     if arch.mla is not None and backend_name in ("auto", "torch"):
@@ -100,7 +100,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             arch.head_dim, model.dtype, kv_parts=arch.kv_parts), arch, draft)
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
                       arch.head_dim, model.dtype, arch.kv_parts)
-    alloc = KVAllocation.create(layout, device)
+    alloc = KVAllocation.create(layout, device, drafting.spec_layout(layout, draft, None))
     if alloc.fd is not None:
         socket.send_fds(fd_sock, [b"kv"], [alloc.fd])
     else:
@@ -136,9 +136,12 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
 
         runner.mtp_drafter = MTPDrafter(runner, cfg.scheduler.num_speculative_tokens)
     if draft is not None:
-        drafting.attach_draft(runner, draft, backend_name, graphs=runner.graphs is not None,
-                     max_batch=min(cfg.scheduler.max_running, cfg.scheduler.max_batch_tokens),
-                     max_model_len=max_model_len)
+        assert alloc.spec_tensor is not None
+        drafting.attach_draft(runner, draft, alloc.spec_tensor, backend_name,
+                              graphs=runner.graphs is not None,
+                              max_batch=min(cfg.scheduler.max_running,
+                                            cfg.scheduler.max_batch_tokens),
+                              max_model_len=max_model_len, prefill_only=cfg.role == "prefill")
     if device.type == "cuda":
         from disagg.kernels.compile_watch import arm
 

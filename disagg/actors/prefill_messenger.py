@@ -20,7 +20,6 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -31,6 +30,7 @@ import zmq.asyncio
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.ownership_gate import OwnershipGate
+from disagg.actors.prefill_jobs import Job, Step
 from disagg.actors.sockets import (
     PEER_FRAME_BYTES,
     disconnected_fds,
@@ -89,37 +89,13 @@ from disagg.remote.transfer_plan import (
     context_write,
     job_pages_plan,
     pages_to_send,
+    spec_pages_plan,
 )
 from disagg.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 MAX_STATS_WAITING = 1000  # Stats requests of one peer answered by one query (more: dropped)
-
-
-
-@dataclass
-class Job:
-    """What this messenger holds for one job: the request and where its writes go. Its
-    lifecycle (state, deadlines, quota) is ``self.life`` (``disagg.remote.prefill``)."""
-
-    id: int
-    peer: bytes  # decoder's ROUTER identity
-    req: PrefillRequest
-    dst_kv: list[Any]  # decoded MemoryDescriptor per decoder rank
-    dst_ctx: Any
-    futures: list[asyncio.Future[None]] = field(default_factory=list)
-    first_post_at: float | None = None
-    cached_tokens: int = 0  # prompt tokens this node's prefix cache held (not computed)
-    writes: int = 0  # posted so far
-    bytes: int = 0
-
-
-@dataclass
-class Step:
-    announce: StepAnnounce
-    next_layer: int = 0  # layers [0, next_layer) handed to the engine
-    plans: dict[int, ChunkPlan | None] = field(default_factory=dict)  # by chunk index, lazily
 
 
 class PrefillMessenger(MessengerBase):
@@ -359,7 +335,17 @@ class PrefillMessenger(MessengerBase):
                 for sr, dr in plan.by_pair:  # every source rank sends in parallel
                     self._post(job, self.kv_regions[sr], job.dst_kv[dr],
                                plan.layer((sr, dr), layer))
+                if layer == 0 and self.layout.spec_method == "draft":  # computed before it
+                    self._ship_spec(job, self._spec_plan(job, chunk))
         step.next_layer = max(step.next_layer, layers_done)
+
+    def _ship_spec(self, job: Job, plan: ChunkPlan | None) -> None:
+        """Every layer of a chunk's pages in the speculative region (a draft model's KV,
+        computed before the step's first layer; the MTP layers', after its last)."""
+        if plan is None:
+            return
+        for layer in range(plan.num_layers):
+            self._post(job, self.kv_regions[0], job.dst_kv[0], plan.layer((0, 0), layer))
 
     def _ship_cached(self, chunk: ChunkInfo, now: float) -> None:
         """A job's first chunk starts after pages this node had in its prefix cache: they are
@@ -375,6 +361,12 @@ class PrefillMessenger(MessengerBase):
         for layer in range(self.layout.num_layers):
             for sr, dr in plan.by_pair:
                 self._post(job, self.kv_regions[sr], job.dst_kv[dr], plan.layer((sr, dr), layer))
+        self._ship_spec(job, spec_pages_plan(self.layout, job.req, chunk.pages,
+                                             range(chunk.start // self.layout.page_size)))
+
+    def _spec_plan(self, job: Job, c: ChunkInfo) -> ChunkPlan | None:
+        return spec_pages_plan(self.layout, job.req, c.pages, pages_to_send(
+            c.start, c.start + c.count, c.total, self.layout.page_size))
 
     def _plan(self, step: Step, i: int, job: Job) -> ChunkPlan | None:
         """The writes of chunk ``i`` of ``step`` for every layer (planned at its first layer;
@@ -391,6 +383,11 @@ class PrefillMessenger(MessengerBase):
             return
         if done.ok:
             self.on_layers(done.step_id, self.layout.num_layers)  # whatever the poller missed
+            if self.layout.spec_method == "mtp":  # computed after the model's last layer
+                for c in step.announce.chunks:
+                    if (job := self.jobs.get(c.job)) and self.life.may_write(job.id,
+                                                                            time.monotonic()):
+                        self._ship_spec(job, self._spec_plan(job, c))
         del self.steps[done.step_id]
         if done.ok:
             self._progressed(time.monotonic())

@@ -17,6 +17,12 @@ ids, so the scheduler's block tables serve both. For a step whose chunks ask for
 Drafts are the draft model's greedy choices: a one-hot proposal, which rejection sampling
 handles exactly. The draft's KV past the accepted tokens is overwritten later, never read.
 Its steps replay the draft runner's decode CUDA graphs when they are plain decodes.
+
+Across the split (SEED.md 25) a prefill node given the same draft model prefills it too
+(``DraftModel.prefill``: the draft over every chunk of the step, before the model, sampling
+nothing), into a cache that lies in the node's registered KV memory right after the model's
+(``KVAllocation.spec_tensor``), so its messenger ships the draft's pages beside the model's and
+the decoder's first step drafts at once (``KVLayoutDesc.spec``).
 """
 
 from __future__ import annotations
@@ -68,6 +74,12 @@ class DraftModel:
                   if i in drafts else c for i, c in enumerate(chunks)]
         return StepPlan(plan.step_id, filled, plan.num_decodes, plan.counter_base)
 
+    def prefill(self, plan: StepPlan) -> None:
+        """A prefill node's step for the draft: its KV over every chunk, nothing sampled."""
+        chunks = [SeqChunk(c.slot, c.token_ids, c.start_pos, c.block_table, False)
+                  for c in plan.chunks]
+        self.runner.execute(StepPlan(plan.step_id, chunks, plan.num_decodes))
+
 
 def _first_pass(c: SeqChunk) -> SeqChunk:
     """The draft's view of a chunk: its unseen prefix and its tokens, greedy, sampled only when
@@ -76,29 +88,49 @@ def _first_pass(c: SeqChunk) -> SeqChunk:
                     c.block_table, c.draft_tokens > 0)
 
 
-def attach_draft(runner: ModelRunner, draft: Transformer, backend: str, graphs: bool,
-                 max_batch: int, max_model_len: int) -> DraftModel:
-    """Give ``runner`` a draft model: its own KV cache over the runner's page ids, its own
-    attention backend (torch for MLA, as for targets), and decode CUDA graphs when the target
-    has them."""
+def attach_draft(runner: ModelRunner, draft: Transformer, kv: torch.Tensor, backend: str,
+                 graphs: bool, max_batch: int, max_model_len: int,
+                 prefill_only: bool = False) -> DraftModel:
+    """Give ``runner`` a draft model over ``kv`` (its cache with the runner's page ids:
+    ``spec_layout``), its own attention backend (torch for MLA, as for targets), and decode
+    CUDA graphs when the target has them. ``prefill_only`` (a prefill node): it only prefills
+    (``DraftModel.prefill`` before each step)."""
     from disagg.engine.attention import get_backend
-    from disagg.engine.kv_memory import KVLayout
 
     a = draft.arch
-    layout = KVLayout(a.num_layers, runner.num_pages, a.num_kv_heads, runner.page_size,
-                      a.head_dim, draft.dtype, a.kv_parts)
-    kv = torch.zeros(layout.shape, dtype=draft.dtype, device=draft.device)
     sub = ModelRunner(draft, kv, get_backend("torch" if a.mla is not None else backend,
                                              draft.device))
-    if graphs and a.moe is None and a.mla is None:
+    if graphs and a.moe is None and a.mla is None and not prefill_only:
         sub.enable_cuda_graphs(max_batch, max_model_len)
     if draft.device.type == "cuda":
         sub.warm_prefill(max_batch, max_model_len)  # its eager chunks compile before ready
     drafter = DraftModel(sub, runner.model.arch.vocab_size)
-    runner.drafter = drafter
-    log.info("draft model %s: %d layers, %.1f MiB KV over the same %d pages", a.architecture,
-             a.num_layers, layout.nbytes / 2**20, runner.num_pages)
+    if prefill_only:
+        runner.spec_prefill = drafter.prefill
+    else:
+        runner.drafter = drafter
+    log.info("draft model %s: %d layers, %.1f MiB KV over the same %d pages%s", a.architecture,
+             a.num_layers, kv.nbytes / 2**20, runner.num_pages,
+             " (prefilled here, shipped to decoders)" if prefill_only else "")
     return drafter
+
+
+def spec_layout(layout: Any, draft: Transformer | None, mtp: Transformer | None) -> Any:
+    """The ``KVLayout`` of the speculative region of an executor's KV memory (after the
+    model's, same pages): a draft model's cache, or the MTP layers' (``mtp``: the model, when
+    it drafts with its MTP layers); None without either."""
+    from disagg.engine.kv_memory import KVLayout
+
+    if draft is not None:
+        a, dtype = draft.arch, draft.dtype
+        layers = a.num_layers
+    elif mtp is not None:
+        a, dtype = mtp.arch, mtp.dtype
+        layers = 1  # the MTP layer this engine drafts with (disagg.model.mtp)
+    else:
+        return None
+    return KVLayout(layers, layout.num_pages, a.num_kv_heads, layout.page_size, a.head_dim,
+                    dtype, a.kv_parts)
 
 
 def share_with_draft(pages: int, arch: Any, draft: Any) -> int:

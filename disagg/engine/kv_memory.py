@@ -61,43 +61,64 @@ class KVLayout:
 
 
 class KVAllocation:
-    """An executor-side KV tensor plus what another process needs to map it."""
+    """An executor-side KV tensor plus what another process needs to map it.
 
-    def __init__(self, tensor: torch.Tensor, info: KVMemoryInfo, fd: int | None, keepalive: Any):
+    With ``spec`` (a draft model's or the MTP layers' KV, which a prefiller ships beside the
+    model's: ``KVLayoutDesc.spec``) the one allocation holds that region right after the
+    main one, as ``spec_tensor``, so it is registered (and written) with it."""
+
+    def __init__(self, tensor: torch.Tensor, info: KVMemoryInfo, fd: int | None, keepalive: Any,
+                 spec_tensor: torch.Tensor | None = None):
         self.tensor = tensor
+        self.spec_tensor = spec_tensor
         self.info = info
         self.fd = fd
         self._keepalive = keepalive
 
     @classmethod
-    def create(cls, layout: KVLayout, device: torch.device) -> KVAllocation:
+    def create(cls, layout: KVLayout, device: torch.device,
+               spec: KVLayout | None = None) -> KVAllocation:
         dtype_name = str(layout.dtype).removeprefix("torch.")
+        nbytes = layout.nbytes + (spec.nbytes if spec is not None else 0)
+        spec_shape = list(spec.shape) if spec is not None else []
         if device.type == "cpu":
             fd = os.memfd_create("disagg-kv", 0)
-            os.ftruncate(fd, layout.nbytes)
-            mm = mmap.mmap(fd, layout.nbytes)
-            tensor = torch.frombuffer(mm, dtype=layout.dtype).view(layout.shape)
-            info = KVMemoryInfo("memfd", layout.nbytes, dtype_name, list(layout.shape), "cpu")
-            return cls(tensor, info, fd, mm)
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+            raw = torch.frombuffer(mm, dtype=torch.uint8)
+            info = KVMemoryInfo("memfd", nbytes, dtype_name, list(layout.shape), "cpu",
+                                spec_shape)
+            main, extra = _views(raw, layout, spec)
+            return cls(main, info, fd, mm, extra)
         if device.type == "cuda":
             from disagg.fabric.cuda_mem import CuMemAllocation
 
-            alloc = CuMemAllocation.create(layout.nbytes, device)
-            tensor = alloc.as_tensor(layout.dtype, layout.shape)
-            info = KVMemoryInfo("cuda", layout.nbytes, dtype_name, list(layout.shape), str(device))
-            return cls(tensor, info, alloc.export_fd(), alloc)
+            alloc = CuMemAllocation.create(nbytes, device)
+            raw = alloc.as_tensor(torch.uint8, (nbytes,))
+            info = KVMemoryInfo("cuda", nbytes, dtype_name, list(layout.shape), str(device),
+                                spec_shape)
+            main, extra = _views(raw, layout, spec)
+            return cls(main, info, alloc.export_fd(), alloc, extra)
         raise ValueError(f"unsupported KV device {device}")
 
 
+def _views(raw: torch.Tensor, layout: KVLayout, spec: KVLayout | None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    main = raw[:layout.nbytes].view(layout.dtype).view(layout.shape)
+    if spec is None:
+        return main, None
+    return main, raw[layout.nbytes:layout.nbytes + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
 def map_kv(info: KVMemoryInfo, fd: int) -> tuple[torch.Tensor, Any]:
-    """Main-process view of an executor's KV cache; returns (tensor, keepalive)."""
-    dtype = getattr(torch, info.dtype)
+    """Main-process view of an executor's KV memory, all ``info.nbytes`` of it as bytes (the
+    main process only registers and moves it); returns (tensor, keepalive)."""
     if info.kind == "memfd":
         mm = mmap.mmap(fd, info.nbytes)
-        return torch.frombuffer(mm, dtype=dtype).view(info.shape), mm
+        return torch.frombuffer(mm, dtype=torch.uint8), mm
     if info.kind == "cuda":
         from disagg.fabric.cuda_mem import CuMemAllocation
 
         alloc = CuMemAllocation.import_fd(fd, info.nbytes, torch.device(info.device))
-        return alloc.as_tensor(dtype, tuple(info.shape)), alloc
+        return alloc.as_tensor(torch.uint8, (info.nbytes,)), alloc
     raise ValueError(f"cannot map KV memory of kind {info.kind!r}")

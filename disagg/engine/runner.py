@@ -141,6 +141,8 @@ class ModelRunner:
         self.drafter: DraftModel | None = None  # draft-model speculation (sees every step)
         self.mtp_drafter: MTPDrafter | None = None  # MTP speculation (after every step)
         self.next_drafts: list[list[int]] | None = None  # mtp: the last step's drafts
+        # a prefill node's draft model: prefilled over each step's chunks, first (drafting)
+        self.spec_prefill: Callable[[StepPlan], None] | None = None
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, spec_tokens: int = 0) -> float:
         """Capture decode-only steps for batch buckets up to ``max_batch`` (CUDA only; a no-op
@@ -285,6 +287,8 @@ class ModelRunner:
         chunks with ``want_hidden`` (None when there are none)."""
         if self.drafter is not None:  # its own runner bounds-checks what it computes
             plan = self.drafter.fill(plan)
+        if self.spec_prefill is not None:
+            self.spec_prefill(plan)
         host = flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
         if self.counter is not None:
             self.counter.set_base(plan.counter_base)

@@ -17,8 +17,8 @@ positions after its one new token (within the step's token budget, the request's
 ``max_tokens`` and the context limit); pages are reserved for every drafted position. With
 ``propose`` (prompt lookup) the scheduler drafts the tokens; with ``draft_model`` the executor's
 draft model does, and the scheduler tracks what that model has computed (``draft_computed``)
-so each chunk carries the tokens it has not seen yet (``draft_prefix``: after a remote prefill,
-the whole prompt). The step verifies the drafts (``disagg.engine.speculative``) and returns
+so each chunk carries the tokens it has not seen yet (``draft_prefix``; a remote prefill and a
+cached page bring the draft's KV with the model's). The step verifies the drafts (``disagg.engine.speculative``) and returns
 1 .. k + 1 tokens for the chunk: the sequence's computed length grows by the tokens it keeps,
 so the KV of rejected drafts is never counted.
 """
@@ -225,6 +225,8 @@ class BatchScheduler:
         prompt token as an ordinary decode."""
         seq.block_table = list(pages)
         seq.num_computed = seq.num_tokens - 1
+        if self.draft_model:  # the prefiller shipped the draft's KV too (KVLayoutDesc.spec)
+            seq.draft_computed = seq.num_computed
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -323,6 +325,8 @@ class BatchScheduler:
         seq.block_table = self.pool.match(hashes)
         seq.hashes = hashes[:len(seq.block_table)]
         seq.num_computed = len(seq.block_table) * ps
+        if self.draft_model:  # cached pages hold the draft's KV too (``_register``)
+            seq.draft_computed = seq.num_computed
         self.count_lookup(seq, seq.num_computed)
 
     def count_lookup(self, seq: Sequence, cached: int) -> None:
@@ -335,8 +339,11 @@ class BatchScheduler:
             self.prefix_hit_tokens += seq.cached_tokens
 
     def _register(self, seq: Sequence) -> None:
-        """Cache the full pages of ``seq`` whose KV this step completed."""
-        ps, done = self.page_size, seq.num_computed // self.page_size
+        """Cache the full pages of ``seq`` whose KV this step completed (with a draft model:
+        both models' KV, so a hit serves the draft too)."""
+        ps = self.page_size
+        done = (min(seq.num_computed, seq.draft_computed) if self.draft_model
+                else seq.num_computed) // ps
         start = len(seq.hashes)
         if done <= start:
             return

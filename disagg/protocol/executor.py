@@ -71,6 +71,7 @@ class KVMemoryInfo(msgspec.Struct, frozen=True):
     shape: list[int]  # [num_layers, num_pages, kv_parts, num_kv_heads_local, page_size, head_dim]
     # (kv_parts: K and V, 2; the MLA latent, 1)
     device: str
+    spec_shape: list[int] = []  # the speculative region after it (same form), when there is one
 
 
 class ExecutorReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):

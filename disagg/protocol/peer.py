@@ -43,6 +43,11 @@ class KVLayoutDesc(msgspec.Struct, frozen=True):
     kv_replicas: int = 1  # ranks holding each kv head (divides tp_size); 1 = no replication
     kind: str = "gqa"  # what a page holds (ModelArch.layout_kind): "gqa" K/V heads, "mla" latent
     kv_parts: int = 2  # the third dim: K and V (2, gqa) or the latent (1, mla)
+    # speculative decoding's own KV, moved beside the model's (SEED.md 15, 25): "draft" (a
+    # draft model's pages) or "mtp" (the MTP layers' pages); "" = none. ``spec`` lays it out:
+    # on the lead rank only (tp_size 1), the same page ids, right after the main region
+    spec_method: str = ""
+    spec: KVLayoutDesc | None = None
 
     @property
     def page_bytes(self) -> int:
@@ -58,8 +63,13 @@ class KVLayoutDesc(msgspec.Struct, frozen=True):
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of one rank's KV buffer."""
+        """Bytes of one rank's KV buffer (the main region; the lead rank's also holds
+        ``spec_bytes`` after it)."""
         return self.num_layers * self.num_pages * self.page_bytes
+
+    @property
+    def spec_bytes(self) -> int:
+        return 0 if self.spec is None else self.spec.total_bytes
 
     @property
     def total_kv_heads(self) -> int:

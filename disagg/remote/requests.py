@@ -44,6 +44,8 @@ def descriptor_problem(layout: KVLayoutDesc, req: PrefillRequest, dst_kv: list[A
         return f"{len(dst_kv)} KV descriptors for tp_size {req.dst_layout.tp_size}"
     if any(d.length < req.dst_layout.total_bytes for d in dst_kv):
         return "KV descriptor smaller than the advertised layout"
+    if dst_kv[0].length < req.dst_layout.total_bytes + req.dst_layout.spec_bytes:
+        return "lead KV descriptor smaller than the advertised layout and its spec region"
     if not 0 <= req.ctx_offset <= dst_ctx.length - CHALLENGE_AREA_BYTES - layout.context_bytes:
         return "context offset outside the context buffer's slots"
     if not 0 <= req.challenge_slot < CHALLENGE_SLOTS:

@@ -29,7 +29,11 @@ decoder's target depends only on the two layouts and the prompt length, never on
 coalescing, page ids or which replica sends::
 
     request_units(src, dst, tokens) = num_layers * pages(tokens) * units_per_page(src, dst)
-                                      + CONTEXT_UNITS
+                                      + spec_layers * pages(tokens) + CONTEXT_UNITS
+
+Speculative region (``spec``: a draft model's or the MTP layers' KV, SEED.md 15/25): on the
+lead rank of each side after the main region, same page ids, one whole-page run per page of
+each of its layers; both sides must have the same one (``incompatibility``).
 
 Context. One write (``CONTEXT_UNITS`` = 1) from the prefiller's context buffer (lead source
 rank) to the decoder's context buffer (lead destination rank): the hidden state is identical on
@@ -55,6 +59,9 @@ SLOT_BITS = 8
 GEN_BITS = 40
 CONTEXT_UNITS = 1  # the one context write of a request (lead rank -> lead rank)
 LAYOUT_KINDS = {"gqa": (2, "K/V heads"), "mla": (1, "latent")}  # kind: (kv_parts, what it holds)
+# KVLayoutDesc.spec_method: speculative decoding whose KV moves with the model's
+SPEC_REGIONS = {"": "no speculative KV", "draft": "a draft model's KV",
+                "mtp": "the MTP layers' KV"}
 
 
 def shard_kv_heads(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
@@ -87,7 +94,29 @@ def layout_problem(layout: KVLayoutDesc) -> str | None:
     if layout.tp_size % layout.kv_replicas:
         return (f"invalid layout: kv_replicas={layout.kv_replicas} does not divide "
                 f"tp_size={layout.tp_size}")
-    return None
+    return spec_problem(layout)
+
+
+def spec_problem(layout: KVLayoutDesc) -> str | None:
+    """Why ``layout``'s speculative region (``spec``) is not valid, or None: it is present
+    exactly when ``spec_method`` names one, lies on the lead rank (tp_size 1) over the same
+    pages, and holds no region of its own."""
+    method, spec = layout.spec_method, layout.spec
+    if method not in SPEC_REGIONS:
+        return (f"invalid layout: unknown spec_method {method!r} (known: "
+                f"{', '.join(m for m in SPEC_REGIONS if m)})")
+    if (spec is None) != (method == ""):
+        return f"invalid layout: spec_method {method!r} with{'out' if spec is None else ''} a spec region"
+    if spec is None:
+        return None
+    if spec.spec is not None or spec.spec_method:
+        return "invalid layout: a spec region holds a spec region"
+    if (spec.tp_size, spec.kv_replicas, spec.num_pages, spec.page_size) != (
+            1, 1, layout.num_pages, layout.page_size):
+        return ("invalid layout: the spec region must be one rank's (tp_size 1) over the same "
+                "pages and page size")
+    why = layout_problem(spec)
+    return None if why is None else f"spec region: {why}"
 
 
 def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
@@ -107,6 +136,16 @@ def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
         a, b = getattr(src, field), getattr(dst, field)
         if a != b:
             return f"layout mismatch: prefiller {field}={a}, decoder {field}={b}"
+    if src.spec_method != dst.spec_method:
+        return (f"speculative set-up mismatch: the decoder ({dst.spec_method or 'none'}) needs "
+                f"{SPEC_REGIONS[dst.spec_method]} and the prefiller "
+                f"({src.spec_method or 'none'}) makes {SPEC_REGIONS[src.spec_method]}")
+    if src.spec is not None and dst.spec is not None:
+        for field in ("kind", "num_layers", "num_kv_heads", "head_dim", "dtype"):
+            a, b = getattr(src.spec, field), getattr(dst.spec, field)
+            if a != b:
+                return (f"speculative set-up mismatch: the prefiller's {src.spec_method} KV has "
+                        f"{field}={a}, the decoder's {field}={b}")
     return None
 
 
@@ -272,11 +311,18 @@ class ChunkPlan:
     by_pair: dict[tuple[int, int], Runs]
     src_stride: int
     dst_stride: int
+    num_layers: int = 0  # layers of the region planned (ChunkPlan.all_layers)
 
     def layer(self, pair: tuple[int, int], layer: int) -> Runs:
         r = self.by_pair[pair]
         return Runs(r.src_offset + layer * self.src_stride, r.dst_offset + layer * self.dst_stride,
                     r.length, r.units)
+
+    def shifted(self, src_base: int, dst_base: int) -> ChunkPlan:
+        """The same writes into regions starting ``src_base`` / ``dst_base`` bytes further."""
+        return ChunkPlan({k: Runs(r.src_offset + src_base, r.dst_offset + dst_base, r.length,
+                                  r.units) for k, r in self.by_pair.items()},
+                         self.src_stride, self.dst_stride, self.num_layers)
 
 
 def plan_chunk(src: KVLayoutDesc, dst: KVLayoutDesc, src_pages: list[int], dst_pages: list[int],
@@ -286,7 +332,7 @@ def plan_chunk(src: KVLayoutDesc, dst: KVLayoutDesc, src_pages: list[int], dst_p
     for w in plan_layer_writes(src, dst, src_pages, dst_pages, 0, seed):
         by_pair.setdefault((w.src_rank, w.dst_rank), []).append(w)
     return ChunkPlan({k: Runs.of(v) for k, v in by_pair.items()},
-                     src.num_pages * src.page_bytes, dst.num_pages * dst.page_bytes)
+                     src.num_pages * src.page_bytes, dst.num_pages * dst.page_bytes, dst.num_layers)
 
 
 def pages_to_send(start: int, end: int, total: int, page_size: int) -> range:
@@ -307,7 +353,8 @@ def request_units(src: KVLayoutDesc, dst: KVLayoutDesc, prefill_tokens: int,
     the units of all ``plan_layer_writes`` of the request, whatever the chunking, page ids or
     seed."""
     pages = pages_needed(prefill_tokens, dst.page_size) - skip_pages
-    return dst.num_layers * pages * units_per_page(src, dst) + CONTEXT_UNITS
+    spec = 0 if dst.spec is None else dst.spec.num_layers * pages  # whole pages, lead ranks
+    return dst.num_layers * pages * units_per_page(src, dst) + spec + CONTEXT_UNITS
 
 
 def context_write(src_offset: int, dst_offset: int, length: int) -> Write:
@@ -344,3 +391,20 @@ def job_pages_plan(src: KVLayoutDesc, req: PrefillRequest, src_pages: list[int],
         return None
     return plan_chunk(src, req.dst_layout, [src_pages[j] for j in idx],
                       [req.dst_pages[j - skip] for j in idx], seed=req.key)
+
+
+def spec_pages_plan(src: KVLayoutDesc, req: PrefillRequest, src_pages: list[int],
+                    indices: range | list[int]) -> ChunkPlan | None:
+    """``job_pages_plan`` for the speculative region (a draft model's or the MTP layers'
+    pages, lead rank to lead rank, after each side's main region); None when there is none
+    or nothing is left."""
+    dst = req.dst_layout
+    if src.spec is None or dst.spec is None:
+        return None
+    skip = req.skip_pages
+    idx = [j for j in indices if j >= skip]
+    if not idx:
+        return None
+    return plan_chunk(src.spec, dst.spec, [src_pages[j] for j in idx],
+                      [req.dst_pages[j - skip] for j in idx]).shifted(src.total_bytes,
+                                                                     dst.total_bytes)

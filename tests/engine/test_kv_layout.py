@@ -41,11 +41,34 @@ def test_cpu_allocation_of_a_latent_layout_maps_in_another_view():
         assert tuple(alloc.tensor.shape) == lay.shape
         assert alloc.info.shape == [2, 3, 1, 1, 4, 8] and alloc.info.nbytes == lay.nbytes
         assert alloc.fd is not None
-        view, keep = map_kv(alloc.info, alloc.fd)
+        raw, keep = map_kv(alloc.info, alloc.fd)
+        assert raw.dtype == torch.uint8 and raw.numel() == lay.nbytes
+        view = raw.view(torch.float32).view(lay.shape)
         alloc.tensor[1, 2, 0, 0, 3] = torch.arange(8, dtype=torch.float32)
         assert torch.equal(view[1, 2, 0, 0, 3], torch.arange(8, dtype=torch.float32))
         assert view.view(-1).numel() * 4 == lay.nbytes
-        del view, keep
+        del view, raw, keep
+    finally:
+        if alloc.fd is not None:
+            os.close(alloc.fd)
+
+
+def test_a_spec_region_follows_the_model_region_in_one_allocation():
+    lay = KVLayout(2, 3, 2, 4, 8, torch.float32)
+    spec = KVLayout(1, 3, 1, 4, 16, torch.float32)  # a draft model's cache, same pages
+    alloc = KVAllocation.create(lay, torch.device("cpu"), spec)
+    try:
+        assert alloc.spec_tensor is not None and tuple(alloc.spec_tensor.shape) == spec.shape
+        assert alloc.info.nbytes == lay.nbytes + spec.nbytes
+        assert alloc.info.spec_shape == list(spec.shape)
+        assert alloc.fd is not None
+        raw, keep = map_kv(alloc.info, alloc.fd)  # what the main process registers: both
+        alloc.spec_tensor[0, 2, 1, 0, 3] = 7.0
+        floats = raw.view(torch.float32)
+        at = (lay.nbytes + (((2 * 2 + 1) * 1 + 0) * 4 + 3) * 16 * 4) // 4
+        assert torch.equal(floats[at:at + 16], torch.full((16,), 7.0))
+        assert float(alloc.tensor.abs().sum()) == 0.0  # the model's region untouched
+        del floats, raw, keep
     finally:
         if alloc.fd is not None:
             os.close(alloc.fd)

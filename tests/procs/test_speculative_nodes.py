@@ -70,15 +70,16 @@ def test_a_mixed_node_drafts_and_stays_token_exact(model_dir, tmp_path):
 @pytest.mark.fabric
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_a_decoder_drafts_after_a_remote_prefill(model_dir, tmp_path, method):
-    """With a draft model, the decoder's draft computes the prompt itself at the first step
-    (the prefiller ships the target's KV only)."""
-    spec = SPEC
+    """With a draft model (here the model itself, an upper bound) the prefiller prefills the
+    draft too and ships its pages beside the model's: the decoder receives every unit of both
+    regions, and its first drafts already see the whole prompt (with a draft equal to the
+    model, nearly all are accepted; a draft blind to the prompt would propose noise)."""
+    spec, prefill_spec = SPEC, []
     if method == "draft":
-        draft = make_tiny_model("qwen2", tmp_path / "draft", seed=3)
-        spec = ["--speculative-method", "draft", "--draft-model", str(draft),
-                "--num-speculative-tokens", "2"]
+        spec = prefill_spec = ["--speculative-method", "draft", "--draft-model",
+                               str(model_dir), "--num-speculative-tokens", "2"]
     p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "64", "--max-batch-tokens",
-                     "5")
+                     "5", *prefill_spec)
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
                      p_addr, "--heartbeat", "0.2", *spec)
     with running([p, d], [d_addr]):
@@ -86,8 +87,24 @@ def test_a_decoder_drafts_after_a_remote_prefill(model_dir, tmp_path, method):
             assert generate(d_addr, ids) == hf_greedy(model_dir, ids, NEW), ids
         s = stats(d_addr)
         assert s.kv_units_received > 0 and s.spec_draft_tokens > 0
+        if method == "draft":  # units: every page of the model's layers and the draft's
+            layers = 2 * TINY["num_hidden_layers"]
+            assert s.kv_units_received == sum(layers * -(-(len(ids) - 1) // PAGE) + 1
+                                              for ids in PROMPTS)
+            assert s.spec_accepted_tokens >= 0.8 * s.spec_draft_tokens
         for addr in (p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
+
+
+def test_a_draft_decoder_refuses_a_prefiller_without_the_draft_by_name(model_dir, tmp_path):
+    p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "32")
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "32", "--prefill-peer",
+                     p_addr, "--heartbeat", "0.2", "--speculative-method", "draft",
+                     "--draft-model", str(model_dir))
+    with running([p, d]):
+        wait_for(lambda: "speculative set-up mismatch" in d.log_path.read_text(),
+                 what="the refusal in the decoder's log")
+        assert stats(d_addr).prefill_peers_alive == 0
 
 
 def test_a_mixed_node_drafts_with_deepseeks_mtp_layer(tmp_path):
