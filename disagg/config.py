@@ -206,6 +206,8 @@ class NodeConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--speculative-method draft and --draft-model DIR go together")
         if draft and len(self.devices) > 1:
             raise ConfigError("--speculative-method draft runs with one executor (--tp 1) for now")
-        if self.scheduler.speculative_method == "mtp" and self.role == "decode":
-            raise ConfigError("--speculative-method mtp runs on mixed nodes for now (a decode "
-                              "node would need the prefiller's MTP-layer KV)")
+        if (self.scheduler.speculative_method == "mtp" and self.role != "mixed"
+                and len(self.devices) > 1):
+            raise ConfigError("--speculative-method mtp on prefill and decode nodes runs with one "
+                              "executor (--tp 1) for now (the MTP layer's KV moves lead rank to "
+                              "lead rank)")

@@ -104,7 +104,8 @@ class Node:
                                       s.queue_timeout_s),
                                prefix_caching=cfg.cache.prefix_caching,
                                cache_salt=arch.identity(self.executors.ready[0].kv.dtype),
-                               speculative=None if cfg.role == "prefill" else speculation(s))
+                               speculative=(speculation(s) if cfg.role != "prefill"
+                                            or s.speculative_method == "mtp" else None))
         actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
             await self._start_prefill(cfg, arch, setup, actors)

@@ -311,7 +311,10 @@ class DecodeMessenger(MessengerBase):
             nbytes = (units - 1) * self.layout.page_bytes + self.layout.context_bytes
             self.metrics.observe_transfer("received", nbytes, units,
                                           time.monotonic() - w.started_at)
-        await self._event(AttemptEvent(w.request_id, "landed"))
+        n = self.layout.context_bytes  # MTP needs the prefiller's last hidden state
+        ctx = (bytes(self.ctx_buf.view(-1)[w.ctx_slot * n:(w.ctx_slot + 1) * n].cpu().numpy())
+               if self.layout.spec_method == "mtp" else b"")
+        await self._event(AttemptEvent(w.request_id, "landed", context=ctx))
         await self._to_scheduler(self.stats())
 
     async def _stop(self, rid: str, blame: bool) -> None:

@@ -67,6 +67,7 @@ class DecodeSide(SchedulerSide):
         # slot -> (sequence, finish reason, deadline): finished before its prefiller's
         # PrefillDone came in; its Finished waits (bounded) for the prefiller's timings and hit
         self.held: dict[int, tuple[Sequence, str, float]] = {}
+        self.context: dict[int, bytes] = {}  # slot -> the landed attempt's context row (mtp)
         self._menc = msgspec.msgpack.Encoder()
 
     async def enqueue(self, seq: Sequence) -> bool:
@@ -160,7 +161,8 @@ class DecodeSide(SchedulerSide):
                 case Ready():
                     seq = self.seqs.pop(c.slot)
                     self.clock.get(c.slot, {})["kv"] = time.monotonic()
-                    self.port.sched.kv_arrived(seq, seq.block_table + list(c.pages))
+                    self.port.sched.kv_arrived(seq, seq.block_table + list(c.pages),
+                                               self.context.pop(c.slot, b""))
                 case Local():
                     seq = self.seqs.pop(c.slot)
                     self.clock.pop(c.slot, None)
@@ -178,6 +180,8 @@ class DecodeSide(SchedulerSide):
             case AttemptEvent(request_id=rid, kind=kind) as ev:
                 if ev.timings is not None:
                     self._prefiller_timings(rid, ev.timings, ev.cached_tokens)
+                if ev.context and self.sent.get(int(rid.split(".")[0])) == rid:
+                    self.context[int(rid.split(".")[0])] = ev.context  # for its Ready
                 if kind == "failed" or kind == "peer_dead":
                     log.warning("remote prefill %s: %s %s", rid, ev.code or kind, ev.message)
                 await self._carry_out(self.remote.event(rid, kind, now, ev.code, ev.message))
@@ -223,6 +227,7 @@ class DecodeSide(SchedulerSide):
 
     async def release(self, seq: Sequence) -> bool:
         self.held.pop(seq.slot, None)
+        self.context.pop(seq.slot, None)
         self.clock.pop(seq.slot, None)
         self.sent.pop(seq.slot, None)
         if self.seqs.pop(seq.slot, None) is None:

@@ -74,7 +74,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         raise ExecutorError("executor needs a resolved model directory")
     t0 = time.perf_counter()
     tp = init_tensor_parallel(cfg, rank, control, device)
-    mtp = cfg.scheduler.speculative_method == "mtp" and cfg.role != "prefill"
+    mtp = cfg.scheduler.speculative_method == "mtp"  # prefill nodes compute its KV to ship
     model = build_model(cfg, device, tp, mtp=mtp)
     draft = (build_model(cfg, device, model_dir=ecfg.draft_model)  # prefill nodes prefill it
              if ecfg.draft_model is not None else None)
@@ -100,7 +100,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             arch.head_dim, model.dtype, kv_parts=arch.kv_parts), arch, draft)
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
                       arch.head_dim, model.dtype, arch.kv_parts)
-    alloc = KVAllocation.create(layout, device, drafting.spec_layout(layout, draft, None))
+    alloc = KVAllocation.create(layout, device,
+                                drafting.spec_layout(layout, draft, model if mtp else None))
     if alloc.fd is not None:
         socket.send_fds(fd_sock, [b"kv"], [alloc.fd])
     else:
@@ -134,7 +135,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     if mtp:
         from disagg.engine.mtp_drafting import MTPDrafter
 
-        runner.mtp_drafter = MTPDrafter(runner, cfg.scheduler.num_speculative_tokens)
+        runner.mtp_drafter = MTPDrafter(runner, cfg.scheduler.num_speculative_tokens,
+                                        alloc.spec_tensor)
     if draft is not None:
         assert alloc.spec_tensor is not None
         drafting.attach_draft(runner, draft, alloc.spec_tensor, backend_name,

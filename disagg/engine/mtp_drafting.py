@@ -26,15 +26,19 @@ from disagg.protocol.executor import SeqChunk, StepPlan
 
 
 class MTPDrafter:
-    def __init__(self, runner: ModelRunner, tokens: int):
+    def __init__(self, runner: ModelRunner, tokens: int, cache: torch.Tensor | None = None):
+        """``cache``: the layer's KV (one layer over the runner's pages), by default its own;
+        a node passes the spec region of its KV memory (shipped by prefill nodes)."""
         model = runner.model
         if model.mtp is None:
             raise ValueError("--speculative-method mtp needs the checkpoint's MTP layer loaded")
         a = model.arch
         self.runner, self.tokens = runner, tokens
-        self.cache = torch.zeros((1, runner.num_pages, a.kv_parts, a.num_kv_heads,
-                                  runner.page_size, a.head_dim), dtype=model.dtype,
-                                 device=model.device)
+        shape = (1, runner.num_pages, a.kv_parts, a.num_kv_heads, runner.page_size, a.head_dim)
+        if cache is not None and tuple(cache.shape) != shape:
+            raise ValueError(f"MTP cache of shape {tuple(cache.shape)}, expected {shape}")
+        self.cache = (cache if cache is not None
+                      else torch.zeros(shape, dtype=model.dtype, device=model.device))
 
     @torch.inference_mode()
     def after_step(self, plan: StepPlan, hidden: torch.Tensor,
@@ -42,9 +46,9 @@ class MTPDrafter:
         """``hidden``: the step's final hidden rows; ``emitted``: per sampled chunk, the tokens
         the step emitted. Returns the drafts per sampled chunk."""
         chunks: list[SeqChunk] = []
-        rows: list[int] = []
+        rows: list[int] = []  # per MTP position: its previous hidden row in ``source``
         h = hidden.shape[1]
-        zero = hidden.new_zeros(1, h)
+        extra = [hidden.new_zeros(1, h)]  # after the step's rows: zeros, then given rows
         row = 0
         out_index = 0
         last_of: dict[int, int] = {}  # sampled chunk -> index of its MTP chunk
@@ -61,6 +65,11 @@ class MTPDrafter:
             ids = tokens[1:]
             if c.start_pos == 0:  # position 0: its own token, no previous hidden
                 positions, ids, src = [0, *positions], [tokens[0], *ids], [-1, *src]
+            elif c.prev_hidden:  # after a remote prefill: the prefiller's last hidden row
+                extra.append(torch.frombuffer(bytearray(c.prev_hidden), dtype=hidden.dtype)
+                             .view(1, h).to(hidden.device))
+                positions, ids = [c.start_pos, *positions], [tokens[0], *ids]
+                src = [-len(extra), *src]
             limit = len(c.block_table) * self.runner.page_size
             keep = [j for j, p in enumerate(positions) if p < limit]
             if keep:
@@ -75,9 +84,10 @@ class MTPDrafter:
         drafts: list[list[int]] = [[] for _ in emitted]
         if not chunks:
             return drafts
-        index = torch.tensor([max(r, 0) for r in rows], device=hidden.device)
-        previous = torch.where(torch.tensor([r < 0 for r in rows], device=hidden.device)[:, None],
-                               zero, hidden.index_select(0, index))
+        source = torch.cat([hidden, *extra])  # row -k: extra[k - 1]
+        index = torch.tensor([r if r >= 0 else hidden.shape[0] - r - 1 for r in rows],
+                             device=hidden.device)
+        previous = source.index_select(0, index)
         y, last = self._run(StepPlan(plan.step_id, chunks, 0), previous)
         tails = {k: last[v] for k, v in last_of.items()}
         for _ in range(self.tokens):

@@ -65,6 +65,7 @@ class Sequence:
     lookup: tuple[int, list[bytes]] | None = None  # (num_tokens, prefix_hashes) last computed
     draft_computed: int = 0  # leading tokens whose KV the draft model has (draft_model mode)
     spec_state: Any = None  # the drafting method's own state (prompt lookup: a token array)
+    prev_hidden: bytes = b""  # mtp after a remote prefill: the prefiller's last hidden row
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +96,7 @@ class ScheduledChunk:
     drafts: tuple[int, ...] = ()  # their tokens, when the scheduler drafted them
     draft_prefix: tuple[int, ...] = ()  # draft model: tokens before ``start`` it has not seen
     next_known: bool = False  # mtp: send the token after the chunk (``SeqChunk.next_token``)
+    prev_hidden: bytes = b""  # mtp: ``SeqChunk.prev_hidden``
 
     def to_wire(self) -> SeqChunk:
         s, p = self.seq, self.seq.params
@@ -116,6 +118,7 @@ class ScheduledChunk:
             num_draft=len(self.drafts),
             draft_tokens=self.spec - len(self.drafts),
             draft_prefix=list(self.draft_prefix),
+            prev_hidden=self.prev_hidden,
         )
 
 
@@ -219,12 +222,15 @@ class BatchScheduler:
 
     # ---------------------------------------------------------------- remote prefill (decode)
 
-    def kv_arrived(self, seq: Sequence, pages: list[int]) -> None:
+    def kv_arrived(self, seq: Sequence, pages: list[int], context: bytes = b"") -> None:
         """A prefiller's KV for all but the last prompt token has landed in ``pages`` (held by
         the remote-prefill machine until now): decode from here; the next step runs the last
-        prompt token as an ordinary decode."""
+        prompt token as an ordinary decode. ``context``: the prefiller's last hidden row (for
+        MTP, which needs it at the last prompt token's position)."""
         seq.block_table = list(pages)
         seq.num_computed = seq.num_tokens - 1
+        if self.mtp:
+            seq.prev_hidden = context
         if self.draft_model:  # the prefiller shipped the draft's KV too (KVLayoutDesc.spec)
             seq.draft_computed = seq.num_computed
         seq.status = Status.RUNNING
@@ -290,7 +296,8 @@ class BatchScheduler:
     def _ahead(self, seq: Sequence, count: int) -> int:
         """Positions past a chunk of ``count`` tokens to reserve now: with MTP, the next one
         (within the context limit)."""
-        return int(self.mtp and seq.num_computed + count < self.max_model_len)
+        limit = seq.num_tokens if seq.prefill_only else self.max_model_len  # a next token
+        return int(self.mtp and seq.num_computed + count < limit)
 
     def _drafts(self, seq: Sequence, room: int) -> tuple[int, list[int]]:
         """Drafted positions for decode ``seq`` and their tokens (empty when the executor's
@@ -359,8 +366,9 @@ class BatchScheduler:
         prefix = (tuple(seq.tokens(seq.draft_computed, start))
                   if self.draft_model and not seq.prefill_only and seq.draft_computed < start
                   else ())
+        prev, seq.prev_hidden = seq.prev_hidden, b""  # used once: its step computes the position
         return ScheduledChunk(seq, start, count + spec, start + count == seq.num_tokens, spec,
-                              tuple(drafts or ()), prefix, self.mtp)
+                              tuple(drafts or ()), prefix, self.mtp, prev)
 
     def _reserve(self, seq: Sequence, count: int, scheduled: set[int]) -> bool:
         """Give ``seq`` pages for ``count`` more tokens, preempting others if needed (it may
@@ -392,6 +400,7 @@ class BatchScheduler:
             seq.block_table = []
         seq.hashes = []
         seq.draft_computed = 0
+        seq.prev_hidden = b""
 
     # ---------------------------------------------------------------- results
 

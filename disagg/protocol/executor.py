@@ -33,6 +33,10 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     draft_prefix: list[int] = []
     # mtp: the token after an unfinished chunk (its position's MTP input), -1 when none
     next_token: int = -1
+    # mtp, a decoder's first chunk after a remote prefill: the model's final hidden state at
+    # start_pos - 1 (the prefiller's context row, model dtype), so the MTP layer computes
+    # start_pos too (the prefiller could not: it never sees the prompt's last token)
+    prev_hidden: bytes = b""
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):

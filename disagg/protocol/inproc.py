@@ -135,7 +135,9 @@ class AttemptEvent(msgspec.Struct, tag="attempt_event", array_like=True, frozen=
     """Decode side: what the messenger saw of an attempt, fed to the scheduler's
     ``DecodeRemote.event`` (``kind``: landed, progress, failed, done, acked, peer_dead,
     conn_down). ``timings``: with ``done``, the prefiller's queue / compute / tail seconds;
-    ``cached_tokens``: with ``done``, the prompt tokens it took from its prefix cache."""
+    ``cached_tokens``: with ``done``, the prompt tokens it took from its prefix cache;
+    ``context``: with ``landed`` when the decoder drafts with MTP, the context row the
+    prefiller wrote (its last hidden state)."""
 
     request_id: str
     kind: AttemptEventKind
@@ -143,6 +145,7 @@ class AttemptEvent(msgspec.Struct, tag="attempt_event", array_like=True, frozen=
     message: str = ""
     timings: tuple[float, float, float] | None = None
     cached_tokens: int = 0
+    context: bytes = b""
 
 
 class PeersAlive(msgspec.Struct, tag="peers_alive", array_like=True, frozen=True):

@@ -72,3 +72,50 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(tmp_path):
         load_model(path, "float32", mtp=True)
     with pytest.raises(ValueError, match="no multi-token-prediction layer"):
         load_model(make_tiny_model("qwen3_moe", tmp_path / "q"), "float32", mtp=True)
+
+
+@pytest.mark.parametrize("cut", [None, 2 * PAGE - 1])
+def test_across_the_split_the_decoder_has_the_layers_kv_of_one_pass(v3, cut):
+    """A prefiller computes the MTP layer over the prompt without its last token (chunked at
+    ``cut``; an unfinished chunk carries its next token) and returns its last hidden row; a
+    decoder given that KV (copied: what the transfer does) and the row (``prev_hidden``)
+    computes the layer at the last prompt token in its first step: its MTP cache then equals
+    the layer run once over the whole sequence, and so does its draft."""
+    _, model = v3
+    prompt = PROMPTS[1]
+    n = len(prompt)
+    table = list(range(-(-(n + 2) // PAGE)))
+    pre = LLM(model, num_pages=64, page_size=PAGE, speculative=Speculation("mtp", 2)).runner
+    cuts = [0, *([cut] if cut else []), n - 1]
+    ctx = None
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        last = b == n - 1
+        chunk = SeqChunk(0, prompt[a:b], a, table, False, want_hidden=last,
+                         next_token=-1 if last else prompt[b])
+        _, ctx, _ = pre.execute(StepPlan(0, [chunk], 0))
+    assert ctx is not None and pre.mtp_drafter is not None
+    dec = LLM(model, num_pages=64, page_size=PAGE, speculative=Speculation("mtp", 2)).runner
+    assert dec.mtp_drafter is not None
+    dec.kv.copy_(pre.kv)
+    dec.mtp_drafter.cache.copy_(pre.mtp_drafter.cache)
+    row = ctx[0].contiguous().cpu().numpy().tobytes()
+    tokens, _, _ = dec.execute(StepPlan(1, [SeqChunk(0, [prompt[-1]], n - 1, table, True,
+                                                      prev_hidden=row)], 1))
+    seq = prompt + tokens
+    # the one-pass reference: main model over seq[:-1], the layer over every position of seq
+    ref = LLM(model, num_pages=64, page_size=PAGE).runner
+    ids, pos, meta, _, _ = ref.build(StepPlan(0, [SeqChunk(0, seq[:-1], 0, table, False)], 0))
+    hidden = model(ids, pos, ref.kv, meta, ref.backend)
+    ids, pos, meta, _, _ = ref.build(StepPlan(0, [SeqChunk(0, seq, 0, table, False)], 0))
+    cos, sin = model.rotary.cos_sin(pos, model.dtype)
+    cache = torch.zeros_like(dec.mtp_drafter.cache)
+    y = model.mtp(ids, torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden]), pos,
+                  model.embed, cos, sin, cache, meta, ref.backend)
+
+    def rows(c: torch.Tensor) -> torch.Tensor:  # positions 0 .. len(seq) - 1 in order
+        flat = c[0, table].transpose(1, 3)  # [pages, S, heads, parts, D]
+        return flat.reshape(-1, *flat.shape[2:])[:len(seq)]
+
+    torch.testing.assert_close(rows(dec.mtp_drafter.cache), rows(cache))
+    assert dec.next_drafts is not None
+    assert dec.next_drafts[0][0] == int(model.logits(y[-1:]).argmax(dim=-1).item())

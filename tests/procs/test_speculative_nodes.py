@@ -107,24 +107,44 @@ def test_a_draft_decoder_refuses_a_prefiller_without_the_draft_by_name(model_dir
         assert stats(d_addr).prefill_peers_alive == 0
 
 
-def test_a_mixed_node_drafts_with_deepseeks_mtp_layer(tmp_path):
+@pytest.mark.fabric
+def test_deepseeks_mtp_layer_drafts_on_a_mixed_node_and_across_the_split(tmp_path):
+    """The prefiller computes the MTP layer's KV over the prompt and ships it (one more
+    region, counted), and its last hidden state in the context slot, from which the decoder's
+    first step computes the layer at the last prompt token: the decoder then drafts exactly
+    what a mixed node drafts."""
     from tinymodels import add_mtp_layer
 
     path = add_mtp_layer(make_tiny_model("deepseek_v3", tmp_path / "v3"))
+    mtp = ["--speculative-method", "mtp", "--num-speculative-tokens", "2"]
     addr, proc = node("mixed", path, tmp_path, "--num-pages", "64", "--max-batch-tokens", "6",
-                      "--speculative-method", "mtp", "--num-speculative-tokens", "2")
-    with running([proc]):
+                      *mtp)
+    p_addr, p = node("prefill", path, tmp_path, "--num-pages", "64", "--max-batch-tokens", "5",
+                     *mtp)
+    d_addr, d = node("decode", path, tmp_path, "--num-pages", "64", "--prefill-peer", p_addr,
+                     "--heartbeat", "0.2", *mtp)
+    with running([proc, p, d], [d_addr]):
         for ids in PROMPTS[:2]:
-            assert generate(addr, ids) == hf_greedy(path, ids, NEW), ids
-        assert stats(addr).spec_draft_tokens > 0
-        wait_for(lambda: pools_full(addr), what="full pool")
+            ref = hf_greedy(path, ids, NEW)
+            assert generate(addr, ids) == ref, ids
+            assert generate(d_addr, ids) == ref, ids
+        mixed, split = stats(addr), stats(d_addr)
+        assert mixed.spec_draft_tokens > 0
+        assert (split.spec_draft_tokens, split.spec_accepted_tokens) == (
+            mixed.spec_draft_tokens, mixed.spec_accepted_tokens)
+        # the model's layers and the MTP layer's
+        layers = json.loads((path / "config.json").read_text())["num_hidden_layers"] + 1
+        assert split.kv_units_received == sum(layers * -(-(len(ids) - 1) // PAGE) + 1
+                                              for ids in PROMPTS[:2])
+        for a in (addr, p_addr, d_addr):
+            wait_for(lambda a=a: pools_full(a), what=f"full pool on {a}")
 
 
-def test_mtp_on_a_decode_node_is_refused_by_name():
+def test_mtp_on_a_split_node_needs_one_executor():
     from disagg.cli.node import build_parser, config_from_args
     from disagg.config import ConfigError
 
     args = build_parser().parse_args(["--role", "decode", "--prefill-peer", "tcp://127.0.0.1:1",
-                                      "--speculative-method", "mtp"])
-    with pytest.raises(ConfigError, match="mtp runs on mixed nodes"):
+                                      "--speculative-method", "mtp", "--tp", "2"])
+    with pytest.raises(ConfigError, match="mtp on prefill and decode nodes runs with one"):
         config_from_args(args)
