@@ -301,8 +301,8 @@ class DecodeMessenger(MessengerBase):
         if not w.wanted:
             return
         # fabric over host staging: its pages mirror -> GPU first (no-op otherwise)
-        for region in self.kv_regions:
-            await self.transfer.stage_in_pages(region, self.layout, dst_pages)
+        for rank, region in enumerate(self.kv_regions):
+            await self.transfer.stage_in_pages(region, self.layout, dst_pages, lead=rank == 0)
         if not w.wanted:
             return
         w.peer.health.succeeded()

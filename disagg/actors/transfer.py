@@ -243,15 +243,21 @@ class TransferEngine:
         if isinstance(region, StagedRegion) and offsets:
             await region.mirror.into(offsets, lengths)
 
-    async def stage_in_pages(self, region: Any, layout: KVLayoutDesc, pages: list[int]) -> None:
-        """``stage_in`` of every layer of these KV pages (runs of adjacent pages coalesced)."""
+    async def stage_in_pages(self, region: Any, layout: KVLayoutDesc, pages: list[int],
+                             lead: bool = False) -> None:
+        """``stage_in`` of every layer of these KV pages (runs of adjacent pages coalesced);
+        ``lead``: the lead rank's region, which also holds the speculative one after it."""
         if not isinstance(region, StagedRegion) or not pages:
             return
         offsets, lengths = [], []
-        for layer in range(layout.num_layers):
-            for p, _, n in page_runs(pages, pages):
-                offsets.append(layout.page_offset(layer, p))
-                lengths.append(n * layout.page_bytes)
+        parts = [(layout, 0)]
+        if lead and layout.spec is not None:
+            parts.append((layout.spec, layout.total_bytes))
+        for lay, base in parts:
+            for layer in range(lay.num_layers):
+                for p, _, n in page_runs(pages, pages):
+                    offsets.append(base + lay.page_offset(layer, p))
+                    lengths.append(n * lay.page_bytes)
         await region.mirror.into(offsets, lengths)
 
     async def staging_idle(self) -> None:

@@ -77,11 +77,15 @@ def nodes(tmp_path_factory):
     model_dir = make_tiny_model("llama", tmp / "llama")
     mixed = start("mixed", model_dir, tmp, "cuda:0")
     pairs = {}
+    draft = ["--speculative-method", "draft", "--draft-model", str(model_dir),
+             "--num-speculative-tokens", "2"]  # the model as its own draft, shipped too
     for backend, extra in (("cuda-ipc", ["--transfer-backend", "cuda-ipc"]),
                            ("fabric", ["--transfer-backend", "fabric", "--fabric-provider", "shm"])):
-        p = start("prefill", model_dir, tmp, "cuda:0", *extra)
-        d = start("decode", model_dir, tmp, DECODE_DEVICE, "--prefill-peer", p[0], *extra)
-        pairs[backend] = (p, d)
+        for name, more in ((backend, []), (f"{backend}+draft", draft)):
+            p = start("prefill", model_dir, tmp, "cuda:0", *extra, *more)
+            d = start("decode", model_dir, tmp, DECODE_DEVICE, "--prefill-peer", p[0], *extra,
+                      *more)
+            pairs[name] = (p, d)
     procs = [mixed[1]] + [x[1] for pair in pairs.values() for x in pair]
     LOGS[:] = [proc.log_path for proc in procs]
     try:
@@ -93,7 +97,7 @@ def nodes(tmp_path_factory):
             proc.stop()
 
 
-@pytest.mark.parametrize("backend", ["cuda-ipc", "fabric"])
+@pytest.mark.parametrize("backend", ["cuda-ipc", "fabric", "cuda-ipc+draft", "fabric+draft"])
 def test_prefill_gpu0_decode_gpu1_matches_mixed(nodes, backend):
     import time
 
@@ -106,11 +110,15 @@ def test_prefill_gpu0_decode_gpu1_matches_mixed(nodes, backend):
     ref = run(mixed)
     before = stats(d_addr).kv_units_received
     assert run(d_addr) == ref
-    # every prompt came through the prefiller: layers x pages + one context write each
-    layers = 2
+    # every prompt came through the prefiller: layers x pages + one context write each (with
+    # the draft: its layers' pages too, staged into the GPU with the model's over the fabric)
+    layers = 4 if backend.endswith("+draft") else 2
     expected = sum(layers * -(-(n - 1) // PAGE) + 1 for n in LENGTHS)
-    assert stats(d_addr).kv_units_received - before == expected
+    s = stats(d_addr)
+    assert s.kv_units_received - before == expected
     assert stats(p_addr).kv_writes_sent > 0
+    if backend.endswith("+draft"):  # drafts that saw the shipped prompt: nearly all accepted
+        assert s.spec_accepted_tokens >= 0.8 * s.spec_draft_tokens > 0
 
 
 def test_nothing_compiles_after_ready(nodes):
