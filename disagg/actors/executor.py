@@ -120,8 +120,6 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             log.info("CUDA graphs are not used with --tp > 1 yet; running decode eagerly")
         elif backend.name != "triton":
             log.info("CUDA graphs need the triton attention backend; running decode eagerly")
-        elif arch.moe is not None:
-            log.info("CUDA graphs are not used for MoE models yet; running decode eagerly")
         else:
             try:
                 s = cfg.scheduler

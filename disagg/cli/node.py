@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from disagg.config import (
@@ -226,6 +227,7 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
     SIGINT/SIGTERM, stop every child. Returns an exit code."""
     from disagg.supervisor import Supervisor
 
+    t0 = time.monotonic()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -269,7 +271,7 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
             from disagg.kernels.compile_watch import arm
 
             arm("the node")
-        log.info("ready: %s", node.summary)
+        log.info("ready: %s (started in %.1f s)", node.summary, time.monotonic() - t0)
 
         def restarted(node: Node) -> None:
             on_signals()

@@ -209,7 +209,14 @@ class ModelRunner:
         """Run one eager prefill step per attention tile variant (chunks of at most 64 query
         rows, and more) before serving, so their kernels compile now rather than stalling the
         first short and the first long prompt. It writes KV into pages that hold nothing yet
-        and leaves the layer counter alone. Returns the chunk lengths run."""
+        and leaves the layer counter alone; and the fused MoE kernels' tile variants for up to
+        ``max_batch_tokens`` rows (every MoE layer has the same shapes). Returns the chunk
+        lengths run."""
+        from disagg.model.moe import MoEMLP, warm
+
+        moe = next((m for m in self.model.modules() if isinstance(m, MoEMLP)), None)
+        if moe is not None:
+            warm(moe, max_batch_tokens)
         hook, counter = self.layer_hook, self.counter
         self.layer_hook, self.counter = None, None
         lengths = sorted({min(n, max_batch_tokens, max_model_len) for n in (8, 96)})

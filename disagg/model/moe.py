@@ -2,10 +2,12 @@
 
 ``route`` turns router logits into each token's ``top_k`` experts and weights exactly as the
 Hugging Face models do (see ``MoEArch``). ``MoEMLP`` holds every expert's SiLU-gated MLP as
-stacked tensors (``gate_up [E, 2I, H]``, ``down [E, H, I]``) plus the shared expert, and runs
-each expert hit on the rows routed to it. Under tensor parallelism every rank holds a slice
-of every expert's intermediate dimension (as for dense MLPs), so its output is a partial sum
-the caller all-reduces.
+stacked tensors (``gate_up [E, 2I, H]``, ``down [E, H, I]``) plus the shared expert. On CUDA in
+fp16/bf16 the routed experts run in the fused Triton kernels (``disagg.kernels.fused_moe``): no
+host sync, so a forward can be captured in a CUDA graph. Elsewhere ``experts_loop`` runs each
+expert hit on the rows routed to it (it asks the host which experts were hit). Under tensor
+parallelism every rank holds a slice of every expert's intermediate dimension (as for dense
+MLPs), so its output is a partial sum the caller all-reduces.
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ def route(logits: torch.Tensor, moe: MoEArch,
         else weights, experts
 
 
+def experts_loop(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted sum, one expert at a time (the fused kernels' reference)."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(experts).tolist():
+        rows, pos = torch.where(experts == e)
+        gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * weights[rows, pos, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
+
+
 class MoEMLP(nn.Module):
     def __init__(self, hidden: int, moe: MoEArch, dtype: torch.dtype, device: torch.device):
         """``moe`` holds this rank's (local) intermediate sizes."""
@@ -67,19 +81,31 @@ class MoEMLP(nn.Module):
         self.shared_down = p(hidden, s) if s else None
         self.shared_gate = p(1, hidden) if moe.shared_gate else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` -> this rank's partial MLP output ``[T, H]``."""
+    # None: the fused kernels on CUDA for fp16/bf16, the loop otherwise; False: always the loop;
+    # True: always the fused kernels (also on CPU under TRITON_INTERPRET=1, for tests)
+    fused: bool | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``(weights [T, k], experts [T, k])``."""
         if self.arch.router_fp32:
             logits = F.linear(x.float(), self.router.float())
         else:
             logits = F.linear(x, self.router)
-        weights, experts = route(logits, self.arch, self.correction_bias)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            rows, pos = torch.where(experts == e)
-            gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[rows, pos, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+        return route(logits, self.arch, self.correction_bias)
+
+    def use_fused(self, x: torch.Tensor) -> bool:
+        if self.fused is not None:
+            return self.fused
+        return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routed experts for the given routing plus the shared expert: ``[T, H]``."""
+        if self.use_fused(x):
+            from disagg.kernels.fused_moe import fused_experts
+
+            out = fused_experts(x, weights, experts, self.gate_up, self.down)
+        else:
+            out = experts_loop(x, weights, experts, self.gate_up, self.down)
         if self.shared_gate_up is not None and self.shared_down is not None:
             gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
             shared = F.linear(F.silu(gate) * up, self.shared_down)
@@ -87,3 +113,22 @@ class MoEMLP(nn.Module):
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> this rank's partial MLP output ``[T, H]``."""
+        weights, experts = self.route(x)
+        return self.mix(x, weights, experts)
+
+
+def warm(mlp: MoEMLP, max_tokens: int) -> list[int]:
+    """Compile every fused-kernel variant a forward of up to ``max_tokens`` rows can launch
+    (one forward per distinct tile config); returns the row counts run. Call before ready."""
+    from disagg.kernels.fused_moe import config_tokens
+
+    x = mlp.router
+    if not mlp.use_fused(x):
+        return []
+    tokens = config_tokens(mlp.arch.top_k, mlp.arch.num_experts, max_tokens)
+    for t in tokens:
+        mlp(torch.randn(t, x.shape[1], dtype=x.dtype, device=x.device))
+    return tokens
