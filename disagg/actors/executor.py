@@ -80,11 +80,9 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
              if ecfg.draft_model is not None else None)
     arch = model.arch
     backend_name = ecfg.attention_backend
-    if arch.mla is not None and backend_name in ("auto", "torch"):
-        backend_name = "torch"  # MLA's latent attention has no Triton kernel yet
-    elif arch.mla is not None:
-        raise ExecutorError(f"--attention-backend {backend_name}: MLA models run on the torch "
-                            "backend for now (auto picks it)")
+    if arch.mla is not None and backend_name == "flashinfer":  # auto: triton on CUDA, else torch
+        raise ExecutorError("--attention-backend flashinfer: MLA models run on the triton (CUDA) "
+                            "or torch backend (auto picks one)")
     backend = get_backend(backend_name, device)
     max_model_len = cfg.scheduler.max_model_len or arch.max_position_embeddings
     log.info("model %s on %s in %.1f s (%s weights)", arch.architecture, device,
@@ -120,6 +118,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             log.info("CUDA graphs are not used with --tp > 1 yet; running decode eagerly")
         elif backend.name != "triton":
             log.info("CUDA graphs need the triton attention backend; running decode eagerly")
+        elif arch.moe is not None and model.dtype == torch.float32:
+            log.info("CUDA graphs of MoE models need the fused kernel (bf16/fp16); eager decode")
         else:
             try:
                 s = cfg.scheduler

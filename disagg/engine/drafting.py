@@ -92,14 +92,14 @@ def attach_draft(runner: ModelRunner, draft: Transformer, kv: torch.Tensor, back
                  graphs: bool, max_batch: int, max_model_len: int,
                  prefill_only: bool = False) -> DraftModel:
     """Give ``runner`` a draft model over ``kv`` (its cache with the runner's page ids:
-    ``spec_layout``), its own attention backend (torch for MLA, as for targets), and decode
-    CUDA graphs when the target has them. ``prefill_only`` (a prefill node): it only prefills
-    (``DraftModel.prefill`` before each step)."""
+    ``spec_layout``), its own attention backend (an MLA draft takes auto's where the target's
+    is flashinfer), and decode CUDA graphs when the target has them. ``prefill_only`` (a
+    prefill node): it only prefills (``DraftModel.prefill`` before each step)."""
     from disagg.engine.attention import get_backend
 
     a = draft.arch
-    sub = ModelRunner(draft, kv, get_backend("torch" if a.mla is not None else backend,
-                                             draft.device))
+    mla_ok = a.mla is None or backend != "flashinfer"
+    sub = ModelRunner(draft, kv, get_backend(backend if mla_ok else "auto", draft.device))
     if graphs and a.moe is None and a.mla is None and not prefill_only:
         sub.enable_cuda_graphs(max_batch, max_model_len)
     if draft.device.type == "cuda":

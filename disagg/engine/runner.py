@@ -181,6 +181,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.split_bound = max_model_len
         arch = self.model.arch
+        if arch.mla is not None:  # its split count is a kernel argument: one launch shape
+            from disagg.kernels import mla
+            from disagg.model.mla import MLAAttention
+
+            layer = next(m for m in self.model.modules() if isinstance(m, MLAAttention))
+            return mla.warm(self.kv[0, :, 0], layer.num_heads, arch.mla.kv_lora_rank)
         seen: set[int] = set()
         k, v = self.kv[0, :, 0], self.kv[0, :, -1]
         width = -(-max_model_len // self.page_size)

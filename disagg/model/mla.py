@@ -1,4 +1,4 @@
-"""DeepSeek multi-head latent attention over a paged latent cache (torch path).
+"""DeepSeek multi-head latent attention over a paged latent cache.
 
 Per token the cache holds one row ``[c_kv (kv_lora_rank), k_pe (qk_rope_head_dim)]``: the
 normalised compressed KV and the rotated shared rope key, the same for every head (so under
@@ -9,8 +9,9 @@ Attention runs absorbed, for prefill and decode alike: ``kv_b_proj`` splits per 
 the latent space (``q_nope @ W_UK``), so a head's score against a cached row is
 ``[q_nope W_UK, q_pe] . [c_kv, k_pe]`` -- multi-query attention with one 576-wide kv head --
 and its output ``(softmax . c_kv) @ W_UV^T``. That equals expanding the latent into per-head
-keys and values (Hugging Face's form) up to rounding. A backend's ``attend`` computes it with
-the latent as both K and V (the value's rope tail is dropped afterwards).
+keys and values (Hugging Face's form) up to rounding. The triton backend runs the latent
+kernels of ``disagg.kernels.mla`` (append, split-kv decode, causal prefill); any other backend's
+``attend`` computes it with the latent as both K and V (the value's rope tail dropped after).
 """
 
 from __future__ import annotations
@@ -75,10 +76,19 @@ class MLAAttention(nn.Module):
         latent = torch.cat((rms_norm(ckv[:, :c], self.kv_a_norm, self.eps),
                             rope(ckv[:, None, c:], cos, sin, a.rope_interleave)[:, 0]), dim=-1)
         latent = latent.view(t, 1, c + r)
-        backend.append_kv(latent, latent, cache, cache, meta)
+        triton = backend.name == "triton"
+        if triton:
+            from disagg.kernels import mla as kernels
+
+            kernels.append_latent(latent, cache, meta.slot_mapping)
+        else:
+            backend.append_kv(latent, latent, cache, cache, meta)
         w = self.kv_b.view(n, nope + a.v_head_dim, c)
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w[:, :nope])
-        query = torch.cat((q_lat, rope(q_pe, cos, sin, a.rope_interleave)), dim=-1)
-        out = backend.attend(query.contiguous(), cache, cache, meta, a.softmax_scale)[..., :c]
+        query = torch.cat((q_lat, rope(q_pe, cos, sin, a.rope_interleave)), dim=-1).contiguous()
+        if triton:
+            out = kernels.mla_attention(query, cache, meta, a.softmax_scale, c)
+        else:
+            out = backend.attend(query, cache, cache, meta, a.softmax_scale)[..., :c]
         heads = torch.einsum("thc,hvc->thv", out, w[:, nope:])
         return F.linear(heads.reshape(t, n * a.v_head_dim), self.o)

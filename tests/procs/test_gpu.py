@@ -35,19 +35,44 @@ def test_cuda_greedy_matches_transformers(tmp_path, kind, backend):
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"])
 def test_cuda_moe_and_mla_greedy_matches_transformers(tmp_path, kind):
-    """The MoE / MLA torch path on CUDA (MLA on the torch attention backend), with and
-    without prompt-lookup speculation."""
+    """MoE / MLA on CUDA in float32 (the MoE loop; MLA on the Triton latent kernels and on the
+    torch backend), with and without prompt-lookup speculation."""
     from disagg.engine.speculative import Speculation
 
     path = make_tiny_model(kind, tmp_path / kind)
     refs = [hf_greedy(path, p, 8) for p in PROMPTS]
     model = load_model(path, "float32", "cuda:0")
-    backend = "torch" if "deepseek" in kind else "triton"
-    for spec in (None, Speculation("ngram", 3)):
+    backends = ["triton", "torch"] if "deepseek" in kind else ["triton"]
+    for backend, spec in [(b, s) for b in backends for s in (None, Speculation("ngram", 3))]:
         llm = LLM(model, num_pages=64, page_size=16, max_batch_tokens=16,
                   attention_backend=backend, speculative=spec)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
-        assert [o.token_ids for o in outs] == refs, spec
+        assert [o.token_ids for o in outs] == refs, (backend, spec)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v2"])
+def test_moe_and_mla_decode_from_cuda_graphs_as_eager(tmp_path, kind):
+    """bf16 MoE (fused kernel) and MLA (Triton latent kernels) decode steps replayed from CUDA
+    graphs give the eager steps' tokens, plain and with drafts."""
+    from disagg.engine.speculative import Speculation
+
+    path = make_tiny_model(kind, tmp_path / kind)
+    model = load_model(path, "bfloat16", "cuda:0")
+    prompts = PROMPTS + [[9] * 12, [5, 6, 7, 8] * 4]
+    for spec in (None, Speculation("ngram", 3)):
+        outs = []
+        for graphs in (False, True):
+            llm = LLM(model, num_pages=64, page_size=16, max_batch_tokens=64,
+                      attention_backend="triton", speculative=spec)
+            llm.runner.pin_decode_splits(16, 512)
+            if graphs:
+                llm.runner.enable_cuda_graphs(16, 512, spec_tokens=3 if spec else 0)
+            outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(
+                max_tokens=16, ignore_eos=True))])
+            if graphs:
+                g = llm.runner.spec_graphs if spec else llm.runner.graphs
+                assert g is not None and g.replays > 0
+        assert outs[0] == outs[1], spec
 
 
 def test_cuda_graphs_with_drafts_match_eager(tmp_path):
