@@ -96,6 +96,25 @@ def split_params(model: Any) -> tuple[int, int, int]:
     return other_bytes, expert_bytes // max(1, moe_layers), other_linear
 
 
+def profile(runner: Any, pages: list[int], page: int, ctx: int) -> dict[str, str]:
+    """Top kernels of one eager decode step at batch 1 and 64 (torch profiler, CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    graphs, runner.graphs = runner.graphs, None
+    for batch in (1, 64):
+        plan = decode_plan(batch, batch, ctx, page, pages, base=0)
+        runner.execute(plan)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.execute(plan)
+            torch.cuda.synchronize()
+        out[f"b{batch}"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
+                                                     max_name_column_width=70)
+        print(f"=== profile b{batch}\n" + out[f"b{batch}"], flush=True)
+    runner.graphs = graphs
+    return out
+
+
 def run_shape(name: str, cfg: dict, args: argparse.Namespace, ceil: dict) -> dict:
     from disagg.engine.attention import get_backend
     from disagg.engine.kv_memory import KVAllocation, KVLayout
@@ -155,6 +174,8 @@ def run_shape(name: str, cfg: dict, args: argparse.Namespace, ceil: dict) -> dic
                "tokens_per_s": batch / step_ms * 1e3}
         res["decode"][f"b{batch}"] = row
         print(name, "decode", batch, row, flush=True)
+    if args.profile:
+        res["profile"] = profile(runner, pages, page, args.ctx)
     n = args.prefill
     rng = random.Random(3)
     pplan = StepPlan(3, [SeqChunk(0, [rng.randrange(1000, 100000) for _ in range(n)], 0,
@@ -185,6 +206,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--profile", action="store_true", help="kernel tables of eager steps")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -100,10 +100,12 @@ def attach_draft(runner: ModelRunner, draft: Transformer, kv: torch.Tensor, back
     a = draft.arch
     mla_ok = a.mla is None or backend != "flashinfer"
     sub = ModelRunner(draft, kv, get_backend(backend if mla_ok else "auto", draft.device))
-    if graphs and a.moe is None and a.mla is None and not prefill_only:
+    if graphs and not prefill_only and (a.moe is None or draft.dtype != torch.float32):
         sub.enable_cuda_graphs(max_batch, max_model_len)
-    if draft.device.type == "cuda":
-        sub.warm_prefill(max_batch, max_model_len)  # its eager chunks compile before ready
+    if draft.device.type == "cuda":  # its eager steps compile before ready
+        if sub.graphs is None:
+            sub.pin_decode_splits(max_batch, max_model_len)
+        sub.warm_prefill(max_batch, max_model_len)
     drafter = DraftModel(sub, runner.model.arch.vocab_size)
     if prefill_only:
         runner.spec_prefill = drafter.prefill

@@ -28,6 +28,15 @@ from disagg.model.tp import TensorParallel
 FUSED = env("NO_FUSED") is None  # DISAGG_NO_FUSED=1: plain torch elementwise ops on CUDA too
 
 
+def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm: one Triton kernel on CUDA (``FUSED``), torch ops elsewhere."""
+    if x.is_cuda and FUSED:
+        from disagg.model import fused
+
+        return fused.rms_norm(x, w, eps)[0]
+    return rms_norm(x, w, eps)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel | None = None, layer: int = 0):
@@ -69,10 +78,9 @@ class DecoderLayer(nn.Module):
         after_attention: Callable[[], None] | None,
     ) -> torch.Tensor:
         if self.mla is not None:
-            attn = self.mla(rms_norm(x, self.input_norm, self.eps), cos, sin, k_cache, meta,
-                            backend)
-            return self._mlp(x + self.tp.all_reduce(attn), after_attention)
-        if x.is_cuda and FUSED and self.moe is None:
+            attn = self.mla(norm(x, self.input_norm, self.eps), cos, sin, k_cache, meta, backend)
+            return self._mlp(x, after_attention, self.tp.all_reduce(attn))
+        if x.is_cuda and FUSED:
             return self._forward_fused(x, cos, sin, k_cache, v_cache, meta, backend,
                                        after_attention)
         t = x.shape[0]
@@ -93,14 +101,29 @@ class DecoderLayer(nn.Module):
         x = x + self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
         return self._mlp(x, after_attention)
 
-    def _mlp(self, x: torch.Tensor, after_attention: Callable[[], None] | None) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, after_attention: Callable[[], None] | None,
+             attn: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP half of the layer over ``x`` (plus ``attn``, the attention output, when
+        given: added with the norm in one kernel on CUDA)."""
         if after_attention is not None:
             after_attention()
-        h = rms_norm(x, self.post_norm, self.eps)
+        if attn is not None and x.is_cuda and FUSED:
+            from disagg.model import fused
+
+            h, x = fused.rms_norm(attn, self.post_norm, self.eps, residual=x)
+        else:
+            x = x if attn is None else x + attn
+            h = rms_norm(x, self.post_norm, self.eps)
         if self.moe is not None:
             return x + self.tp.all_reduce(self.moe(h))
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        if x.is_cuda and FUSED:
+            from disagg.model import fused
+
+            act = fused.silu_mul(F.linear(h, self.gate_up_weight))
+        else:
+            gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return x + self.tp.all_reduce(F.linear(act, self.down_weight))
 
     def _forward_fused(
         self,
@@ -118,7 +141,7 @@ class DecoderLayer(nn.Module):
 
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h, _ = fused.rms_norm(x, self.input_norm, self.eps)
+        h = norm(x, self.input_norm, self.eps)
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
         q = qkv[:, : hq * d].view(t, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
@@ -128,11 +151,7 @@ class DecoderLayer(nn.Module):
         backend.append_kv(k, v, k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
         o = self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
-        h, x = fused.rms_norm(o, self.post_norm, self.eps, residual=x)
-        if after_attention is not None:
-            after_attention()
-        down = F.linear(fused.silu_mul(F.linear(h, self.gate_up_weight)), self.down_weight)
-        return x + self.tp.all_reduce(down)
+        return self._mlp(x, after_attention, o)
 
 
 class Transformer(nn.Module):

@@ -188,6 +188,16 @@ def test_gpu_layer_and_no_compile_after_warm() -> None:
         p.data.normal_(0, 0.02)
     kv = torch.zeros(3, 256, 1, page, LAT + ROPE, device="cuda", dtype=torch.bfloat16)
     mla.warm(kv[0], heads, LAT)
+    # the layer's own non-attention kernels (its latent norm) compile in one step on the torch
+    # backend, as a node's warm-up steps compile them
+    dev = torch.device("cuda")
+    one = torch.zeros(1, 1, ROPE, device=dev, dtype=torch.bfloat16)
+    layer(torch.randn(1, hidden, device=dev, dtype=torch.bfloat16), one, one, kv[0],
+          AttentionMetadata(torch.zeros(1, dtype=torch.int64, device=dev),
+                            torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                            torch.ones(1, dtype=torch.int32, device=dev),
+                            torch.tensor([0, 1], dtype=torch.int32, device=dev), 0, 1, 1),
+          get_backend("torch", dev))
     compiled: list[Any] = []
     old = knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr"))
