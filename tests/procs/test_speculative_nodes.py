@@ -68,16 +68,19 @@ def test_a_mixed_node_drafts_and_stays_token_exact(model_dir, tmp_path):
 
 
 @pytest.mark.fabric
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-other"])
 def test_a_decoder_drafts_after_a_remote_prefill(model_dir, tmp_path, method):
-    """With a draft model (here the model itself, an upper bound) the prefiller prefills the
-    draft too and ships its pages beside the model's: the decoder receives every unit of both
-    regions, and its first drafts already see the whole prompt (with a draft equal to the
-    model, nearly all are accepted; a draft blind to the prompt would propose noise)."""
+    """With a draft model the prefiller prefills the draft too and ships its pages beside the
+    model's: the decoder receives every unit of both regions, and its first drafts already see
+    the whole prompt (with the model as its own draft, an upper bound, nearly all are
+    accepted; a draft blind to the prompt would propose noise). ``draft-other``: a second tiny
+    model of the same vocabulary (another architecture) as the draft."""
     spec, prefill_spec = SPEC, []
-    if method == "draft":
-        spec = prefill_spec = ["--speculative-method", "draft", "--draft-model",
-                               str(model_dir), "--num-speculative-tokens", "2"]
+    if method.startswith("draft"):
+        draft = (model_dir if method == "draft"
+                 else make_tiny_model("qwen2", tmp_path / "draft", seed=3))
+        spec = prefill_spec = ["--speculative-method", "draft", "--draft-model", str(draft),
+                               "--num-speculative-tokens", "2"]
     p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "64", "--max-batch-tokens",
                      "5", *prefill_spec)
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
@@ -87,10 +90,11 @@ def test_a_decoder_drafts_after_a_remote_prefill(model_dir, tmp_path, method):
             assert generate(d_addr, ids) == hf_greedy(model_dir, ids, NEW), ids
         s = stats(d_addr)
         assert s.kv_units_received > 0 and s.spec_draft_tokens > 0
-        if method == "draft":  # units: every page of the model's layers and the draft's
+        if method.startswith("draft"):  # units: every page of the model's and draft's layers
             layers = 2 * TINY["num_hidden_layers"]
             assert s.kv_units_received == sum(layers * -(-(len(ids) - 1) // PAGE) + 1
                                               for ids in PROMPTS)
+        if method == "draft":
             assert s.spec_accepted_tokens >= 0.8 * s.spec_draft_tokens
         for addr in (p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
