@@ -8,7 +8,8 @@ code in ``disagg.model.transformer``, so outputs match it up to the float32 sum 
 - ``rms_norm(x, w, eps, residual=None)``: with ``residual``, first ``x = x + residual`` (rounded,
   returned as the new residual stream), then ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``.
 - ``norm_rope(x, w, cos, sin, eps)``: per head, optional RMSNorm (``w`` may be None) then
-  rotate-half RoPE, on a strided ``[T, H, D]`` view (q or k inside the fused qkv output).
+  rotate-half RoPE, on a strided ``[T, H, D]`` view (q or k inside the fused qkv output);
+  ``interleave``: DeepSeek's interleaved pairs (MLA's rope parts), de-interleaved out.
 - ``silu_mul(gate_up)``: ``silu(gate) * up`` of the halves of ``[T, 2I]``.
 
 Imported only on CUDA paths (or under ``TRITON_INTERPRET=1`` in tests).
@@ -63,14 +64,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh,
                       stride_ct, heads, eps, HAS_NORM: tl.constexpr, H_PAD: tl.constexpr,
-                      HALF: tl.constexpr):
+                      HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, HALF)
     mask = (h[:, None] < heads) & (d[None, :] < HALF)
-    base = x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    row = x_ptr + t * stride_xt + h[:, None] * stride_xh
+    if INTERLEAVE:  # pairs (x0, x1), (x2, x3) ...: the evens rotate with the odds
+        x1 = tl.load(row + 2 * d[None, :], mask=mask, other=0.0)
+        x2 = tl.load(row + 2 * d[None, :] + 1, mask=mask, other=0.0)
+    else:
+        x1 = tl.load(row + d[None, :], mask=mask, other=0.0)
+        x2 = tl.load(row + d[None, :] + HALF, mask=mask, other=0.0)
     dt = out_ptr.dtype.element_ty
     if HAS_NORM:
         f1 = x1.to(tl.float32)
@@ -96,9 +101,13 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride
 
 
 def norm_rope(x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-              eps: float) -> torch.Tensor:
+              eps: float, interleave: bool = False) -> torch.Tensor:
     """``x`` ``[T, H, D]`` (unit stride along D), ``cos``/``sin`` ``[T, 1, D]`` -> contiguous
-    ``[T, H, D]``: optional per-head RMSNorm with ``w`` ``[D]``, then rotate-half RoPE."""
+    ``[T, H, D]``: optional per-head RMSNorm with ``w`` ``[D]``, then rotate-half RoPE; with
+    ``interleave`` (DeepSeek's pairs, no norm) the rotated evens then odds, as
+    ``disagg.model.mla.rope`` computes them."""
+    if interleave and w is not None:
+        raise ValueError("norm_rope: an interleaved rope takes no norm")
     t, heads, d = x.shape
     if x.stride(2) != 1 or cos.stride(2) != 1 or cos.stride() != sin.stride():
         raise ValueError("norm_rope needs unit stride along head_dim and matching cos/sin")
@@ -108,7 +117,8 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: t
     launch = {} if checks.interpreting() else dict(num_warps=4)
     _norm_rope_kernel[(t,)](x, w if w is not None else x, cos, sin, out, x.stride(0),
                             x.stride(1), cos.stride(0), heads, eps, HAS_NORM=w is not None,
-                            H_PAD=triton.next_power_of_2(heads), HALF=d // 2, **launch)
+                            H_PAD=triton.next_power_of_2(heads), HALF=d // 2,
+                            INTERLEAVE=interleave, **launch)
     return out
 
 

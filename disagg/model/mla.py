@@ -43,6 +43,18 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return norm(x, w, eps)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+          ) -> torch.Tensor:
+    """``rope``, in one kernel on CUDA (``disagg.model.fused.norm_rope``)."""
+    from disagg.model import transformer  # late: it imports this module
+
+    if x.is_cuda and transformer.FUSED:
+        from disagg.model import fused
+
+        return fused.norm_rope(x, None, cos, sin, 0.0, interleave=interleave)
+    return rope(x, cos, sin, interleave)
+
+
 class MLAAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, mla: MLAArch, eps: float,
                  dtype: torch.dtype, device: torch.device):
@@ -80,7 +92,7 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q[..., :nope], q[..., nope:]
         ckv = F.linear(h, self.kv_a)
         latent = torch.cat((_norm(ckv[:, :c], self.kv_a_norm, self.eps),
-                            rope(ckv[:, None, c:], cos, sin, a.rope_interleave)[:, 0]), dim=-1)
+                            _rope(ckv[:, None, c:], cos, sin, a.rope_interleave)[:, 0]), dim=-1)
         latent = latent.view(t, 1, c + r)
         triton = backend.name == "triton"
         if triton:
@@ -91,7 +103,7 @@ class MLAAttention(nn.Module):
             backend.append_kv(latent, latent, cache, cache, meta)
         w = self.kv_b.view(n, nope + a.v_head_dim, c)
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w[:, :nope])
-        query = torch.cat((q_lat, rope(q_pe, cos, sin, a.rope_interleave)), dim=-1).contiguous()
+        query = torch.cat((q_lat, _rope(q_pe, cos, sin, a.rope_interleave)), dim=-1)
         if triton:
             out = kernels.mla_attention(query, cache, meta, a.softmax_scale, c)
         else:

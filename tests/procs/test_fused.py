@@ -39,6 +39,14 @@ for dtype in (torch.float32, torch.bfloat16):
         got = fused.norm_rope(src, wn, cos, sin, 1e-6)
         assert got.is_contiguous() and got.shape == src.shape
         torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    # MLA's rope parts: a strided [T, H, R] tail of each head's query, and the shared k_pe;
+    # DeepSeek's interleaved pairs come out de-interleaved, as disagg.model.mla.rope does
+    from disagg.model.mla import rope
+    q_mla = torch.randn(T, H, 24 + D, dtype=dtype)
+    for src in (q_mla[..., 24:], q_mla[:, :1, 24:]):
+        for inter in (True, False):
+            got = fused.norm_rope(src, None, cos, sin, 0.0, interleave=inter)
+            torch.testing.assert_close(got, rope(src, cos, sin, inter), atol=tol, rtol=tol)
     gu = torch.randn(T, 2 * I, dtype=dtype)
     g, u = gu.chunk(2, dim=-1)
     torch.testing.assert_close(fused.silu_mul(gu), F.silu(g) * u, atol=tol, rtol=tol)
