@@ -58,24 +58,27 @@ SHAPES = {"v2lite": V2_LITE, "qwen3moe": QWEN3_30B_A3B}
 
 
 class HitCounter:
-    """Distinct routed experts per MoE layer call, recorded from ``route`` while active."""
+    """Distinct routed experts per MoE layer call, recorded from ``MoEMLP.route`` (torch or
+    fused routing) while active."""
 
     def __init__(self) -> None:
-        import disagg.model.moe as moe
+        from disagg.model.moe import MoEMLP
 
-        self.moe, self.orig, self.hits = moe, moe.route, []
+        self.cls, self.orig, self.hits = MoEMLP, MoEMLP.route, []
 
     def __enter__(self) -> HitCounter:
-        def counting(*args: Any, **kw: Any) -> Any:
-            weights, experts = self.orig(*args, **kw)
+        orig = self.orig
+
+        def counting(mlp: Any, x: torch.Tensor) -> Any:
+            weights, experts = orig(mlp, x)
             self.hits.append(int(torch.unique(experts).numel()))
             return weights, experts
 
-        self.moe.route = counting
+        self.cls.route = counting  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.moe.route = self.orig
+        self.cls.route = self.orig  # type: ignore[method-assign]
 
 
 def split_params(model: Any) -> tuple[int, int, int]:

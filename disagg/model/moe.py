@@ -91,6 +91,11 @@ class MoEMLP(nn.Module):
             logits = F.linear(x.float(), self.router.float())
         else:
             logits = F.linear(x, self.router)
+        if self.use_fused(x):
+            from disagg.kernels.moe_routing import route_fused, supported
+
+            if supported(self.arch, self.correction_bias):
+                return route_fused(logits, self.arch)
         return route(logits, self.arch, self.correction_bias)
 
     def use_fused(self, x: torch.Tensor) -> bool:

@@ -24,8 +24,14 @@ SHAPES = {
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
+# (experts, top_k, norm_topk_prob, routed_scaling_factor, router_fp32, logits dtype)
+ROUTINGS = [(8, 2, False, 1.0, False, "float32"), (64, 6, False, 1.0, True, "float32"),
+            (128, 8, True, 1.0, False, "bfloat16"), (8, 3, True, 2.5, False, "bfloat16"),
+            (5, 5, True, 1.0, True, "float32")]
+
+
 def all_cases() -> list[str]:
-    return ["align", "tiles32", *SHAPES]
+    return ["align", "tiles32", "routing", *SHAPES]
 
 
 def _rel(out: Any, ref: Any) -> float:
@@ -89,6 +95,34 @@ def _check_tiles32() -> float:
     return _rel(out, experts_loop(x, weights, experts, gate_up, down))
 
 
+def _check_routing() -> float:
+    """``route_fused`` against ``route``: experts of the same scores in the same order (equal
+    scores may be broken either way: bf16 logits tie often) and the weights rounded alike.
+    Returns the worst relative weight error over its dtype's tolerance (pass: <= 1; inf when
+    a chosen score differs)."""
+    import torch
+
+    from disagg.kernels.moe_routing import route_fused, supported
+    from disagg.model.config import MoEArch
+    from disagg.model.moe import route
+
+    gen = torch.Generator().manual_seed(7)
+    worst = 0.0
+    for e, k, norm, scale, fp32, dtype in ROUTINGS:
+        moe = MoEArch(num_experts=e, top_k=k, intermediate_size=8, sparse_layers=(True,),
+                      norm_topk_prob=norm, routed_scaling_factor=scale, router_fp32=fp32)
+        assert supported(moe, None)
+        for t in (1, 9):
+            logits = (torch.randn(t, e, generator=gen) * 3).to(getattr(torch, dtype))
+            w, ex = route_fused(logits, moe)
+            rw, rex = route(logits, moe)
+            scores = logits.float().softmax(dim=-1)
+            if not torch.equal(scores.gather(1, ex), scores.gather(1, rex)) or w.dtype != rw.dtype:
+                return float("inf")
+            worst = max(worst, _rel(w, rw) / TOL[dtype])
+    return worst
+
+
 def run_case(cid: str) -> float:
     import torch
 
@@ -97,6 +131,8 @@ def run_case(cid: str) -> float:
 
     if cid == "align":
         return _check_align()
+    if cid == "routing":
+        return _check_routing()
     if cid == "tiles32":
         return _check_tiles32()
     top_k, h, i, s, gated, dtype = SHAPES[cid]
