@@ -6,7 +6,9 @@ here starts threads or touches asyncio; :mod:`disagg.fabric.engine` builds on th
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -291,8 +293,36 @@ class AddressVector(_Fid):
         return int(out[0])
 
 
+_SHM_CLEARED_FOR = 0  # the pid whose stale shm regions were cleared (once per process)
+
+
+def clear_stale_shm(shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove shared-memory regions left under this process's pid by a killed process.
+
+    The shm provider names an endpoint's region ``<pid>:<n>:<m>`` and ``fi_enable`` fails with
+    EBUSY when one of that name exists: a process killed with its endpoints open leaves them,
+    and a later process given the same pid (a restarted node on a busy host) could not open
+    its endpoint. Before this process's first shm endpoint every such name is stale. Returns
+    the names removed."""
+    global _SHM_CLEARED_FOR
+    me = os.getpid()
+    if _SHM_CLEARED_FOR == me:
+        return []
+    _SHM_CLEARED_FOR = me
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(shm_dir):
+            if re.fullmatch(rf"{me}:\d+:\d+", name):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shm_dir, name))
+                    removed.append(name)
+    return removed
+
+
 class Endpoint(_Fid):
     def __init__(self, domain: Domain, cq: CompletionQueue, av: AddressVector) -> None:
+        if domain.info.provider.startswith("shm"):
+            clear_stale_shm()
         out = ffi.new("struct fid_ep **")
         check("fi_endpoint", lib.fi_endpoint(domain.ptr, domain.info.raw.ptr, out, ffi.NULL))
         self._ptr = out[0]
