@@ -3,8 +3,9 @@
 ``route`` turns router logits into each token's ``top_k`` experts and weights exactly as the
 Hugging Face models do (see ``MoEArch``). ``MoEMLP`` holds every expert's SiLU-gated MLP as
 stacked tensors (``gate_up [E, 2I, H]``, ``down [E, H, I]``) plus the shared expert. On CUDA in
-fp16/bf16 the routed experts run in the fused Triton kernels (``disagg.kernels.fused_moe``): no
-host sync, so a forward can be captured in a CUDA graph. Elsewhere ``experts_loop`` runs each
+fp16/bf16 the routed experts run in the fused Triton kernels (``disagg.kernels.fused_moe``) and
+plain softmax routing in one kernel (``disagg.kernels.moe_routing``): no host sync, so a
+forward can be captured in a CUDA graph. Elsewhere ``experts_loop`` runs each
 expert hit on the rows routed to it (it asks the host which experts were hit). Under tensor
 parallelism every rank holds a slice of every expert's intermediate dimension (as for dense
 MLPs), so its output is a partial sum the caller all-reduces.
