@@ -9,8 +9,6 @@ lengths end mid-page.
 from __future__ import annotations
 
 import itertools
-import json
-import sys
 import zlib
 from typing import Any
 
@@ -177,16 +175,7 @@ def run_case(cid: str) -> float:
     raise ValueError(f"unknown case {cid}")
 
 
-def main() -> None:
-    ids = json.load(sys.stdin)
-    results: dict[str, dict[str, Any]] = {}
-    for cid in ids:
-        try:
-            results[cid] = {"err": run_case(cid)}
-        except Exception as e:  # report per case; a segfault still kills the whole worker
-            results[cid] = {"error": f"{type(e).__name__}: {e}"}
-    json.dump(results, sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    from interp import serve
+
+    serve(run_case)

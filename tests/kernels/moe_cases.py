@@ -7,8 +7,6 @@ Shapes are tiny and not multiples of the (interpreter's 16-wide) tiles.
 
 from __future__ import annotations
 
-import json
-import sys
 import zlib
 from typing import Any
 
@@ -158,16 +156,7 @@ def run_case(cid: str) -> float:
     return worst
 
 
-def main() -> None:
-    ids = json.load(sys.stdin)
-    results: dict[str, dict[str, Any]] = {}
-    for cid in ids:
-        try:
-            results[cid] = {"err": run_case(cid)}
-        except Exception as e:  # report per case; a segfault still kills the whole worker
-            results[cid] = {"error": f"{type(e).__name__}: {e}"}
-    json.dump(results, sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    from interp import serve
+
+    serve(run_case)

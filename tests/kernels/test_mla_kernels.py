@@ -6,11 +6,7 @@ compile after ``warm``."""
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +15,16 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from interp import run_cases  # noqa: E402
 from mla_cases import TOL, all_cases  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _run_worker(ids: list[str]) -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE.parents[1]),
-               CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(HERE / "mla_cases.py")], input=json.dumps(ids),
-                          capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0:
-        crash = f"worker exited {proc.returncode}: {proc.stderr[-2000:]}"
-        return {cid: {"error": crash} for cid in ids}
-    return json.loads(proc.stdout)
-
-
 @pytest.fixture(scope="module")
 def mla_results() -> dict[str, Any]:
     pytest.importorskip("triton")
-    ids = all_cases()
-    with ThreadPoolExecutor(2) as pool:
-        parts = list(pool.map(_run_worker, [ids[0::2], ids[1::2]]))
-    return {k: v for part in parts for k, v in part.items()}
+    return run_cases(HERE / "mla_cases.py", all_cases(), timeout=600)
 
 
 @pytest.mark.parametrize("cid", all_cases())
