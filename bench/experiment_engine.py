@@ -153,11 +153,11 @@ def main() -> None:
     graph_step_ms = median_ms(lambda: runner.execute(plan), 30)
     runner.graphs = None
     eager_step_ms = median_ms(lambda: runner.execute(plan), 10)
-    import disagg.model.transformer as tf
+    import disagg.model.ops as ops
 
-    tf.FUSED = False
+    ops.FUSED = False
     eager_unfused_ms = median_ms(lambda: runner.execute(plan), 10)
-    tf.FUSED = True
+    ops.FUSED = True
     runner.graphs = graphs
     t = time.perf_counter()
     for _ in range(200):
@@ -184,9 +184,9 @@ def main() -> None:
                                   ppages[: -(-n // page)], True)], 0)
     runner.execute(pplan)
     prefill_ms = median_ms(lambda: runner.execute(pplan), 5)
-    tf.FUSED = False
+    ops.FUSED = False
     prefill_unfused_ms = median_ms(lambda: runner.execute(pplan), 3)
-    tf.FUSED = True
+    ops.FUSED = True
     lin = sum(p.numel() for nm, p in model.named_parameters()
               if nm not in ("embed", "lm_head") and p.dim() == 2)
     attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * n * (n + 1) / 2

@@ -22,6 +22,7 @@ from torch import nn
 
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import MLAArch
+from disagg.model.ops import fused_on, norm
 from disagg.model.rotary import rotate_half
 
 
@@ -37,18 +38,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    from disagg.model.transformer import norm  # one kernel on CUDA (imported late: a cycle)
-
-    return norm(x, w, eps)
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
           ) -> torch.Tensor:
     """``rope``, in one kernel on CUDA (``disagg.model.fused.norm_rope``)."""
-    from disagg.model import transformer  # late: it imports this module
-
-    if x.is_cuda and transformer.FUSED:
+    if fused_on(x):
         from disagg.model import fused
 
         return fused.norm_rope(x, None, cos, sin, 0.0, interleave=interleave)
@@ -85,13 +78,13 @@ class MLAAttention(nn.Module):
         a, t, n = self.arch, h.shape[0], self.num_heads
         nope, r, c = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
         if a.q_lora_rank:
-            q = F.linear(_norm(F.linear(h, self.q_a), self.q_a_norm, self.eps), self.q_b)
+            q = F.linear(norm(F.linear(h, self.q_a), self.q_a_norm, self.eps), self.q_b)
         else:
             q = F.linear(h, self.q_proj)
         q = q.view(t, n, nope + r)
         q_nope, q_pe = q[..., :nope], q[..., nope:]
         ckv = F.linear(h, self.kv_a)
-        latent = torch.cat((_norm(ckv[:, :c], self.kv_a_norm, self.eps),
+        latent = torch.cat((norm(ckv[:, :c], self.kv_a_norm, self.eps),
                             _rope(ckv[:, None, c:], cos, sin, a.rope_interleave)[:, 0]), dim=-1)
         latent = latent.view(t, 1, c + r)
         triton = backend.name == "triton"

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.model.config import MoEArch
+from disagg.model.ops import silu_mul
 
 
 def route(logits: torch.Tensor, moe: MoEArch,
@@ -113,16 +114,7 @@ class MoEMLP(nn.Module):
         else:
             out = experts_loop(x, weights, experts, self.gate_up, self.down)
         if self.shared_gate_up is not None and self.shared_down is not None:
-            from disagg.model import transformer  # late: it imports this module
-
-            if x.is_cuda and transformer.FUSED:
-                from disagg.model.fused import silu_mul
-
-                act = silu_mul(F.linear(x, self.shared_gate_up))
-            else:
-                gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            shared = F.linear(act, self.shared_down)
+            shared = F.linear(silu_mul(F.linear(x, self.shared_gate_up)), self.shared_down)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             out = out + shared

@@ -16,25 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.config import env
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import ModelArch
 from disagg.model.mla import MLAAttention
 from disagg.model.moe import MoEMLP
 from disagg.model.mtp import MTPLayer
+from disagg.model.ops import fused_on, norm, silu_mul
 from disagg.model.rotary import Rotary, rms_norm, rotate_half
 from disagg.model.tp import TensorParallel
-
-FUSED = env("NO_FUSED") is None  # DISAGG_NO_FUSED=1: plain torch elementwise ops on CUDA too
-
-
-def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm: one Triton kernel on CUDA (``FUSED``), torch ops elsewhere."""
-    if x.is_cuda and FUSED:
-        from disagg.model import fused
-
-        return fused.rms_norm(x, w, eps)[0]
-    return rms_norm(x, w, eps)
 
 
 class DecoderLayer(nn.Module):
@@ -80,7 +69,7 @@ class DecoderLayer(nn.Module):
         if self.mla is not None:
             attn = self.mla(norm(x, self.input_norm, self.eps), cos, sin, k_cache, meta, backend)
             return self._mlp(x, after_attention, self.tp.all_reduce(attn))
-        if x.is_cuda and FUSED:
+        if fused_on(x):
             return self._forward_fused(x, cos, sin, k_cache, v_cache, meta, backend,
                                        after_attention)
         t = x.shape[0]
@@ -107,7 +96,7 @@ class DecoderLayer(nn.Module):
         given: added with the norm in one kernel on CUDA)."""
         if after_attention is not None:
             after_attention()
-        if attn is not None and x.is_cuda and FUSED:
+        if attn is not None and fused_on(x):
             from disagg.model import fused
 
             h, x = fused.rms_norm(attn, self.post_norm, self.eps, residual=x)
@@ -116,13 +105,7 @@ class DecoderLayer(nn.Module):
             h = rms_norm(x, self.post_norm, self.eps)
         if self.moe is not None:
             return x + self.tp.all_reduce(self.moe(h))
-        if x.is_cuda and FUSED:
-            from disagg.model import fused
-
-            act = fused.silu_mul(F.linear(h, self.gate_up_weight))
-        else:
-            gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-            act = F.silu(gate) * up
+        act = silu_mul(F.linear(h, self.gate_up_weight))
         return x + self.tp.all_reduce(F.linear(act, self.down_weight))
 
     def _forward_fused(

@@ -1,0 +1,37 @@
+"""The layers' elementwise ops, each one fused Triton kernel on CUDA (``disagg.model.fused``)
+and torch ops elsewhere, or everywhere with ``DISAGG_NO_FUSED=1`` (``FUSED``: benchmarks flip
+it to compare)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from disagg.config import env
+from disagg.model.rotary import rms_norm
+
+FUSED = env("NO_FUSED") is None
+
+
+def fused_on(x: torch.Tensor) -> bool:
+    """Whether ``x``'s ops take the fused kernels."""
+    return x.is_cuda and FUSED
+
+
+def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of ``x [T, N]`` (unit stride along N) with weight ``w``."""
+    if fused_on(x):
+        from disagg.model import fused
+
+        return fused.rms_norm(x, w, eps)[0]
+    return rms_norm(x, w, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[T, 2I]`` -> ``silu(gate) * up`` ``[T, I]`` (the gated MLP's activation)."""
+    if fused_on(gate_up):
+        from disagg.model import fused
+
+        return fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
