@@ -178,14 +178,14 @@ class DecodeSide(SchedulerSide):
         now = time.monotonic()
         match msg:
             case AttemptEvent(request_id=rid, kind=kind) as ev:
+                slot = int(rid.split(".")[0])
                 if ev.timings is not None:
                     self._prefiller_timings(rid, ev.timings, ev.cached_tokens)
-                if ev.context and self.sent.get(int(rid.split(".")[0])) == rid:
-                    self.context[int(rid.split(".")[0])] = ev.context  # for its Ready
+                if ev.context and self.sent.get(slot) == rid:
+                    self.context[slot] = ev.context  # for its Ready
                 if kind == "failed" or kind == "peer_dead":
                     log.warning("remote prefill %s: %s %s", rid, ev.code or kind, ev.message)
                 await self._carry_out(self.remote.event(rid, kind, now, ev.code, ev.message))
-                slot = int(rid.split(".")[0])
                 if kind != "landed" and kind != "progress" and self.sent.get(slot) == rid:
                     await self._finish_held(slot)  # nothing more of its attempt will come
             case PeersAlive(count=n):
