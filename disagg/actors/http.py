@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 INLINE_BODY_BYTES = 64 << 10  # larger bodies are prepared on a worker thread
+SHUTDOWN_S = 5.0  # stopping the gateway waits this long for running handlers, then cancels
 
 
 class Backend(Protocol):
@@ -123,8 +124,10 @@ class Gateway:
         """Poll Stats once (so /health and the gauges are live), then listen."""
         await self._poll_once()
         # handler_cancellation: a client that disconnects cancels its handler, which aborts
-        # the request on the node.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # the request on the node; stopping waits at most SHUTDOWN_S for handlers still running
+        # (aiohttp's default is 60 s), then cancels them
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=SHUTDOWN_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
