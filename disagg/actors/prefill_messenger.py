@@ -12,6 +12,8 @@ Requests pass ``remote.requests`` checks and the ownership gate (``actors.owners
 before they become jobs; each job's lifecycle (peer shares, deadlines, one answer, pages
 released after it) is ``remote.prefill.PrefillJobs``. Pages a job's first chunk starts after
 (this node's prefix cache) go out at once; the rest layer by layer; none the decoder holds.
+The context write (a unit the decoder counts) carries the last hidden row for MTP, after the
+step; else it is a zero-row marker posted with the last chunk's last layer (no step-end tail).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import zmq.asyncio
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.ownership_gate import OwnershipGate
-from disagg.actors.prefill_jobs import Job, Step
+from disagg.actors.prefill_jobs import Job, JobWrites, Step
 from disagg.actors.sockets import (
     PEER_FRAME_BYTES,
     disconnected_fds,
@@ -85,8 +87,6 @@ from disagg.remote.prefill import (
 from disagg.remote.requests import descriptor_problem, request_problem
 from disagg.remote.transfer_plan import (
     ChunkPlan,
-    Runs,
-    context_write,
     job_pages_plan,
     pages_to_send,
     spec_pages_plan,
@@ -98,7 +98,7 @@ log = logging.getLogger(__name__)
 MAX_STATS_WAITING = 1000  # Stats requests of one peer answered by one query (more: dropped)
 
 
-class PrefillMessenger(MessengerBase):
+class PrefillMessenger(JobWrites, MessengerBase):
     def __init__(
         self,
         listen: str,
@@ -119,7 +119,8 @@ class PrefillMessenger(MessengerBase):
         # decoders' node keys only
         self.sock, self.monitor = listening(ctx, listen, max_frame=PEER_FRAME_BYTES, who="nodes")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_jobs, metrics)
+        super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_jobs + 1, metrics)
+        self.zero_slot = self.ctx_free.pop(0)  # never written: the context marker's source
         self.life = PrefillJobs(PeerQuota(int(max_jobs * peer_share),
                                           int(layout.num_pages * peer_share)))
         self.gate = OwnershipGate(transfer, ownership_timeout_s, self.life.quota.max_jobs,
@@ -337,6 +338,10 @@ class PrefillMessenger(MessengerBase):
                                plan.layer((sr, dr), layer))
                 if layer == 0 and self.layout.spec_method == "draft":  # computed before it
                     self._ship_spec(job, self._spec_plan(job, chunk))
+        if step.next_layer < self.layout.num_layers <= layers_done:  # last layer out: markers
+            for c in step.announce.chunks:
+                if c.start + c.count == c.total and (job := self.jobs.get(c.job)):
+                    self._post_context(job)
         step.next_layer = max(step.next_layer, layers_done)
 
     def _ship_spec(self, job: Job, plan: ChunkPlan | None) -> None:
@@ -406,29 +411,13 @@ class PrefillMessenger(MessengerBase):
                 if job is not None and (why := self.life.overdue(job_id, now)):
                     self._fail(job, "timeout", why)
                 continue
-            slot = self.ctx_of[job_id]
-            self.ctx_buf[slot] = torch.frombuffer(bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]),
-                                                  dtype=torch.uint8)
-            w = context_write(slot * row_bytes, job.req.ctx_offset, row_bytes)
-            self._post(job, self.ctx_region, job.dst_ctx, Runs.of([w]))
+            if self.layout.spec_method == "mtp":  # the decoder's MTP layer reads this row
+                slot = self.ctx_of[job_id]
+                self.ctx_buf[slot] = torch.frombuffer(
+                    bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]), dtype=torch.uint8)
+            self._post_context(job, slot if self.layout.spec_method == "mtp" else None)
             self._carry_out(self.life.computed(job_id, now))
         self._send_soon(self.stats())
-
-    def _post(self, job: Job, src: Any, dst: Any, runs: Runs) -> None:
-        """Hand ``runs`` to the transfer engine (the caller checked ``may_write``); no write
-        may still be queued or posted past the job's absolute deadline."""
-        now = time.monotonic()
-        if job.first_post_at is None:
-            job.first_post_at = now
-        job.writes += len(runs)
-        job.bytes += int(runs.length.sum())
-        left = self.life.time_left(job.id, now)
-        try:
-            job.futures.extend(self.transfer.write(src, dst, runs, job.req.key,
-                                                   timeout=min(left, self.transfer.timeout_s)))
-        except Exception as e:  # out of range: refuse, never write outside
-            log.error("job %d: refused writes: %s", job.id, e)
-            self._fail(job, "transfer_failed", str(e))
 
     async def _settle(self, job: Job) -> None:
         """Wait for every write of ``job`` posted so far to settle; tell the machine."""
