@@ -75,6 +75,40 @@ def event_ms(fn, reps: int) -> float:
     return statistics.median(out)
 
 
+def overlapped_step_ms(runner, plan, steps: int) -> float:
+    """Per-step time of decode steps run as an overlapping executor runs them: step N+1 (the
+    same sequences as follow chunks, its plan through msgpack as it would arrive) is launched
+    before step N's tokens are taken, so its host work (decode, flattening, copies, launch)
+    overlaps N's device work."""
+    import msgspec
+
+    from disagg.protocol.executor import StepPlan
+
+    wire = msgspec.msgpack.encode(StepPlan(
+        plan.step_id + 1, [msgspec.structs.replace(c, follow=True) for c in plan.chunks],
+        plan.num_decodes, defer=True))
+    dec = msgspec.msgpack.Decoder(StepPlan)
+    runner.execute(plan)
+    torch.cuda.synchronize()
+    launched = runner.launch(plan)
+    for _ in range(3):  # warm-up (first uses)
+        nxt = runner.launch(dec.decode(wire))
+        launched.wait()
+        launched = nxt
+    host = []
+    t = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        nxt = runner.launch(dec.decode(wire))
+        host.append(time.perf_counter() - t0)
+        launched.wait()
+        launched = nxt
+    launched.wait()
+    print(f"overlapped B={len(plan.chunks)}: launch host ms p50 "
+          f"{1e3 * statistics.median(host):.3f} max {1e3 * max(host):.3f}", flush=True)
+    return (time.perf_counter() - t) / steps * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -83,6 +117,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--quick", action="store_true",
+                    help="decode steps only (graph, overlapped, B=1 profile): no eager steps, "
+                         "prefill or full profiles")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,14 +188,21 @@ def main() -> None:
     roof_ms = (weight_bytes + kv_bytes) / bw * 1e3
     replay_ms = event_ms(lambda: graphs.graphs[b].replay(), 30)
     graph_step_ms = median_ms(lambda: runner.execute(plan), 30)
-    runner.graphs = None
-    eager_step_ms = median_ms(lambda: runner.execute(plan), 10)
+    overlapped_ms = overlapped_step_ms(runner, plan, 30)
+    one = decode_plan(4, 1, args.ctx, page, dpages, base=0)
+    b1 = {"graph_step_ms": median_ms(lambda: runner.execute(one), 30),
+          "overlapped_step_ms": overlapped_step_ms(runner, one, 30),
+          "graph_replay_ms": event_ms(lambda: graphs.graphs[1].replay(), 30)}
     import disagg.model.ops as ops
 
-    ops.FUSED = False
-    eager_unfused_ms = median_ms(lambda: runner.execute(plan), 10)
-    ops.FUSED = True
-    runner.graphs = graphs
+    eager_step_ms = eager_unfused_ms = float("nan")
+    if not args.quick:
+        runner.graphs = None
+        eager_step_ms = median_ms(lambda: runner.execute(plan), 10)
+        ops.FUSED = False
+        eager_unfused_ms = median_ms(lambda: runner.execute(plan), 10)
+        ops.FUSED = True
+        runner.graphs = graphs
     t = time.perf_counter()
     for _ in range(200):
         runner.check_plan(plan)
@@ -167,7 +211,8 @@ def main() -> None:
         "batch": args.batch, "ctx": args.ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
         "roofline_ms": roof_ms, "graph_replay_ms": replay_ms, "graph_step_ms": graph_step_ms,
         "eager_step_ms": eager_step_ms, "eager_unfused_step_ms": eager_unfused_ms,
-        "flatten_plan_ms": host_ms,
+        "flatten_plan_ms": host_ms, "overlapped_step_ms": overlapped_ms,
+        "overlapped_vs_roofline": overlapped_ms / roof_ms, "batch1_ctx": args.ctx, "batch1": b1,
         "graph_step_vs_roofline": graph_step_ms / roof_ms,
         "replay_vs_roofline": replay_ms / roof_ms}
     print("decode", res["decode"], flush=True)
@@ -176,6 +221,22 @@ def main() -> None:
         p2 = decode_plan(2, bb, ctx_b, page, pages, base=0)
         res["decode"][f"graph_step_ms_b{bb}_ctx{ctx_b}"] = median_ms(
             lambda p2=p2: runner.execute(p2), 10)
+
+    if args.quick:  # the B=1 step's kernels (eager: the same kernels, launched one by one)
+        from torch.profiler import ProfilerActivity, profile
+
+        runner.graphs = None
+        runner.execute(one)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.execute(one)
+            torch.cuda.synchronize()
+        runner.graphs = graphs
+        (out / "profile_b1.txt").write_text(prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        (out / "engine.json").write_text(json.dumps(res, indent=1))
+        counter.close()
+        print(json.dumps(res["decode"], indent=1))
+        return
 
     # 3. prefill of args.prefill tokens in one step (eager)
     n = args.prefill

@@ -55,6 +55,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     num_speculative_tokens: int = 3  # drafted tokens per step and sequence (--num-speculative-tokens)
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched (--prompt-lookup-max)
     prompt_lookup_min: int = 1  # ngram: shortest n-gram matched (--prompt-lookup-min)
+    # decode steps launched while the previous one runs (its host work hidden behind the
+    # device's): auto = on CUDA devices, on, off (--overlap-schedule)
+    overlap_schedule: str = "auto"
 
     def validate(self) -> None:
         if self.speculative_method is not None and (
@@ -67,6 +70,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("--prompt-lookup-min and --prompt-lookup-max must satisfy "
                               "1 <= min <= max")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ConfigError("--overlap-schedule must be auto, on or off, got "
+                              f"{self.overlap_schedule!r}")
         if self.max_batch_tokens < 1:
             raise ConfigError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.max_running < 1:

@@ -15,8 +15,8 @@ import torch
 from disagg.engine.attention import get_backend
 from disagg.engine.cache import PagePool
 from disagg.engine.kv_memory import KVLayout
-from disagg.engine.runner import ModelRunner
-from disagg.engine.scheduling import BatchScheduler, Sequence
+from disagg.engine.runner import Launched, ModelRunner
+from disagg.engine.scheduling import Batch, BatchScheduler, Sequence
 from disagg.engine.speculative import Speculation
 from disagg.model.transformer import Transformer
 from disagg.protocol import SamplingParams
@@ -42,9 +42,12 @@ class LLM:
         prefix_caching: bool = True,
         speculative: Speculation | None = None,
         draft_model: Transformer | None = None,
+        overlap: bool = False,
     ):
         """``speculative``: drafting (``Speculation``); with method ``draft``, ``draft_model``
-        is the draft (same vocabulary, on the same device)."""
+        is the draft (same vocabulary, on the same device); ``overlap``: launch each decode step
+        before the previous one's tokens are taken (``disagg.actors.stepping``)."""
+        self.overlap = overlap
         arch = model.arch
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
                           model.dtype, arch.kv_parts)
@@ -83,11 +86,30 @@ class LLM:
             seq = Sequence(slot, str(slot), list(prompt), p, seed, arrival=slot)
             self.scheduler.add(seq)
             seqs.append(seq)
-        while self.scheduler.has_work():
-            batch = self.scheduler.schedule()
-            if batch is None:
+        sched, runner = self.scheduler, self.runner
+        in_flight: tuple[Batch, Launched] | None = None  # a deferred decode step
+        while sched.has_work() or in_flight is not None:
+            if in_flight is not None:  # launch its successor first, then take its tokens
+                batch, launched = in_flight
+                in_flight = None
+                if (ahead := sched.schedule_ahead(batch)) is not None:
+                    sched.launched(ahead)
+                    in_flight = (ahead, runner.launch(self._plan(ahead, True)))
+                tokens, _, counts = launched.wait()
+                sched.landed(batch)
+                sched.update(batch, tokens, counts)
+                continue
+            if (scheduled := sched.schedule()) is None:
                 raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
-            plan = StepPlan(next(self._steps), [c.to_wire() for c in batch.chunks], batch.num_decodes)
-            tokens, _, counts = self.runner.execute(plan)
-            self.scheduler.update(batch, tokens, counts, self.runner.next_drafts)
+            batch = scheduled
+            if self.overlap and sched.can_defer(batch):
+                sched.launched(batch)
+                in_flight = (batch, runner.launch(self._plan(batch, True)))
+                continue
+            tokens, _, counts = runner.execute(self._plan(batch, False))
+            sched.update(batch, tokens, counts, runner.next_drafts)
         return [Output(s.output_ids, s.finish_reason or "") for s in seqs]
+
+    def _plan(self, batch: Batch, defer: bool) -> StepPlan:
+        return StepPlan(next(self._steps), [c.to_wire() for c in batch.chunks], batch.num_decodes,
+                        defer=defer)

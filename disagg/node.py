@@ -27,7 +27,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg.actors.executor import ExecutorGroup
+from disagg.actors.executor_group import ExecutorGroup
 from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
 from disagg.actors.transfer import TransferEngine
@@ -105,7 +105,10 @@ class Node:
                                prefix_caching=cfg.cache.prefix_caching,
                                cache_salt=arch.identity(self.executors.ready[0].kv.dtype),
                                speculative=(speculation(s) if cfg.role != "prefill"
-                                            or s.speculative_method == "mtp" else None))
+                                            or s.speculative_method == "mtp" else None),
+                               overlap=cfg.role != "prefill" and (
+                                   s.overlap_schedule == "on" or s.overlap_schedule == "auto"
+                                   and all(d.startswith("cuda") for d in cfg.devices)))
         actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
             await self._start_prefill(cfg, arch, setup, actors)

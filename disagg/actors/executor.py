@@ -1,54 +1,48 @@
 """Executor actor: one process per device.
 
-Receives: ``StepPlan`` and ``Shutdown`` on a DEALER socket connected to the main process.
+Receives: ``StepPlan``, ``Collect`` and ``Shutdown`` on a DEALER socket connected to the main
+process.
 Sends: ``ExecutorReady`` once (plus the KV memory fd over a unix socket, SCM_RIGHTS), then one
-``StepResult`` per plan.
+``StepResult`` per plan: at once, or for a deferred plan (``StepPlan.defer``, overlapped
+decoding) when the next command arrives, after that command's step has been launched.
 Owns: the model (shard), the KV cache allocation, the layer counter.
 
-The main-process side is ``ExecutorGroup``: it spawns the processes, waits for their handshake,
-maps their KV memory, watches them (a death raises at once) and runs steps with a deadline.
+The main-process side is ``disagg.actors.executor_group.ExecutorGroup``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
-import mmap
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 import zmq
-import zmq.asyncio
 
+from disagg.actors.executor_group import ExecutorError, rendezvous_path
 from disagg.config import NodeConfig
 from disagg.gc_tuning import freeze_startup_objects
 from disagg.model.tp import TensorParallel
 from disagg.protocol.executor import (
+    Collect,
     ExecutorCommand,
     ExecutorReady,
-    ExecutorReply,
-    KVMemoryInfo,
     Shutdown,
     StepPlan,
     StepResult,
 )
 
+if TYPE_CHECKING:
+    from disagg.engine.runner import Launched, ModelRunner
+
 log = logging.getLogger(__name__)
 
 POLL_MS = 1000  # idle wake-up to notice a dead parent; never a busy loop
-
-
-class ExecutorError(RuntimeError):
-    """An executor died, timed out, or failed to start."""
 
 
 # ---------------------------------------------------------------------------- process side
@@ -161,6 +155,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     dec = msgspec.msgpack.Decoder(ExecutorCommand)
     sock.send(enc.encode(ExecutorReady(rank, num_pages, alloc.info,
                                        None if counter is None else counter.handle())))
+    deferred: tuple[int, Launched | Exception] | None = None  # answered on the next command
     try:
         while True:
             if not sock.poll(POLL_MS):
@@ -175,20 +170,18 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                 continue
             match command:
                 case StepPlan() as plan:
-                    frames = [b""]
-                    try:
-                        tokens, hidden, counts = runner.execute(plan)
-                        rows = 0 if hidden is None else int(hidden.shape[0])
-                        if hidden is not None:
-                            frames.append(tensor_bytes(hidden))
-                        frames[0] = enc.encode(StepResult(plan.step_id, tokens, hidden_rows=rows,
-                                                          counts=counts,
-                                                          drafts=runner.next_drafts))
-                    except Exception as e:  # the step fails, the executor keeps serving
-                        log.exception("step %d failed", plan.step_id)
-                        frames = [enc.encode(StepResult(plan.step_id, [],
-                                                        error=f"{type(e).__name__}: {e}"))]
-                    sock.send_multipart(frames)
+                    launched = launch(runner, plan)  # before answering the deferred step, so
+                    if deferred is not None:  # this step's host work overlaps its device work
+                        sock.send_multipart(reply(enc, runner, *deferred))
+                        deferred = None
+                    if plan.defer:
+                        deferred = (plan.step_id, launched)
+                    else:
+                        sock.send_multipart(reply(enc, runner, plan.step_id, launched))
+                case Collect():
+                    if deferred is not None:
+                        sock.send_multipart(reply(enc, runner, *deferred))
+                        deferred = None
                 case Shutdown():
                     return
     finally:
@@ -198,6 +191,34 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         ctx.term()
 
 
+def launch(runner: ModelRunner, plan: StepPlan) -> Launched | Exception:
+    """Queue a step on the device; a failure is kept for its reply (the executor serves on)."""
+    try:
+        return runner.launch(plan)
+    except Exception as e:  # noqa: BLE001
+        log.exception("step %d failed", plan.step_id)
+        return e
+
+
+def reply(enc: msgspec.msgpack.Encoder, runner: ModelRunner, step_id: int,
+          launched: Launched | Exception) -> list[bytes]:
+    """The frames answering a step: its ``StepResult`` once the device is done (and the hidden
+    rows, when it has some), or the error that failed it."""
+    try:
+        if isinstance(launched, Exception):
+            raise launched
+        tokens, hidden, counts = launched.wait()
+        frames = [b""] if hidden is None else [b"", tensor_bytes(hidden)]
+        frames[0] = enc.encode(StepResult(step_id, tokens, hidden_rows=0 if hidden is None
+                                          else int(hidden.shape[0]), counts=counts,
+                                          drafts=runner.next_drafts))
+        return frames
+    except Exception as e:  # noqa: BLE001
+        if not isinstance(launched, Exception):
+            log.exception("step %d failed", step_id)
+        return [enc.encode(StepResult(step_id, [], error=f"{type(e).__name__}: {e}"))]
+
+
 def cpu_threads(requested: int, executors: int, torch_default: int) -> int:
     """Torch intra-op threads of one executor: ``--threads`` when given, else torch's default
     (the cores this process may use) shared among the node's executors, so that ``--tp N`` on
@@ -205,22 +226,6 @@ def cpu_threads(requested: int, executors: int, torch_default: int) -> int:
     if requested > 0:
         return requested
     return max(1, torch_default // max(1, executors))
-
-
-def exit_reason(returncode: int) -> str:
-    """How a child process ended, from its ``Popen.returncode``: 'was killed by SIGKILL' or
-    'exited with code 1'."""
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-def rendezvous_path(control: str) -> str:
-    """The file the tensor-parallel ranks meet in (next to the control socket)."""
-    return control.removeprefix("ipc://") + ".tp-rendezvous"
 
 
 def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
@@ -316,171 +321,6 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when we stop
     fd_sock = socket.socket(fileno=args.fd_sock)
     serve(cfg, args.rank, args.control, fd_sock)
-
-
-# ---------------------------------------------------------------------------- main-process side
-
-
-class ExecutorGroup:
-    """Spawns and drives one executor process per device; rank 0's result is authoritative."""
-
-    def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
-        self.bad_frames = 0
-        self.foreign_frames = 0  # well-formed frames from an identity not of our executors
-        self.cfg = cfg
-        self.control = f"ipc://{run_dir}/executors.sock"
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(self.control)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self._fd_socks: list[socket.socket] = []
-        self.ready: list[ExecutorReady] = []
-        self.kv_views: list[Any] = []  # (tensor, keepalive) per rank, main-process mappings
-        self.kv_fds: list[int | None] = []  # the executors' KV memory fds, kept open here so a
-        # transfer backend can share them (e.g. cuMem POSIX fds for same-host GPU peers)
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(ExecutorReply)
-        self._identities: list[bytes] = []
-
-    @property
-    def num_pages(self) -> int:
-        return min(r.num_pages for r in self.ready)
-
-    async def start(self) -> None:
-        cfg_json = msgspec.json.encode(self.cfg).decode()
-        with contextlib.suppress(FileNotFoundError):  # a dead group's, in a reused --run-dir
-            os.unlink(rendezvous_path(self.control))
-        for rank in range(len(self.cfg.devices)):
-            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            cmd = [sys.executable, "-m", "disagg.actors.executor", "--config", cfg_json,
-                   "--rank", str(rank), "--control", self.control,
-                   "--fd-sock", str(child_sock.fileno())]
-            proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),))
-            child_sock.close()
-            self.procs.append(proc)
-            self._fd_socks.append(parent_sock)
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        by_rank: dict[int, tuple[bytes, ExecutorReady]] = {}
-        while len(by_rank) < len(self.procs):
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise ExecutorError(f"executors not ready within {self.cfg.startup_timeout_s:.0f}s "
-                                    "(--startup-timeout)")
-            if await self.sock.poll(500):
-                ident, msg = self._decode(await self.sock.recv_multipart())
-                if isinstance(msg, ExecutorReady) and 0 <= msg.rank < len(self.procs):
-                    by_rank[msg.rank] = (ident, msg)
-        for rank in range(len(self.procs)):
-            ident, ready = by_rank[rank]
-            self._identities.append(ident)
-            self.ready.append(ready)
-            self.kv_views.append(self._map(rank, ready.kv))
-
-    def _map(self, rank: int, info: KVMemoryInfo) -> Any:
-        from disagg.engine.kv_memory import map_kv
-
-        sock = self._fd_socks[rank]
-        sock.settimeout(30)
-        msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
-        if not fds:
-            self.kv_fds.append(None)
-            return None
-        self.kv_fds.append(fds[0])
-        return map_kv(info, fds[0])
-
-    def _check_alive(self) -> None:
-        for rank, p in enumerate(self.procs):
-            if p.poll() is not None:
-                raise ExecutorError(f"executor {rank} (pid {p.pid}) {exit_reason(p.returncode)}")
-
-    async def watch(self) -> None:
-        """Until an executor process exits, then raise ``ExecutorError`` naming it. Event-driven
-        (a pidfd per process), so a death is noticed at once, even on an idle node; where
-        pidfds are missing (not Linux >= 5.3) it looks twice a second."""
-        loop = asyncio.get_running_loop()
-        exited = asyncio.Event()
-        fds: list[int] = []
-        try:
-            with contextlib.suppress(AttributeError, OSError):  # no pidfds: poll instead
-                for p in self.procs:
-                    fds.append(os.pidfd_open(p.pid))
-                    loop.add_reader(fds[-1], exited.set)
-            poll_s = None if len(fds) == len(self.procs) else 0.5
-            while True:
-                self._check_alive()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(exited.wait(), poll_s)
-        finally:
-            for fd in fds:
-                loop.remove_reader(fd)
-                os.close(fd)
-
-    async def step(self, plan: StepPlan) -> tuple[StepResult, bytes | None]:
-        """Send ``plan`` to every rank and wait (bounded) for every reply. Returns the lead
-        rank's result and its hidden-state frame (when the plan asked for context rows)."""
-        payload = self._enc.encode(plan)
-        for ident in self._identities:
-            await self.sock.send_multipart([ident, payload])
-        deadline = time.monotonic() + self.cfg.step_timeout_s
-        results: dict[bytes, StepResult] = {}
-        hidden: bytes | None = None
-        while len(results) < len(self._identities):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ExecutorError(f"step {plan.step_id} exceeded {self.cfg.step_timeout_s:.0f}s "
-                                    "(--step-timeout)")
-            if await self.sock.poll(int(min(left, 1.0) * 1000) + 1):
-                frames = await self.sock.recv_multipart()
-                ident, msg = self._decode(frames[:2])
-                if msg is not None and ident not in self._identities:
-                    self.foreign_frames += 1  # not one of ours: never taken as a result
-                elif isinstance(msg, StepResult) and msg.step_id == plan.step_id:
-                    results[ident] = msg
-                    if ident == self._identities[0]:
-                        hidden = frames[2] if len(frames) > 2 else None
-            else:
-                self._check_alive()
-        return results[self._identities[0]], hidden
-
-    def _decode(self, frames: list[bytes]) -> tuple[bytes, ExecutorReply | None]:
-        """(identity, message) of a frame from an executor; a malformed one is counted and
-        dropped (the socket is private, but a bad frame must never stop the node)."""
-        if len(frames) < 2:
-            self.bad_frames += 1
-            return b"", None
-        try:
-            return frames[0], self._dec.decode(frames[1])
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.bad_frames += 1
-            log.error("ignoring a malformed frame from an executor: %s", e)
-            return frames[0], None
-
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Ask every executor to stop; kill what has not exited by ``timeout``."""
-        payload = self._enc.encode(Shutdown())
-        for ident in self._identities:
-            try:
-                await self.sock.send_multipart([ident, payload], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            while p.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for s in self._fd_socks:
-            s.close()
-        for fd in self.kv_fds:
-            if fd is not None:
-                os.close(fd)
-        self.kv_fds.clear()
-        for view in self.kv_views:  # an mmap is unmapped with its last reference; a CUDA
-            if view is not None and not isinstance(view[1], mmap.mmap):  # import only by
-                view[1].close()  # close() (so: after the transfer engine let go of it)
-        self.kv_views.clear()
-        self.sock.close()
 
 
 if __name__ == "__main__":

@@ -26,9 +26,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg.actors.executor import ExecutorError, ExecutorGroup
+from disagg.actors.executor_group import ExecutorError, ExecutorGroup
 from disagg.actors.sides import SchedulerSide
 from disagg.actors.sockets import pending
+from disagg.actors.stepping import Stepper
 from disagg.engine.cache import PagePool
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
 from disagg.engine.speculative import Speculation
@@ -46,7 +47,6 @@ from disagg.protocol import (
     TokenChunk,
     Usage,
 )
-from disagg.protocol.executor import StepPlan
 from disagg.protocol.inproc import (
     ClientGone,
     FromClient,
@@ -66,7 +66,6 @@ from disagg.serving.admission import (
 
 log = logging.getLogger(__name__)
 
-SLOW_STEP_S = 0.5  # a step slower than this is logged (compiles, stalls)
 INLINE_TOKENIZE_CHARS = 16 << 10  # longer prompt texts are tokenized on a worker thread
 
 
@@ -93,6 +92,7 @@ class SchedulerSetup:
     prefix_caching: bool = False  # reuse cached full pages of prompt prefixes
     cache_salt: bytes = b""  # the model's identity: parent of every first page hash
     speculative: Speculation | None = None  # drafting for speculative decoding
+    overlap: bool = False  # overlapped decoding (disagg.actors.stepping)
 
 
 class SchedulerActor:
@@ -135,7 +135,7 @@ class SchedulerActor:
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = Counters()
         self._slots = itertools.count()
-        self._steps = itertools.count()
+        self.stepper = Stepper(self, arch.num_layers, setup.overlap)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)
         self._stopping = False
@@ -148,40 +148,26 @@ class SchedulerActor:
 
     async def run(self) -> None:
         """Loop: 1. drain the inbox (admit, abort, stats); 2. schedule one step; 3. run it on
-        the executors; 4. stream tokens and finishes. Idle: block on the inbox."""
+        the executors (``disagg.actors.stepping``: with a step in flight, send its successor
+        or collect it); 4. stream tokens and finishes. Idle: block on the inbox."""
         try:
             while not self._stopping:
-                idle = not self.sched.has_work()
+                idle = not self.sched.has_work() and self.stepper.in_flight is None
                 await self._drain(block=idle, timeout_ms=self._idle_timeout_ms() if idle else None)
                 await self._expire(time.monotonic())
                 await self._feed()
+                if self.stepper.in_flight is not None:
+                    await self.stepper.advance()
+                    continue
                 batch = self.sched.schedule()
                 if batch is None:
                     if self.sched.has_work():  # nothing fits now: wait for a change, bounded
                         await self._drain(block=True, timeout_ms=50)
                     continue
-                step_id = next(self._steps)
-                plan = StepPlan(step_id, [c.to_wire() for c in batch.chunks], batch.num_decodes,
-                                counter_base=step_id * (self.arch.num_layers + 1))
-                await self.side.before_step(plan, batch)
-                started = time.monotonic()
-                result, hidden = await self.executors.step(plan)
-                took = time.monotonic() - started
-                if took > SLOW_STEP_S:
-                    log.warning("slow step %d: %.0f ms for %d tokens (%d decodes, %d chunks)",
-                                step_id, 1000 * took, batch.num_tokens, batch.num_decodes,
-                                len(batch.chunks) - batch.num_decodes)
-                await self.side.after_step(plan, batch, result, hidden)
-                if result.error is not None:
-                    for c in batch.chunks:
-                        await self.step_failed(c.seq, result.error)
-                    continue
-                for update in self.sched.update(batch, result.token_ids, result.counts,
-                                                result.drafts):
-                    await self._emit(update)
-                await self.pages_changed()
+                await self.stepper.run(batch)
         except ExecutorError as e:
             log.error("executor failure: %s", e)
+            self.stepper.abandon()
             await self.fail_all("internal", f"executor failure: {e}")
             raise
 
@@ -384,7 +370,7 @@ class SchedulerActor:
         if not await self.side.enqueue(seq):
             self.sched.add(seq)
 
-    async def _emit(self, update: SeqUpdate) -> None:
+    async def emit(self, update: SeqUpdate) -> None:
         seq = update.seq
         key = self.by_slot.get(seq.slot)
         if key is None:
@@ -463,7 +449,7 @@ class SchedulerActor:
             started=c.started, finished=c.finished,
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, steps_overlapped=self.stepper.steps_ahead,
             **msgspec.structs.asdict(self.messenger_stats)
             | ({} if n is None else {"transfers_in_flight": n}),
         )

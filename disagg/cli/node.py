@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-mb", type=int, default=c.kv_cache_mb)
     ap.add_argument("--max-batch-tokens", type=int, default=s.max_batch_tokens)
     ap.add_argument("--max-running", type=int, default=s.max_running)
+    ap.add_argument("--overlap-schedule", choices=("auto", "on", "off"),
+                    default=s.overlap_schedule,
+                    help="launch each decode step while the previous one runs, hiding the "
+                         "host's work behind the device's (auto: on CUDA devices)")
     ap.add_argument("--max-model-len", type=int, default=s.max_model_len)
     ap.add_argument("--max-requests-per-client", type=int, default=s.max_requests_per_client,
                     help="live requests one client connection may have; more get 'overloaded'")
@@ -199,7 +203,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                   speculative_method=args.speculative_method,
                                   num_speculative_tokens=args.num_speculative_tokens,
                                   prompt_lookup_max=args.prompt_lookup_max,
-                                  prompt_lookup_min=args.prompt_lookup_min),
+                                  prompt_lookup_min=args.prompt_lookup_min,
+                                  overlap_schedule=args.overlap_schedule),
         disagg=DisaggConfig(
             prefill_peers=args.prefill_peers, transfer_backend=args.transfer_backend,
             peer_resolve_interval_s=args.peer_resolve_interval,

@@ -84,11 +84,16 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, self.max_pages), dtype=torch.int32, device=dev)
         self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
-        # one host staging row per input, pinned so the copies are async and cheap
-        self._host = torch.zeros((3, n * q), dtype=torch.int64).pin_memory()  # ids, pos, slots
+        # pinned host staging (async, cheap copies): token ids, positions, slots, then fill
+        # rows and their sources; lengths; block tables. Two sets used in turn, so staging a
+        # step never overwrites what the step before it may still be copying (overlapped
+        # decoding launches a step while the previous one runs)
+        self._staging = [(torch.zeros((4, 2 * n * q), dtype=torch.int64).pin_memory(),
+                          torch.full((n,), q, dtype=torch.int32).pin_memory(),
+                          torch.zeros((n, self.max_pages), dtype=torch.int32).pin_memory())
+                         for _ in range(2)]
+        self._turn = 0
         self._pad_positions = np.tile(np.arange(q, dtype=np.int64), n)
-        self._host_lens = torch.full((n,), q, dtype=torch.int32).pin_memory()
-        self._host_tables = torch.zeros((n, self.max_pages), dtype=torch.int32).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> logits, argmax
         self.pool = torch.cuda.graph_pool_handle()
@@ -130,6 +135,9 @@ class DecodeGraphs:
                 self.graphs[b] = graph
                 self.outputs[b] = out
         torch.cuda.current_stream().wait_stream(stream)
+        # load the follow fill's kernels now, not at the first overlapped step (lazy loading)
+        idx = torch.zeros(1, dtype=torch.int64, device=self.input_ids.device)
+        self.input_ids.index_copy_(0, idx, self.input_ids.index_select(0, idx))
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -142,38 +150,53 @@ class DecodeGraphs:
         self.seq_lens.fill_(self.q_len)
 
     def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+            tables: np.ndarray, fill: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the bucket for ``n = len(token_ids) / q_len`` sequences, ``q_len`` rows each
-        (the caller pads drafted sequences: ``ModelRunner._spec_graph_step``). ``tables`` is ``[n, w]`` with ``w <=
-        max_pages``. Returns (logits ``[n * q_len, V]`` float32, argmax), views of the graph's
-        outputs valid until the next replay."""
+        (the caller pads drafted sequences: ``ModelRunner._spec_graph_step``). ``tables`` is
+        ``[n, w]`` with ``w <= max_pages``. ``fill`` = (rows, src, tokens): input rows whose
+        token is ``tokens[src]``, a device tensor (a previous step's sampled tokens: overlapped
+        decoding), copied in on the device before the replay. Returns (logits
+        ``[n * q_len, V]`` float32, argmax), views of the graph's outputs valid until the next
+        replay."""
         q = self.q_len
         t = int(token_ids.shape[0])
         n = t // q
         b = pick_bucket(n, self.buckets)
         assert b is not None and n * q == t
         w = int(tables.shape[1])
-        host = self._host.numpy()
+        staged, staged_lens, staged_tables = self._staging[self._turn]
+        self._turn ^= 1
+        host = staged.numpy()
         host[0, :b * q] = 0
         host[0, :t] = token_ids
         host[1, :b * q] = self._pad_positions[:b * q]  # padding sequences: positions 0 .. q-1
         host[1, :t] = positions
         host[2, :b * q] = -1
         host[2, :t] = slots
-        lens = self._host_lens.numpy()
+        lens = staged_lens.numpy()
         lens[:b] = q
         lens[:n] = positions[q - 1::q] + 1
-        ht = self._host_tables.numpy()
+        ht = staged_tables.numpy()
         ht[:n, :w] = tables
         # columns the kernel reads: padding rows past a sequence's own pages read page 0
         cols = max(w, -(-int(lens[:b].max()) // self.page_size))
         ht[:n, w:cols] = 0
         ht[n:b, :cols] = 0
-        self.input_ids[:b * q].copy_(self._host[0, :b * q], non_blocking=True)
-        self.positions[:b * q].copy_(self._host[1, :b * q], non_blocking=True)
-        self.slot_mapping[:b * q].copy_(self._host[2, :b * q], non_blocking=True)
-        self.seq_lens[:b].copy_(self._host_lens[:b], non_blocking=True)
-        self.block_tables[:b, :cols].copy_(self._host_tables[:b, :cols], non_blocking=True)
+        self.input_ids[:b * q].copy_(staged[0, :b * q], non_blocking=True)
+        self.positions[:b * q].copy_(staged[1, :b * q], non_blocking=True)
+        self.slot_mapping[:b * q].copy_(staged[2, :b * q], non_blocking=True)
+        self.seq_lens[:b].copy_(staged_lens[:b], non_blocking=True)
+        # whole rows: a column slice is not contiguous, and torch would stage it through
+        # pageable memory, a copy that waits for the device (the step in flight)
+        self.block_tables[:b].copy_(staged_tables[:b], non_blocking=True)
+        if fill is not None:
+            rows, src, tokens = fill
+            k = len(rows)
+            host[3, :k] = rows
+            host[3, k:2 * k] = src
+            idx = staged[3, :2 * k].to(self.input_ids.device, non_blocking=True)
+            self.input_ids.index_copy_(0, idx[:k], tokens.index_select(0, idx[k:]))
         self.graphs[b].replay()
         self.replays += 1
         logits, tokens = self.outputs[b]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from disagg.config import env
-from disagg.engine.sampling import sample
+from disagg.engine.sampling import sample, sample_device
 from disagg.engine.speculative import emitted_per_chunk, verify_all
 from disagg.kernels.counter import LayerCounter
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
@@ -70,6 +70,8 @@ def flatten_plan(plan: StepPlan, page_size: int, num_pages: int, vocab: int) -> 
         if c.num_draft and not (c.sample and 0 < c.num_draft < len(c.token_ids)):
             raise ValueError(f"slot {c.slot}: num_draft {c.num_draft} needs a sampled chunk "
                              "longer than its drafts")
+        if c.follow and (len(c.token_ids) != 1 or c.num_draft or c.draft_tokens):
+            raise ValueError(f"slot {c.slot}: a follow chunk carries one token and no drafts")
     short = npages * page_size < end
     if short.any():
         i = int(short.argmax())
@@ -110,6 +112,23 @@ def flatten_plan(plan: StepPlan, page_size: int, num_pages: int, vocab: int) -> 
         max_q_len=int(n.max()), max_seq_len=int(end.max()))
 
 
+class Launched:
+    """A step on its way: ``wait()`` returns (sampled tokens, hidden rows, counts) once the
+    device is done. Tokens still on the device were queued for a copy into pinned host memory
+    behind ``event`` at launch, so nothing waits for the device before ``wait()``."""
+
+    def __init__(self, tokens: list[int] | torch.Tensor, ctx: torch.Tensor | None = None,
+                 counts: list[int] | None = None, event: torch.cuda.Event | None = None):
+        self.tokens, self.ctx, self.counts, self.event = tokens, ctx, counts, event
+
+    def wait(self) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
+        if isinstance(self.tokens, torch.Tensor):
+            if self.event is not None:
+                self.event.synchronize()
+            self.tokens = self.tokens.tolist()
+        return self.tokens, self.ctx, self.counts
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -143,6 +162,10 @@ class ModelRunner:
         self.next_drafts: list[list[int]] | None = None  # mtp: the last step's drafts
         # a prefill node's draft model: prefilled over each step's chunks, first (drafting)
         self.spec_prefill: Callable[[StepPlan], None] | None = None
+        # overlapped decoding: the last step's sampled tokens (on the device) and the row of
+        # each slot in them, for the next step's follow chunks; None when it sampled none
+        self._prev: tuple[torch.Tensor, dict[int, int]] | None = None
+        self._pinned: list[torch.Tensor] = []  # two host buffers for sampled tokens, in turn
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, spec_tokens: int = 0) -> float:
         """Capture decode-only steps for batch buckets up to ``max_batch`` (CUDA only; a no-op
@@ -292,28 +315,79 @@ class ModelRunner:
         rows = torch.from_numpy(np.flatnonzero(real.ravel())).to(self.device, non_blocking=True)
         return verify_all(logits.index_select(0, rows), list(chunks))
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
-        """Run one step. Returns the sampled tokens of the chunks with ``sample=True`` (one
-        each, or with drafts the 1 .. num_draft + 1 that verification emits: then ``counts``
-        says how many per chunk, else it is None) and the final hidden states ``[k, H]`` of the
-        chunks with ``want_hidden`` (None when there are none)."""
+        """Run one step and wait for it: ``launch(plan).wait()``."""
+        return self.launch(plan).wait()
+
+    def _follow_fill(self, plan: StepPlan, host: HostStep,
+                     prev: tuple[torch.Tensor, dict[int, int]] | None
+                     ) -> tuple[np.ndarray, np.ndarray, torch.Tensor] | None:
+        """(input rows, source rows, the previous step's tokens) for the plan's follow chunks,
+        or None without any. Raises ValueError for a slot the previous step did not sample."""
+        follows = [i for i, c in enumerate(plan.chunks) if c.follow]
+        if not follows:
+            return None
+        if self.drafter is not None or self.mtp_drafter is not None or self.spec_prefill:
+            raise ValueError("follow chunks need a runner without speculative decoding")
+        rows_of = {} if prev is None else prev[1]
+        src = []
+        for i in follows:
+            if (row := rows_of.get(plan.chunks[i].slot)) is None:
+                raise ValueError(f"slot {plan.chunks[i].slot}: follows a step that sampled no "
+                                 "token for it")
+            src.append(row)
+        assert prev is not None
+        return host.cu[follows].astype(np.int64), np.asarray(src, dtype=np.int64), prev[0]
+
+    def _sampled(self, chunks: list[SeqChunk], tokens: torch.Tensor,
+                 ctx: torch.Tensor | None = None) -> Launched:
+        """Keep a step's device tokens for the next step's follow chunks and queue their copy
+        to the host (CUDA: into one of two pinned buffers, behind an event)."""
+        self._prev = (tokens, {c.slot: i for i, c in enumerate(chunks)})
+        if tokens.device.type != "cuda":
+            return Launched(tokens, ctx)
+        n = int(tokens.shape[0])
+        if not self._pinned or self._pinned[0].shape[0] < n:
+            self._pinned = [torch.empty(max(n, 256), dtype=torch.int64).pin_memory()
+                            for _ in range(2)]
+        self._pinned.reverse()
+        host = self._pinned[0][:n]
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Launched(host, ctx, event=event)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Queue one step on the device; its ``Launched.wait()`` returns the sampled tokens of
+        the chunks with ``sample=True`` (one each, or with drafts the 1 .. num_draft + 1 that
+        verification emits: then ``counts`` says how many per chunk, else it is None) and the
+        final hidden states ``[k, H]`` of the chunks with ``want_hidden`` (None when there are
+        none). A follow chunk's token is the one its slot sampled in the previous step, filled
+        in on the device. Decode steps without drafts leave the device working (CUDA); the
+        others return done."""
+        prev, self._prev = self._prev, None  # a failed step leaves nothing to follow
         if self.drafter is not None:  # its own runner bounds-checks what it computes
             plan = self.drafter.fill(plan)
+        host = flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
+        fill = self._follow_fill(plan, host, prev)
         if self.spec_prefill is not None:
             self.spec_prefill(plan)
-        host = flatten_plan(plan, self.page_size, self.num_pages, self.model.arch.vocab_size)
         if self.counter is not None:
             self.counter.set_base(plan.counter_base)
         graphs_ok = self.mtp_drafter is None  # MTP needs every step's hidden rows
         if graphs_ok and self.graphs is not None and self._graphable(plan, host):
             logits, greedy = self.graphs.run(host.token_ids, host.positions, host.slots,
-                                             host.tables)
-            return sample(logits, plan.chunks, greedy), None, None
+                                             host.tables, fill)
+            return self._sampled(plan.chunks, sample_device(logits, plan.chunks, greedy))
         if graphs_ok and self.spec_graphs is not None and (
                 out := self._spec_graph_step(plan, host)):
-            return out[0], None, out[1]
+            return Launched(out[0], counts=out[1])
         input_ids, positions, meta = self._to_device(host, plan.num_decodes)
+        if fill is not None:
+            at, src, last = fill
+            input_ids.index_copy_(0, torch.from_numpy(at).to(self.device),
+                                  last.index_select(0, torch.from_numpy(src).to(self.device)))
         hidden = self.model(input_ids, positions, self.kv, meta, self.backend, self.layer_hook)
         rows, hidden_rows = host.sample_rows, host.hidden_rows
         ctx = hidden[hidden_rows] if hidden_rows else None
@@ -322,14 +396,16 @@ class ModelRunner:
         counts: list[int] | None = None
         if rows:
             logits = self.model.logits(hidden[rows])
-            if len(rows) == len(sampled):
-                tokens = sample(logits, sampled)
-            else:
+            if len(rows) != len(sampled):
                 tokens, counts = verify_all(logits, sampled)
+            elif self.mtp_drafter is None:
+                return self._sampled(sampled, sample_device(logits, sampled), ctx)
+            else:
+                tokens = sample(logits, sampled)
         if self.mtp_drafter is not None:
             self.next_drafts = self.mtp_drafter.after_step(
                 plan, hidden, emitted_per_chunk(tokens, counts, len(sampled)))
-        return tokens, ctx, counts
+        return Launched(tokens, ctx, counts)
 
 
 @torch.inference_mode()

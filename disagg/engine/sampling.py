@@ -49,22 +49,30 @@ def usable_or_greedy(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, chunks: Sequence[SeqChunk],
            argmax: torch.Tensor | None = None) -> list[int]:
-    """One token per row of ``logits [N, V]`` (float32); row i belongs to ``chunks[i]``.
+    """``sample_device``'s tokens on the host (one device-to-host copy for the batch)."""
+    return sample_device(logits, chunks, argmax).tolist()
 
-    Greedy rows cost one device-to-host copy for the whole batch (``argmax``, the rows' argmax
-    already computed on the device, or computed here); only sampled rows work row by row.
+
+def sample_device(logits: torch.Tensor, chunks: Sequence[SeqChunk],
+                  argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``logits [N, V]`` (float32); row i belongs to ``chunks[i]``.
+    Returns them as an int64 tensor on the logits' device, without waiting for the device.
+
+    Greedy rows take ``argmax`` (the rows' argmax already computed on the device, e.g. by a
+    CUDA graph: returned as is when every row is greedy) or compute it here; only sampled rows
+    work row by row.
 
     A row cannot fail the batch: one whose probabilities are not a distribution (non-finite,
     or nothing left after top-k/top-p) is sampled greedily instead (``usable_or_greedy``),
     which is what its parameters tend to; the other rows draw exactly what they would alone."""
-    greedy = (logits.argmax(dim=-1) if argmax is None else argmax).tolist()
-    out: list[int] = []
-    for i, c in enumerate(chunks):
-        if c.temperature <= 0.0:
-            out.append(int(greedy[i]))
-            continue
+    out = logits.argmax(dim=-1) if argmax is None else argmax
+    drawn = [i for i, c in enumerate(chunks) if c.temperature > 0.0]
+    if drawn:
+        out = out.clone()
+    for i in drawn:
+        c = chunks[i]
         row = filter_logits(logits[i] / c.temperature, c.top_k, c.top_p)
         probs = usable_or_greedy(torch.softmax(row, dim=-1), logits[i])
         gen = torch.Generator(device=logits.device).manual_seed(draw_seed(c.seed, c.output_index))
-        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        out[i:i + 1] = torch.multinomial(probs, 1, generator=gen)
     return out

@@ -25,118 +25,13 @@ so the KV of rejected drafts is never counted.
 
 from __future__ import annotations
 
-import enum
+import collections
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from disagg.engine.cache import PagePool, page_hashes, pages_needed
-from disagg.protocol import SamplingParams
-from disagg.protocol.executor import SeqChunk
+from disagg.engine.sequence import Batch, ScheduledChunk, Sequence, SeqUpdate, Status
 
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    REMOTE = "remote"  # decode side: waiting for a prefiller's KV (disagg.remote.decode)
-    HELD = "held"  # prefill side: computed, pages held until their transfers complete
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request's token state. ``block_table`` pages belong to the scheduler's pool."""
-
-    slot: int
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    arrival: int
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # leading tokens of all_ids whose KV is in the cache
-    block_table: list[int] = field(default_factory=list)
-    status: Status = Status.WAITING
-    finish_reason: str | None = None
-    prefill_only: bool = False  # prefill role: never sample; hold pages when computed
-    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at its first start
-    matched: bool = False  # its first start looked the cache up (counted in the statistics)
-    lookup: tuple[int, list[bytes]] | None = None  # (num_tokens, prefix_hashes) last computed
-    draft_computed: int = 0  # leading tokens whose KV the draft model has (draft_model mode)
-    spec_state: Any = None  # the drafting method's own state (prompt lookup: a token array)
-    prev_hidden: bytes = b""  # mtp after a remote prefill: the prefiller's last hidden row
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def token(self, index: int) -> int:
-        p = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < p else self.output_ids[index - p]
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        p = len(self.prompt_ids)
-        if end <= p:
-            return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens - self.num_computed == 1 and self.num_computed > 0
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    seq: Sequence
-    start: int  # first position computed in this step
-    count: int  # tokens computed in this step (drafted positions included)
-    sample: bool  # this chunk reaches the end of the sequence's tokens
-    spec: int = 0  # drafted positions after the sequence's last token
-    drafts: tuple[int, ...] = ()  # their tokens, when the scheduler drafted them
-    draft_prefix: tuple[int, ...] = ()  # draft model: tokens before ``start`` it has not seen
-    next_known: bool = False  # mtp: send the token after the chunk (``SeqChunk.next_token``)
-    prev_hidden: bytes = b""  # mtp: ``SeqChunk.prev_hidden``
-
-    def to_wire(self) -> SeqChunk:
-        s, p = self.seq, self.seq.params
-        n = self.count - self.spec
-        return SeqChunk(
-            slot=s.slot,
-            token_ids=s.tokens(self.start, self.start + n) + list(self.drafts),
-            next_token=(s.token(self.start + n) if self.next_known and self.start + n < s.num_tokens
-                        else -1),
-            start_pos=self.start,
-            block_table=list(s.block_table),
-            sample=self.sample and not s.prefill_only,
-            want_hidden=self.sample and s.prefill_only,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            seed=s.seed,
-            output_index=len(s.output_ids),
-            num_draft=len(self.drafts),
-            draft_tokens=self.spec - len(self.drafts),
-            draft_prefix=list(self.draft_prefix),
-            prev_hidden=self.prev_hidden,
-        )
-
-
-@dataclass(frozen=True)
-class Batch:
-    chunks: list[ScheduledChunk]  # decodes first
-    num_decodes: int
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.count for c in self.chunks)
-
-
-@dataclass(frozen=True)
-class SeqUpdate:
-    seq: Sequence
-    new_token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | None while running
+__all__ = ["Batch", "BatchScheduler", "ScheduledChunk", "SeqUpdate", "Sequence", "Status"]
 
 
 class BatchScheduler:
@@ -180,6 +75,10 @@ class BatchScheduler:
         self.propose = propose
         self.spec_draft_tokens = 0  # drafted tokens verified
         self.spec_accepted_tokens = 0  # ... of which accepted
+        # overlapped decoding: in-flight deferred steps writing each slot's pages, and the
+        # pages of slots released meanwhile (freed when the last such step lands)
+        self._writing: collections.Counter[int] = collections.Counter()
+        self._parked: dict[int, list[int]] = {}
 
     # ---------------------------------------------------------------- admission
 
@@ -396,11 +295,67 @@ class BatchScheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
-            self.pool.free(seq.block_table)
+            if self._writing[seq.slot]:  # a step in flight still writes them
+                self._parked.setdefault(seq.slot, []).extend(seq.block_table)
+            else:
+                self.pool.free(seq.block_table)
             seq.block_table = []
         seq.hashes = []
         seq.draft_computed = 0
         seq.prev_hidden = b""
+
+    # ---------------------------------------------------------------- overlapped decoding
+
+    def can_defer(self, batch: Batch) -> bool:
+        """``batch`` may run deferred, its successor launched before its tokens are back
+        (``schedule_ahead``): decode-only, no speculative decoding, every running sequence in
+        it and none waiting."""
+        return (not (self.spec_tokens or self.mtp or self.waiting)
+                and batch.num_decodes == len(batch.chunks) == len(self.running))
+
+    def schedule_ahead(self, batch: Batch) -> Batch | None:
+        """The step after ``batch``, which is in flight with its tokens not back yet, when it
+        needs none of them: every sequence ``batch``'s token cannot finish by length gets one
+        follow chunk at its next position (its token: the one ``batch`` samples, which the
+        executor fills in on the device), with a page reserved for it. A stop sampled in flight
+        wastes that row (``update`` skips a finished sequence). None when ``can_defer`` no
+        longer holds (new work: the caller steps normally) or a page is missing (no
+        preemption ahead)."""
+        live = [c for c in batch.chunks if c.seq.status is Status.RUNNING]
+        if (self.spec_tokens or self.mtp or self.waiting or len(live) != len(self.running)
+                or batch.num_decodes != len(batch.chunks)):
+            return None
+        chunks: list[ScheduledChunk] = []
+        for c in live:
+            seq = c.seq
+            if seq.num_computed != c.start or seq.num_tokens != c.start + 1:
+                return None
+            if (len(seq.output_ids) + 1 >= seq.params.max_tokens
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                continue  # the token in flight is its last
+            need = pages_needed(c.start + 2, self.page_size) - len(seq.block_table)
+            if need > 0:
+                pages = self.pool.allocate(need, seq.block_table[-1])
+                if pages is None:
+                    return None
+                seq.block_table.extend(pages)
+            chunks.append(ScheduledChunk(seq, c.start + 1, 1, True, follow=True))
+        return Batch(chunks, len(chunks)) if chunks else None
+
+    def launched(self, batch: Batch) -> None:
+        """``batch`` went to the executors deferred: pages its sequences release before it
+        lands stay out of the pool until then."""
+        self._writing.update(c.seq.slot for c in batch.chunks)
+
+    def landed(self, batch: Batch) -> None:
+        """A deferred ``batch`` is done on the device (its result came back, or failed)."""
+        for c in batch.chunks:
+            slot = c.seq.slot
+            self._writing[slot] -= 1
+            if self._writing[slot] <= 0:
+                del self._writing[slot]
+                if pages := self._parked.pop(slot, None):
+                    self.pool.free(pages)
 
     # ---------------------------------------------------------------- results
 

@@ -199,6 +199,7 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     prefix_hit_tokens: int = 0  # ... of which served from this node's prefix cache
     spec_draft_tokens: int = 0  # speculative decoding: drafted tokens verified (cumulative)
     spec_accepted_tokens: int = 0  # ... of which accepted (emitted without their own step)
+    steps_overlapped: int = 0  # decode steps sent before their predecessor's tokens were back
     v: int = PROTOCOL_VERSION
 
 

@@ -37,6 +37,10 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # start_pos - 1 (the prefiller's context row, model dtype), so the MTP layer computes
     # start_pos too (the prefiller could not: it never sees the prompt's last token)
     prev_hidden: bytes = b""
+    # overlapped decoding: token_ids (one token) is a placeholder for the token this slot
+    # sampled in the executor's previous step, which the scheduler had not received when it
+    # sent this one; the executor fills it in on the device
+    follow: bool = False
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):
@@ -46,6 +50,9 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=Tru
     chunks: list[SeqChunk]
     num_decodes: int
     counter_base: int = 0  # layer counter value before this step (lead rank bumps base+layer+1)
+    # overlapped decoding: reply only when the next command arrives, after launching that one
+    # (so its host work overlaps this step's device work)
+    defer: bool = False
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen=True):
@@ -89,7 +96,11 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
     pass
 
 
-ExecutorCommand = StepPlan | Shutdown
+class Collect(msgspec.Struct, tag="collect", array_like=True, frozen=True):
+    """Reply the deferred step's result (if any) without launching another."""
+
+
+ExecutorCommand = StepPlan | Collect | Shutdown
 ExecutorReply = StepResult | ExecutorReady
 
 

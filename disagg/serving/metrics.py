@@ -78,6 +78,8 @@ _NODE_EXTRA = (
      "spec_draft_tokens", "counter"),
     ("disagg_node_spec_accepted_tokens", "Speculative decoding: drafted tokens accepted.",
      "spec_accepted_tokens", "counter"),
+    ("disagg_node_steps_overlapped", "Decode steps launched before their predecessor's "
+     "tokens were back (--overlap-schedule).", "steps_overlapped", "counter"),
 )
 
 

@@ -27,13 +27,15 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["tcp", "shm"])
 def cluster(request, model_dir, tmp_path_factory):
-    """One prefiller (small step budget: prompts split into chunks) and two decoders."""
+    """One prefiller (small step budget: prompts split into chunks) and two decoders; over
+    shm the decoders overlap their decode steps (--overlap-schedule on)."""
     tmp = tmp_path_factory.mktemp(f"cluster-{request.param}")
     fabric = ["--fabric-provider", request.param]
     p_addr, p = node("prefill", model_dir, tmp, "--num-pages", "96", "--max-batch-tokens", "7",
                      *fabric)
+    overlap = ["--overlap-schedule", "on" if request.param == "shm" else "off"]
     decoders = [node("decode", model_dir, tmp, "--num-pages", "128", "--prefill-peer", p_addr,
-                     "--heartbeat", "0.2", *fabric) for _ in range(2)]
+                     "--heartbeat", "0.2", *fabric, *overlap) for _ in range(2)]
     with running([p] + [d for _, d in decoders], [a for a, _ in decoders]):
         yield p_addr, [a for a, _ in decoders]
 
@@ -67,7 +69,7 @@ def test_disaggregated_greedy_matches_transformers(cluster, model_dir):
     assert stats(p_addr).kv_writes_sent > 0
 
 
-def test_64_concurrent_requests_two_decoders(cluster, model_dir):
+def test_64_concurrent_requests_two_decoders(cluster, model_dir, request):
     p_addr, decoders = cluster
     lengths = [1 + (i * 7) % 29 for i in range(64)]
     prompts = [prompt(n, salt=i) for i, n in enumerate(lengths)]
@@ -91,6 +93,9 @@ def test_64_concurrent_requests_two_decoders(cluster, model_dir):
         s = stats(addr)
         assert s.started == s.finished + s.aborted + s.errored
         assert s.errored == 0
+    overlapped = [stats(a).steps_overlapped for a in decoders]
+    on = request.node.callspec.params["cluster"] == "shm"  # the decoders' --overlap-schedule
+    assert all(overlapped) if on else not any(overlapped)
 
 
 def test_bad_peer_frames_do_not_stop_the_prefiller(cluster):

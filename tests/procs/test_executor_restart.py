@@ -17,7 +17,7 @@ import pytest
 import zmq.asyncio
 
 import nodes
-from disagg.actors.executor import ExecutorError, ExecutorGroup, exit_reason
+from disagg.actors.executor_group import ExecutorError, ExecutorGroup, exit_reason
 from disagg.client import Client, RequestError
 from disagg.config import ConfigError, NodeConfig
 from disagg.protocol import TokenChunk

@@ -31,8 +31,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(model_dir, tmp_path_factory):
+    # overlapped decoding on (auto turns it on for CUDA only): every test here runs over it
     addr, proc = nodes.node("mixed", model_dir, tmp_path_factory.mktemp("log"), "--num-pages",
-                            str(PAGES), "--max-model-len", str(MAX_LEN), "--max-batch-tokens", "16")
+                            str(PAGES), "--max-model-len", str(MAX_LEN), "--max-batch-tokens", "16",
+                            "--overlap-schedule", "on")
     with nodes.running([proc]):
         yield addr, proc
 
@@ -71,6 +73,27 @@ def test_greedy_over_the_socket_matches_transformers(node, model_dir):
             assert msg.reason == "length" and msg.usage.completion_tokens == 8
     client.close()
     assert ids == hf_greedy(model_dir, prompt, 8)
+
+
+def test_overlapped_decode_steps_are_token_exact(node, model_dir):
+    """Concurrent requests ending at different steps (lengths, a stop token) while the node
+    launches each decode step before the previous one's tokens are back (aborts over it:
+    test_duplicate_request_id_and_abort_frees_pages): greedy tokens equal transformers', steps
+    went ahead, every page comes back."""
+    before = nodes.stats(node[0]).steps_overlapped
+    prompts = [nodes.prompt(n, salt=7) for n in (3, 9, 14, 5)]
+    lengths = [10, 3, 12, 7]
+    refs = [hf_greedy(model_dir, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    reqs = [nodes.Req(node[0], p, n) for p, n in zip(prompts, lengths, strict=True)]
+    client = Client(node[0])
+    stop = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[refs[2][5]])
+    ids = [t for m in client.generate(prompt_token_ids=prompts[2], sampling=stop)
+           if isinstance(m, TokenChunk) for t in m.token_ids]
+    client.close()
+    assert ids == refs[2][:refs[2].index(refs[2][5]) + 1]
+    assert [r.join().tokens for r in reqs] == refs
+    assert nodes.stats(node[0]).steps_overlapped > before
+    nodes.wait_for(lambda: nodes.pools_full(node[0]), what="every page free")
 
 
 def test_a_conversation_reuses_cached_pages_token_exact(node, model_dir):

@@ -1,0 +1,234 @@
+"""The main-process side of the executors: ``ExecutorGroup`` spawns one executor process per
+device (``disagg.actors.executor``), waits for their handshake, maps their KV memory, watches
+them (a death raises at once) and runs steps with a deadline: one at a time (``step``), or
+overlapped (``submit`` a deferred plan, then ``result``; ``collect`` asks for a deferred
+step's result without launching another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from disagg.config import NodeConfig
+from disagg.protocol.executor import (
+    Collect,
+    ExecutorReady,
+    ExecutorReply,
+    KVMemoryInfo,
+    Shutdown,
+    StepPlan,
+    StepResult,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ExecutorError(RuntimeError):
+    """An executor died, timed out, or failed to start."""
+
+
+def exit_reason(returncode: int) -> str:
+    """How a child process ended, from its ``Popen.returncode``: 'was killed by SIGKILL' or
+    'exited with code 1'."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def rendezvous_path(control: str) -> str:
+    """The file the tensor-parallel ranks meet in (next to the control socket)."""
+    return control.removeprefix("ipc://") + ".tp-rendezvous"
+
+
+class ExecutorGroup:
+    """Spawns and drives one executor process per device; rank 0's result is authoritative."""
+
+    def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
+        self.bad_frames = 0
+        self.foreign_frames = 0  # well-formed frames from an identity not of our executors
+        self.cfg = cfg
+        self.control = f"ipc://{run_dir}/executors.sock"
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.control)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._fd_socks: list[socket.socket] = []
+        self.ready: list[ExecutorReady] = []
+        self.kv_views: list[Any] = []  # (tensor, keepalive) per rank, main-process mappings
+        self.kv_fds: list[int | None] = []  # the executors' KV memory fds, kept open here so a
+        # transfer backend can share them (e.g. cuMem POSIX fds for same-host GPU peers)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(ExecutorReply)
+        self._identities: list[bytes] = []
+
+    @property
+    def num_pages(self) -> int:
+        return min(r.num_pages for r in self.ready)
+
+    async def start(self) -> None:
+        cfg_json = msgspec.json.encode(self.cfg).decode()
+        with contextlib.suppress(FileNotFoundError):  # a dead group's, in a reused --run-dir
+            os.unlink(rendezvous_path(self.control))
+        for rank in range(len(self.cfg.devices)):
+            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            cmd = [sys.executable, "-m", "disagg.actors.executor", "--config", cfg_json,
+                   "--rank", str(rank), "--control", self.control,
+                   "--fd-sock", str(child_sock.fileno())]
+            proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),))
+            child_sock.close()
+            self.procs.append(proc)
+            self._fd_socks.append(parent_sock)
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        by_rank: dict[int, tuple[bytes, ExecutorReady]] = {}
+        while len(by_rank) < len(self.procs):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise ExecutorError(f"executors not ready within {self.cfg.startup_timeout_s:.0f}s "
+                                    "(--startup-timeout)")
+            if await self.sock.poll(500):
+                ident, msg = self._decode(await self.sock.recv_multipart())
+                if isinstance(msg, ExecutorReady) and 0 <= msg.rank < len(self.procs):
+                    by_rank[msg.rank] = (ident, msg)
+        for rank in range(len(self.procs)):
+            ident, ready = by_rank[rank]
+            self._identities.append(ident)
+            self.ready.append(ready)
+            self.kv_views.append(self._map(rank, ready.kv))
+
+    def _map(self, rank: int, info: KVMemoryInfo) -> Any:
+        from disagg.engine.kv_memory import map_kv
+
+        sock = self._fd_socks[rank]
+        sock.settimeout(30)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
+        if not fds:
+            self.kv_fds.append(None)
+            return None
+        self.kv_fds.append(fds[0])
+        return map_kv(info, fds[0])
+
+    def _check_alive(self) -> None:
+        for rank, p in enumerate(self.procs):
+            if p.poll() is not None:
+                raise ExecutorError(f"executor {rank} (pid {p.pid}) {exit_reason(p.returncode)}")
+
+    async def watch(self) -> None:
+        """Until an executor process exits, then raise ``ExecutorError`` naming it. Event-driven
+        (a pidfd per process), so a death is noticed at once, even on an idle node; where
+        pidfds are missing (not Linux >= 5.3) it looks twice a second."""
+        loop = asyncio.get_running_loop()
+        exited = asyncio.Event()
+        fds: list[int] = []
+        try:
+            with contextlib.suppress(AttributeError, OSError):  # no pidfds: poll instead
+                for p in self.procs:
+                    fds.append(os.pidfd_open(p.pid))
+                    loop.add_reader(fds[-1], exited.set)
+            poll_s = None if len(fds) == len(self.procs) else 0.5
+            while True:
+                self._check_alive()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(exited.wait(), poll_s)
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+                os.close(fd)
+
+    async def step(self, plan: StepPlan) -> tuple[StepResult, bytes | None]:
+        """Send ``plan`` to every rank and wait (bounded) for every reply. Returns the lead
+        rank's result and its hidden-state frame (when the plan asked for context rows)."""
+        await self.submit(plan)
+        return await self.result(plan.step_id)
+
+    async def submit(self, plan: StepPlan) -> None:
+        """Send ``plan`` to every rank (its result: ``result``; a deferred plan's comes after
+        the next ``submit`` or ``collect``)."""
+        payload = self._enc.encode(plan)
+        for ident in self._identities:
+            await self.sock.send_multipart([ident, payload])
+
+    async def collect(self) -> None:
+        """Ask every rank for its deferred step's result."""
+        payload = self._enc.encode(Collect())
+        for ident in self._identities:
+            await self.sock.send_multipart([ident, payload])
+
+    async def result(self, step_id: int) -> tuple[StepResult, bytes | None]:
+        """Wait (bounded by ``--step-timeout``) for every rank's result of step ``step_id``."""
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        results: dict[bytes, StepResult] = {}
+        hidden: bytes | None = None
+        while len(results) < len(self._identities):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ExecutorError(f"step {step_id} exceeded {self.cfg.step_timeout_s:.0f}s "
+                                    "(--step-timeout)")
+            if await self.sock.poll(int(min(left, 1.0) * 1000) + 1):
+                frames = await self.sock.recv_multipart()
+                ident, msg = self._decode(frames[:2])
+                if msg is not None and ident not in self._identities:
+                    self.foreign_frames += 1  # not one of ours: never taken as a result
+                elif isinstance(msg, StepResult) and msg.step_id == step_id:
+                    results[ident] = msg
+                    if ident == self._identities[0]:
+                        hidden = frames[2] if len(frames) > 2 else None
+            else:
+                self._check_alive()
+        return results[self._identities[0]], hidden
+
+    def _decode(self, frames: list[bytes]) -> tuple[bytes, ExecutorReply | None]:
+        """(identity, message) of a frame from an executor; a malformed one is counted and
+        dropped (the socket is private, but a bad frame must never stop the node)."""
+        if len(frames) < 2:
+            self.bad_frames += 1
+            return b"", None
+        try:
+            return frames[0], self._dec.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.bad_frames += 1
+            log.error("ignoring a malformed frame from an executor: %s", e)
+            return frames[0], None
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask every executor to stop; kill what has not exited by ``timeout``."""
+        payload = self._enc.encode(Shutdown())
+        for ident in self._identities:
+            try:
+                await self.sock.send_multipart([ident, payload], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            while p.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in self._fd_socks:
+            s.close()
+        for fd in self.kv_fds:
+            if fd is not None:
+                os.close(fd)
+        self.kv_fds.clear()
+        for view in self.kv_views:  # an mmap is unmapped with its last reference; a CUDA
+            if view is not None and not isinstance(view[1], mmap.mmap):  # import only by
+                view[1].close()  # close() (so: after the transfer engine let go of it)
+        self.kv_views.clear()
+        self.sock.close()

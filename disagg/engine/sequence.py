@@ -1,0 +1,118 @@
+"""A request's token state (``Sequence``) and what a step is made of (``ScheduledChunk``,
+``Batch``, ``SeqUpdate``): the data ``disagg.engine.scheduling.BatchScheduler`` works on."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.protocol import SamplingParams
+from disagg.protocol.executor import SeqChunk
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    REMOTE = "remote"  # decode side: waiting for a prefiller's KV (disagg.remote.decode)
+    HELD = "held"  # prefill side: computed, pages held until their transfers complete
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's token state. ``block_table`` pages belong to the scheduler's pool."""
+
+    slot: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens of all_ids whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    prefill_only: bool = False  # prefill role: never sample; hold pages when computed
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache at its first start
+    matched: bool = False  # its first start looked the cache up (counted in the statistics)
+    lookup: tuple[int, list[bytes]] | None = None  # (num_tokens, prefix_hashes) last computed
+    draft_computed: int = 0  # leading tokens whose KV the draft model has (draft_model mode)
+    spec_state: Any = None  # the drafting method's own state (prompt lookup: a token array)
+    prev_hidden: bytes = b""  # mtp after a remote prefill: the prefiller's last hidden row
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, index: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < p else self.output_ids[index - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens - self.num_computed == 1 and self.num_computed > 0
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed in this step
+    count: int  # tokens computed in this step (drafted positions included)
+    sample: bool  # this chunk reaches the end of the sequence's tokens
+    spec: int = 0  # drafted positions after the sequence's last token
+    drafts: tuple[int, ...] = ()  # their tokens, when the scheduler drafted them
+    draft_prefix: tuple[int, ...] = ()  # draft model: tokens before ``start`` it has not seen
+    next_known: bool = False  # mtp: send the token after the chunk (``SeqChunk.next_token``)
+    prev_hidden: bytes = b""  # mtp: ``SeqChunk.prev_hidden``
+    follow: bool = False  # overlapped decoding: its token is the one the step in flight samples
+
+    def to_wire(self) -> SeqChunk:
+        s, p = self.seq, self.seq.params
+        n = self.count - self.spec
+        return SeqChunk(
+            slot=s.slot,
+            token_ids=[0] if self.follow else s.tokens(self.start, self.start + n) + list(
+                self.drafts),
+            next_token=(s.token(self.start + n) if self.next_known and self.start + n < s.num_tokens
+                        else -1),
+            start_pos=self.start,
+            block_table=list(s.block_table),
+            sample=self.sample and not s.prefill_only,
+            want_hidden=self.sample and s.prefill_only,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            seed=s.seed,
+            output_index=len(s.output_ids) + self.follow,
+            num_draft=len(self.drafts),
+            draft_tokens=self.spec - len(self.drafts),
+            draft_prefix=list(self.draft_prefix),
+            prev_hidden=self.prev_hidden,
+            follow=self.follow,
+        )
+
+
+@dataclass(frozen=True)
+class Batch:
+    chunks: list[ScheduledChunk]  # decodes first
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.count for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    seq: Sequence
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None while running
