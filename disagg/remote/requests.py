@@ -18,7 +18,7 @@ def request_problem(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest) 
     n = len(req.prompt_ids)
     if n == 0:
         return "empty prompt"
-    if any(not 0 <= t < vocab_size for t in req.prompt_ids):
+    if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab_size:  # builtins: 2x a loop
         return "token id outside the vocabulary"
     d = req.dst_layout
     if not 0 <= req.skip_pages <= n // d.page_size:
@@ -28,7 +28,7 @@ def request_problem(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest) 
                 f"{d.page_size} less {req.skip_pages} held")
     if len(set(req.dst_pages)) != len(req.dst_pages):
         return "destination pages repeat"
-    if any(not 0 <= p < d.num_pages for p in req.dst_pages):
+    if req.dst_pages and (min(req.dst_pages) < 0 or max(req.dst_pages) >= d.num_pages):
         return "destination page id out of range"
     if n > layout.num_pages * layout.page_size:
         return "prompt larger than this prefiller's KV pool"
