@@ -145,7 +145,9 @@ class Stream:
 
 
 def test_mixed_node_serves_again_after_an_executor_is_killed_under_load(model_dir, tmp_path):
-    addr, proc = node("mixed", model_dir, tmp_path, "--num-pages", "512", "--max-model-len", "500")
+    # overlapped decoding on: the kill lands while a deferred step is in flight
+    addr, proc = node("mixed", model_dir, tmp_path, "--num-pages", "512", "--max-model-len", "500",
+                      "--overlap-schedule", "on")
     with running([proc]):
         ref = nodes.tokens(addr, prompt(9, 1), 8)
         fd_count, pid = fds(proc.proc.pid), executor_pid(proc)

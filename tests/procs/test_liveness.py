@@ -46,7 +46,7 @@ def model_dir(tmp_path_factory):
 def mixed(model_dir, tmp_path_factory):
     addr, proc = node("mixed", model_dir, tmp_path_factory.mktemp("liveness-mixed"),
                       "--num-pages", "512", "--max-model-len", "256",
-                      "--max-requests-per-client", "8192")
+                      "--max-requests-per-client", "8192", "--overlap-schedule", "on")
     with running([proc]):
         yield addr
 
