@@ -109,6 +109,43 @@ def overlapped_step_ms(runner, plan, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
+def overlapped_gaps(runner, plan, steps: int = 6) -> dict:
+    """Where the device idles between overlapped decode steps: a profile of ``steps`` steps,
+    the device work sorted by start, every gap over 5 us between one item's end and the next
+    one's start (their names), summed per step."""
+    import msgspec
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from disagg.protocol.executor import StepPlan
+
+    follow = StepPlan(plan.step_id + 1,
+                      [msgspec.structs.replace(c, follow=True) for c in plan.chunks],
+                      plan.num_decodes, defer=True)
+    launched = runner.launch(plan)
+    launched.wait()
+    launched = runner.launch(plan)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            nxt = runner.launch(follow)
+            launched.wait()
+            launched = nxt
+        launched.wait()
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    gaps = []
+    for a, b in zip(ev, ev[1:], strict=False):
+        g = b.time_range.start - a.time_range.end
+        if g > 5:
+            gaps.append((g, a.name[:40], b.name[:40]))
+    gaps.sort(reverse=True)
+    busy = sum(e.time_range.end - e.time_range.start for e in ev)
+    span = ev[-1].time_range.end - ev[0].time_range.start if ev else 0
+    return {"steps": steps, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
+            "gap_ms_per_step": sum(g for g, _, _ in gaps) / 1e3 / steps,
+            "top": [(round(g, 1), x, y) for g, x, y in gaps[:12]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -224,6 +261,9 @@ def main() -> None:
 
     if args.quick:  # the B=1 step's kernels (eager: the same kernels, launched one by one)
         from torch.profiler import ProfilerActivity, profile
+
+        res["decode"]["overlapped_gaps"] = overlapped_gaps(runner, plan)
+        print("gaps", res["decode"]["overlapped_gaps"], flush=True)
 
         runner.graphs = None
         runner.execute(one)
