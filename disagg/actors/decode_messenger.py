@@ -6,8 +6,9 @@ Receives: ``SendPrefill`` / ``StopPrefill`` / ``ForgetPrefill`` from the schedul
 prefill nodes (one DEALER per ``--prefill-peer`` address, or per address a ``dns:`` entry
 resolves to as they come and go: ``disagg.actors.peer_discovery``; one that vanishes is dead);
 expectation completions from the transfer engine.
-Sends: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` / ``ChallengeAnswer`` to prefillers;
-``AttemptEvent`` / ``PeersAlive`` / ``MessengerStats`` to the scheduler.
+Sends: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` / ``ChallengeAnswer`` /
+``OwnershipOffer`` to prefillers; ``AttemptEvent`` / ``PeersAlive`` / ``MessengerStats`` to the
+scheduler.
 Owns: the prefill peers (liveness, load, health, challenge slots), and per attempt the wire
 state: its peer and connection epoch, context slot, registrations and expectation. Whether
 an attempt is still wanted, when it times out, when its pages are free and whether it is
@@ -15,7 +16,9 @@ retried is the scheduler's state machine's call, not this actor's.
 
 Each request names this decoder's challenge slot for that prefiller; a prefiller proves the
 decoder owns the memory by writing a nonce there and asking for it (``Challenge`` ->
-``ChallengeAnswer``, ``disagg.remote.ownership``). A prefiller whose attempts keep failing (timeouts,
+``ChallengeAnswer``, ``disagg.remote.ownership``). A prefiller found compatible on a new
+connection is offered the endpoints at once (``OwnershipOffer``), so the check runs before
+the first request rather than in its way. A prefiller whose attempts keep failing (timeouts,
 refusals) is suspect for a back-off (``disagg.remote.peer_health``): others are preferred meanwhile.
 """
 
@@ -37,7 +40,16 @@ import zmq.asyncio
 
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.peer_discovery import PeerDiscovery
-from disagg.actors.prefill_peers import Peer, Wire, close_peer, dial
+from disagg.actors.prefill_peers import (
+    OFFER_WINDOW_S,
+    Peer,
+    Wire,
+    close_offer,
+    close_peer,
+    dial,
+    make_offer,
+    offer_due,
+)
 from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending
 from disagg.actors.transfer import TransferEngine
 from disagg.fabric.topology import MAX_LANES
@@ -186,10 +198,14 @@ class DecodeMessenger(MessengerBase):
                     peer.incompatible = why
                     peer.layout = pong.layout
                     peer.alive = peer.incompatible is None and not peer.removed
+                    if peer.alive and offer_due(peer, peer.last_pong):
+                        await self._offer(peer)
                     await self._report_alive()
                 case Challenge() as ch:
                     self._spawn(self._answer(peer, ch))
                 case PrefillFailed(request_id=rid, code=code, message=message):
+                    if not rid:  # about no request: our OwnershipOffer
+                        log.warning("prefiller %s: %s: %s", peer.address, code, message)
                     w = self._of(rid, peer)
                     if w is not None and w.wanted:
                         peer.health.failed(time.monotonic())
@@ -245,6 +261,14 @@ class DecodeMessenger(MessengerBase):
             peer.challenge = (key, exp)
         return int(peer.challenge[0])
 
+    async def _offer(self, peer: Peer) -> None:
+        """Offer ``peer`` (just found compatible on this connection) this decoder's endpoints,
+        so that it checks ownership before any request waits on it (``OwnershipOffer``)."""
+        offer = make_offer(peer, self.transfer, self.kv_regions, self.ctx_region,
+                           self._challenge_key(peer), time.monotonic())
+        with contextlib.suppress(zmq.ZMQError):
+            await peer.sock.send(self._enc.encode(offer), zmq.NOBLOCK)
+
     async def _answer(self, peer: Peer, ch: Challenge) -> None:
         """Read back the nonce ``peer`` wrote into its challenge slot (once it landed, or
         after ``CHALLENGE_WAIT_S``) and send it: proof that this process owns the memory.
@@ -265,6 +289,8 @@ class DecodeMessenger(MessengerBase):
         nonce = bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes())
         with contextlib.suppress(zmq.ZMQError):
             await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
+        if not ch.request_id:  # the check of our offer: its window is done with
+            close_offer(peer)
 
     async def _send_request(self, msg: SendPrefill) -> None:
         peer = self.pick(prefix_keys(msg.prompt_ids, None))
@@ -370,6 +396,8 @@ class DecodeMessenger(MessengerBase):
                 with contextlib.suppress(zmq.ZMQError):
                     p.sock.disconnect(p.address)
                 p.sock.connect(p.address)
+            if p.offer_window is not None and now - p.offered_at > OFFER_WINDOW_S:
+                close_offer(p)  # no check came
             if p.alive and now - p.last_pong > self.peer_timeout_s:
                 log.warning("prefiller %s is not answering; declaring it dead", p.address)
                 p.alive = False

@@ -2,7 +2,12 @@
 it proved it owns the endpoints it names (``disagg.remote.ownership``): a random nonce is
 written into the challenge area it advertised, through every lane, and must come back over the
 same connection. Requests wait here meanwhile (no job slot, no page); one check per connection
-at a time, at most ``MAX_CHECKS`` under way in all, each within the ownership timeout."""
+at a time, at most ``MAX_CHECKS`` under way in all, each within the ownership timeout.
+
+A decoder offers its endpoints ahead of its requests (``OwnershipOffer``, when it first finds
+this prefiller compatible on a connection): the same check then runs with no request waiting
+on it, so its first request finds the binding made. Once it passed, the KV descriptors offered
+(those on the endpoints just proven) are mapped ahead of their first write (cuda-ipc)."""
 
 from __future__ import annotations
 
@@ -12,17 +17,21 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import msgspec
 import torch
 
 from disagg.actors.transfer import TransferEngine
-from disagg.protocol.peer import Challenge, PrefillFailed, PrefillRequest
+from disagg.protocol.peer import Challenge, OwnershipOffer, PrefillFailed, PrefillRequest
 from disagg.remote.ownership import (
+    CHALLENGE_AREA_BYTES,
+    CHALLENGE_SLOTS,
     NONCE_BYTES,
     SLOT_BYTES,
     Check,
     Conn,
     NonceSlots,
     OwnershipBook,
+    endpoints,
     lane_weights,
     nonce_offset,
 )
@@ -32,6 +41,7 @@ log = logging.getLogger(__name__)
 
 NONCE_SOURCE_SLOTS = 4096  # nonces being written (a failed write's slot rests 10 min)
 MAX_CHECKS = 64  # ownership checks under way at once, all connections
+OFFER_RECHECK_S = 60.0  # an offer re-checks a binding verified longer ago than this
 
 
 class OwnershipGate:
@@ -82,23 +92,60 @@ class OwnershipGate:
         busy = None
         if len(parked) >= self.max_parked:
             busy = "too many requests of this decoder wait for its ownership check"
-        elif conn not in self.owners.checks:
-            slot = (self.nonce_slots.take(time.monotonic())
-                    if len(self.owners.checks) < MAX_CHECKS else None)
-            if slot is None:
-                busy = "too many ownership checks under way"
-            else:
-                check = self.owners.start(conn, frozenset(d.address for d in lanes), len(lanes))
-                self.spawn(self._check(peer, check, slot, req, dst_ctx, lanes))
+        elif conn not in self.owners.checks and not self._start(
+                peer, conn, dst_ctx, lanes, req.challenge_slot, req.challenge_key, req, []):
+            busy = "too many ownership checks under way"
         if busy:
             await self.reply(peer, PrefillFailed(req.request_id, "overloaded", busy))
             return
         self.parked.setdefault(conn, []).append((peer, req))
 
-    async def _check(self, peer: bytes, check: Check, slot: int, req: PrefillRequest,
-                     dst_ctx: Any, lanes: list[Any]) -> None:
-        """Write the nonce through every lane, ask the connection for it back, then serve or
-        refuse the requests that waited; all within the ownership timeout."""
+    async def offered(self, peer: bytes, conn: Conn, offer: OwnershipOffer) -> None:
+        """A decoder offered its endpoints ahead of its requests: check them now, unless
+        verified within ``OFFER_RECHECK_S``, refused lately, or a check is under way (busy:
+        none; its first request is checked then, as without the offer)."""
+        try:
+            dst_ctx = self.transfer.decode_descriptor(offer.dst_ctx)
+            dst_kv = [self.transfer.decode_descriptor(d) for d in offer.dst_kv]
+            lanes, why = endpoints(dst_kv, dst_ctx, self.transfer.lanes)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            why = f"bad memory descriptor: {e}"
+        if why is None and not 0 <= offer.challenge_slot < CHALLENGE_SLOTS:
+            why = f"challenge slot {offer.challenge_slot} out of range"
+        if why is None and dst_ctx.length < CHALLENGE_AREA_BYTES:
+            why = "context descriptor smaller than the challenge area"
+        if why is not None:
+            await self.reply(peer, PrefillFailed("", "bad_request", f"ownership offer: {why}"))
+            return
+        now = time.monotonic()
+        addresses = frozenset(d.address for d in lanes)
+        if (conn in self.owners.checks or self.owners.status(conn, addresses, now) == "refused"
+                or self.owners.status(conn, addresses, now + self.owners.ttl_s
+                                      - OFFER_RECHECK_S) == "owned"):
+            return
+        self._start(peer, conn, dst_ctx, lanes, offer.challenge_slot, offer.challenge_key,
+                    None, dst_kv)
+
+    def _start(self, peer: bytes, conn: Conn, dst_ctx: Any, lanes: list[Any], area_slot: int,
+               key: int, req: PrefillRequest | None, prepare: list[Any]) -> bool:
+        """Start a check of ``lanes`` (for ``req``, or ahead of requests: None); False when
+        too many are under way."""
+        slot = (self.nonce_slots.take(time.monotonic())
+                if len(self.owners.checks) < MAX_CHECKS else None)
+        if slot is None:
+            return False
+        check = self.owners.start(conn, frozenset(d.address for d in lanes), len(lanes))
+        self.spawn(self._check(peer, check, slot, dst_ctx, lanes, (area_slot, key), req,
+                               prepare))
+        return True
+
+    async def _check(self, peer: bytes, check: Check, slot: int, dst_ctx: Any,
+                     lanes: list[Any], target: tuple[int, int], req: PrefillRequest | None,
+                     prepare: list[Any]) -> None:
+        """Write the nonce through every lane into challenge slot ``target[0]`` under key
+        ``target[1]``, ask the connection for it back, then serve or refuse the requests that
+        waited; all within the ownership timeout. Passed: ``prepare`` (descriptors on the
+        endpoints proven) is mapped ahead of its first write."""
         deadline = time.monotonic() + self.timeout_s
         futures: list[asyncio.Future[None]] = []
         answer = None
@@ -110,11 +157,10 @@ class OwnershipGate:
             try:
                 for i, (lane, units) in enumerate(zip(lanes, lane_weights(len(lanes)), strict=True)):
                     w = Write(slot * SLOT_BYTES + i * NONCE_BYTES,
-                              nonce_offset(dst_ctx.length, req.challenge_slot, i), NONCE_BYTES,
-                              units)
+                              nonce_offset(dst_ctx.length, target[0], i), NONCE_BYTES, units)
                     # not KV: Stats.kv_writes_sent / kv_bytes_sent count KV only
                     futures += self.transfer.write(self.nonce_region, lane, Runs.of([w]),
-                                                   req.challenge_key, timeout=self.timeout_s,
+                                                   target[1], timeout=self.timeout_s,
                                                    counted=False)
             finally:  # every posted write settles by the timeout
                 results = await asyncio.gather(*futures, return_exceptions=True)
@@ -124,7 +170,8 @@ class OwnershipGate:
             written = True
             fut = asyncio.get_running_loop().create_future()
             self.answers[(check.conn, check.id)] = fut
-            await self.reply(peer, Challenge(check.id, len(lanes), req.request_id))
+            await self.reply(peer, Challenge(check.id, len(lanes),
+                                             req.request_id if req is not None else ""))
             answer = await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - any failure is a failed check
             timed_out = isinstance(e, TimeoutError)
@@ -144,6 +191,8 @@ class OwnershipGate:
         inconclusive = answer == b""
         ok = self.owners.answered(check, answer or None, now,
                                   remember_failure=(written or timed_out) and not inconclusive)
+        if ok and prepare:
+            self.transfer.prepare(prepare)
         await self._unpark(check.conn, req if not ok else None)
 
     async def _unpark(self, conn: Conn, failed: PrefillRequest | None) -> None:

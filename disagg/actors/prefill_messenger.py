@@ -1,10 +1,11 @@
 """Prefill-side KV messenger.
 
-Receives: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` from decode nodes (ROUTER on the
-node's ``--listen``); ``StepAnnounce`` / ``StepDone`` (+ context rows) from the scheduler.
+Receives: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` / ``OwnershipOffer`` /
+``ChallengeAnswer`` from decode nodes (ROUTER on the node's ``--listen``); ``StepAnnounce`` /
+``StepDone`` (+ context rows) from the scheduler.
 Sends: ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` / ``MessengerStats`` to the scheduler;
-``Pong`` / ``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` to decoders; page writes through
-the transfer engine, layer by layer as the layer counter advances.
+``Pong`` / ``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` / ``Challenge`` to decoders; page
+writes through the transfer engine, layer by layer as the layer counter advances.
 Owns: the jobs (one per accepted PrefillRequest), the layer-counter poller thread, the context
 staging buffer.
 
@@ -59,6 +60,7 @@ from disagg.protocol.peer import (
     AbortPrefill,
     ChallengeAnswer,
     KVLayoutDesc,
+    OwnershipOffer,
     PeerRequest,
     Ping,
     Pong,
@@ -193,6 +195,8 @@ class PrefillMessenger(JobWrites, MessengerBase):
                     await self._abort(peer, rid, conn)
                 case ChallengeAnswer(id=cid, nonce=nonce):
                     self.gate.answered(conn, cid, nonce)
+                case OwnershipOffer() as offer:  # check ahead of its requests
+                    await self.gate.offered(peer, conn, offer)
                 case StatsRequest():
                     # one query in flight per peer: a flood of them costs the scheduler one
                     waiting = self.stats_waiting.get(peer, 0)

@@ -1,5 +1,6 @@
 """The decode messenger's prefill peers: what it holds per peer and per attempt (``Peer``,
-``Wire``), and dialing and closing peers as the set changes at run time (discovery)."""
+``Wire``), dialing and closing peers as the set changes at run time (discovery), and the
+ownership offer a decoder makes a compatible peer ahead of its requests."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from typing import Any
 import zmq.asyncio
 
 from disagg.actors.sockets import dialing
-from disagg.protocol.peer import KVLayoutDesc
+from disagg.protocol.peer import KVLayoutDesc, OwnershipOffer
 from disagg.remote.ownership import CHALLENGE_SLOTS
 from disagg.remote.peer_health import PeerHealth
+
+REOFFER_S = 150.0  # an OwnershipOffer is repeated this often (a prefiller's binding: 300 s)
+OFFER_WINDOW_S = 30.0  # an offer's window is revoked after this if no check came
 
 
 @dataclass
@@ -32,6 +36,9 @@ class Peer:
     challenge: Any = None  # (key, Expectation) a challenge's nonce writes land under
     health: PeerHealth = field(default_factory=PeerHealth)
     removed: bool = False  # left the peer set (discovery): dead for good, closed once unused
+    offered_epoch: int = -1  # the connection epoch its last OwnershipOffer went out on
+    offered_at: float = 0.0  # when (monotonic)
+    offer_window: Any = None  # that offer's registrations, until the check is answered
 
 
 @dataclass
@@ -63,10 +70,36 @@ def dial(ctx: zmq.asyncio.Context, address: str, peers: list[Peer], after: int =
     return Peer(address, sock, monitor=monitor, slot=slot)
 
 
+def offer_due(peer: Peer, now: float) -> bool:
+    """Whether ``peer`` (alive) should get an ``OwnershipOffer`` now: not yet on this
+    connection, or the last one is ``REOFFER_S`` old (its binding would lapse)."""
+    return peer.offered_epoch != peer.epoch or now - peer.offered_at > REOFFER_S
+
+
+def make_offer(peer: Peer, transfer: Any, kv_regions: list[Any], ctx_region: Any, key: int,
+               now: float) -> OwnershipOffer:
+    """The offer of this decoder's endpoints to ``peer``: a window on the context buffer for
+    its check (with per-attempt windows only that: requests get their own; else the shared
+    KV descriptors too, which a cuda-ipc prefiller maps once the check passed)."""
+    close_offer(peer)
+    window = transfer.window(([] if transfer.windows else kv_regions) + [ctx_region])
+    peer.offer_window, peer.offered_epoch, peer.offered_at = window, peer.epoch, now
+    return OwnershipOffer(window.descriptors[-1].encode(), peer.slot, key,
+                          [d.encode() for d in window.descriptors[:-1]])
+
+
+def close_offer(peer: Peer) -> None:
+    """The offer's check was answered (or never came): revoke its window."""
+    if peer.offer_window is not None:
+        peer.offer_window.close()
+        peer.offer_window = None
+
+
 def close_peer(peer: Peer) -> None:
     """Close its sockets and stop expecting its challenge writes."""
     if peer.challenge is not None:
         peer.challenge[1].cancel()
+    close_offer(peer)
     peer.sock.disable_monitor()
     peer.monitor.close()
     peer.sock.close()

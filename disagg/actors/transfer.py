@@ -167,6 +167,14 @@ class TransferEngine:
         return self.engine.window([r.region if isinstance(r, StagedRegion) else r
                                    for r in regions])
 
+    def prepare(self, descriptors: list[MemoryDescriptor]) -> None:
+        """Peer regions this engine will write into soon (their owner proved it owns them):
+        cuda-ipc maps them now, on its progress thread, not at their first write; the fabric
+        engines need nothing (the peer's address went in with the ownership check's write)."""
+        prepare = getattr(self.engine, "prepare", None)
+        if prepare is not None:
+            prepare(descriptors)
+
     @property
     def junk(self) -> int:
         """Immediates refused by the receiving counter (unknown, finished, overflowing)."""

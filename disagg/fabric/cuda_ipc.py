@@ -18,8 +18,8 @@ abstract Unix datagram socket on which senders report immediates. Two kinds of m
 
 Memory that can be neither (cuMem without its fd) registers as a source only (empty handle).
 
-Sender: ``submit`` maps the peer memory once per descriptor, then issues the batch on a
-dedicated stream without synchronizing:
+Sender: ``submit`` maps the peer memory once per descriptor (``prepare``: ahead, on the progress
+thread), then issues the batch on a dedicated stream without synchronizing:
 - ``kernel``: one Triton launch copies every run (``gather_copy``; runs cut into 64 KiB tiles,
   16-byte vectors), so the CPU cost per batch is a table upload and a launch;
 - ``ce``: one ``cuMemcpyAsync`` per run (copy engine), issued by a C loop in the cffi module;
@@ -54,6 +54,7 @@ from disagg.fabric.cuda_mem import (
     CUMEM_HANDLE,
     PeerMappings,
     check_rc,
+    check_target,
     driver,
     serve_fds,
 )
@@ -115,6 +116,7 @@ class CudaIpcEngine:
         self._expectations = ExpectationTable(weight_bits)
         self._inbox: collections.deque[_Job] = collections.deque()
         self._pending: collections.deque[_Job] = collections.deque()
+        self._maps: collections.deque[tuple[bytes, bytes]] = collections.deque()  # to map ahead
         self._peers = PeerMappings(device, self.stats)
         self._regions: dict[int, LocalRegion] = {}
         self._ids = itertools.count(1)
@@ -213,16 +215,7 @@ class CudaIpcEngine:
                timeout: float | None = None) -> asyncio.Future[None]:
         if self._loop is None:
             raise RuntimeError("engine not started")
-        h = dst.handle
-        if dst.backend != "cuda-ipc" or not (
-                (h[:1] == b"L" and len(h) == 73) or (h[:1] == b"M" and len(h) == 1 + CUMEM_HANDLE.size)):
-            raise OutOfRange("descriptor is not a writable cuda-ipc region")
-        if not dst.address.startswith(_PREFIX) or len(dst.address) > 100:
-            raise OutOfRange("cuda-ipc notification address is not ours")
-        if h[:1] == b"M":
-            _, size, off = CUMEM_HANDLE.unpack(h[1:])
-            if off + dst.length > size:
-                raise OutOfRange("cuda-ipc region lies outside its advertised mapping")
+        h = check_target(dst, _PREFIX)
         if not 0 <= imm < 1 << 64:
             raise OutOfRange("immediate does not fit 64 bits")
         so, do, ln = check_writes(src.length, dst.length, src_offsets, dst_offsets, lengths)
@@ -236,6 +229,11 @@ class CudaIpcEngine:
             ln.astype(np.uint64), dst.address, imm, fut, time.monotonic() + t))
         os.write(self._wake_w, b"x")
         return fut
+
+    def prepare(self, dsts: list[MemoryDescriptor]) -> None:
+        """Map these peer regions now (on the progress thread), not at their first write."""
+        self._maps.extend((d.address, check_target(d, _PREFIX)) for d in dsts)
+        os.write(self._wake_w, b"x")
 
     # ---- receiving -------------------------------------------------------------------------
 
@@ -417,6 +415,7 @@ class CudaIpcEngine:
             stream = self._setup()
             while self._running:
                 work = False
+                self._peers.open_ahead(self._maps)
                 while self._inbox:
                     job = self._inbox.popleft()
                     work = True

@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange
+
 log = logging.getLogger("disagg.fabric")
 
 CUMEM_HANDLE = struct.Struct("<QQQ")  # region id, mapping size, offset of byte 0 of the region
@@ -212,6 +214,16 @@ class PeerMappings:
             self.opened[key] = m
         return m.ptr
 
+    def open_ahead(self, pending: collections.deque[tuple[bytes, bytes]]) -> None:
+        """Map every (address, handle) ``pending`` lists, ahead of its first write; a failure
+        is logged only (that write meets it again and fails with it)."""
+        while pending:
+            address, handle = pending.popleft()
+            try:
+                self.open(address, handle)
+            except Exception as e:  # noqa: BLE001
+                log.warning("cuda-ipc: mapping a peer region ahead failed: %s", e)
+
     def _map_legacy(self, handle: bytes) -> _Mapping:
         ffi, drv = driver()
         h = ffi.new("CUipcMemHandle *")
@@ -256,7 +268,22 @@ class PeerMappings:
             except Exception as e:  # noqa: BLE001 - best effort at shutdown
                 log.debug("cuda-ipc: releasing a peer mapping failed: %s", e)
         self.opened.clear()
-        self.opened.clear()
+
+
+def check_target(dst: MemoryDescriptor, prefix: bytes) -> bytes:
+    """``dst``'s handle if it is a writable cuda-ipc region of a peer engine (notification
+    address under ``prefix``), else ``OutOfRange``."""
+    h = dst.handle
+    if dst.backend != "cuda-ipc" or not (
+            (h[:1] == b"L" and len(h) == 73) or (h[:1] == b"M" and len(h) == 1 + CUMEM_HANDLE.size)):
+        raise OutOfRange("descriptor is not a writable cuda-ipc region")
+    if not dst.address.startswith(prefix) or len(dst.address) > 100:
+        raise OutOfRange("cuda-ipc notification address is not ours")
+    if h[:1] == b"M":
+        _, size, off = CUMEM_HANDLE.unpack(h[1:])
+        if off + dst.length > size:
+            raise OutOfRange("cuda-ipc region lies outside its advertised mapping")
+    return h
 
 
 def serve_fds(srv: socket.socket, exports: dict[int, int],

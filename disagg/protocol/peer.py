@@ -1,5 +1,5 @@
 """Decode node <-> prefill node (the prefill node's peer socket): prefill requests, aborts,
-pings, the ownership challenge, and their answers. KV bytes never ride here."""
+pings, the ownership challenge (and its offer ahead of requests), and their answers. KV bytes never ride here."""
 
 from __future__ import annotations
 
@@ -141,7 +141,24 @@ class ChallengeAnswer(msgspec.Struct, tag="challenge_answer", frozen=True,
     nonce: Annotated[bytes, msgspec.Meta(max_length=4096)]
 
 
-PeerRequest = PrefillRequest | AbortPrefill | Ping | StatsRequest | ChallengeAnswer
+class OwnershipOffer(msgspec.Struct, tag="ownership_offer", frozen=True,
+                     forbid_unknown_fields=True):
+    """Check now that this connection owns the endpoints of ``dst_ctx``, ahead of any request
+    (``disagg.remote.ownership``): a decoder sends it when a compatible prefiller answers on a
+    new connection, and again every ``REOFFER_S``. The prefiller runs the same check as for a
+    ``PrefillRequest`` (its ``Challenge`` names no request) and creates no job. ``dst_kv``:
+    the KV descriptors the decoder's requests will name, when they do not change per attempt;
+    once the check passed, a prefiller may map them ahead of the first write (cuda-ipc)."""
+
+    dst_ctx: bytes  # encoded MemoryDescriptor of the context buffer (its challenge area)
+    challenge_slot: int
+    challenge_key: int
+    dst_kv: Annotated[list[bytes], msgspec.Meta(max_length=64)] = []
+    v: int = PROTOCOL_VERSION
+
+
+PeerRequest = (PrefillRequest | AbortPrefill | Ping | StatsRequest | ChallengeAnswer
+               | OwnershipOffer)
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):
