@@ -20,31 +20,7 @@ python3 -c "import json, sys; sys.path.insert(0, 'bench'); from experiment_engin
 json.dump(QWEN3_8B, open('$MODEL/config.json', 'w'))" || exit 1; fi
 COMMON=(--model "$MODEL" --random-weights --seed 0 --dtype "$DTYPE" --page-size 16
         --max-model-len 8192 --startup-timeout 400 ${EXTRA:-})
-PIDS=()
-
-start_node() {  # name args...
-  local name=$1; shift
-  python3 -m disagg "$@" > "$WORK/$name.log" 2>&1 &
-  PIDS+=($!)
-  echo "$!" > "$WORK/$name.pid"
-}
-
-wait_ready() {  # name seconds
-  local pid; pid=$(cat "$WORK/$1.pid")
-  for _ in $(seq 1 "$2"); do
-    grep -q "ready: " "$WORK/$1.log" && return 0
-    kill -0 "$pid" 2>/dev/null || { echo "$1 exited"; tail -30 "$WORK/$1.log"; return 1; }
-    sleep 1
-  done
-  echo "$1 not ready in $2 s"; tail -30 "$WORK/$1.log"; return 1
-}
-
-stop_nodes() {
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
-  PIDS=()
-}
-trap stop_nodes EXIT
+source "$(dirname "$0")/nodes.sh"  # start_node, wait_ready, stop_nodes
 
 sweep() {  # tag connect-args...
   local tag=$1; shift

@@ -29,31 +29,8 @@ COMMON=(--model "$MODEL" --random-weights --seed 0 --dtype "$DTYPE" --page-size 
         --max-model-len "$MAXLEN" --num-pages "$PAGES" --startup-timeout "$STARTUP"
         --devices "$DEVICE" ${EXTRA:-})
 P=tcp://127.0.0.1:$PORT; D=tcp://127.0.0.1:$((PORT + 1)); M=tcp://127.0.0.1:$((PORT + 2))
-PIDS=()
-
-start_node() {  # name args...
-  local name=$1; shift
-  timeout $((STARTUP + 600)) $PY -m disagg "$@" > "$WORK/$name.log" 2>&1 &
-  PIDS+=($!)
-  echo "$!" > "$WORK/$name.pid"
-}
-
-wait_ready() {  # name seconds
-  local pid; pid=$(cat "$WORK/$1.pid")
-  for _ in $(seq 1 "$2"); do
-    grep -q "ready: " "$WORK/$1.log" && return 0
-    kill -0 "$pid" 2>/dev/null || { echo "$1 exited"; tail -30 "$WORK/$1.log"; return 1; }
-    sleep 1
-  done
-  echo "$1 not ready in $2 s"; tail -30 "$WORK/$1.log"; return 1
-}
-
-stop_nodes() {
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
-  PIDS=()
-}
-trap stop_nodes EXIT
+NODE_TIMEOUT=$((STARTUP + 600))
+source "$(dirname "$0")/nodes.sh"  # start_node, wait_ready, stop_nodes
 
 serve() {  # tag connect input-len n warmup
   local tag=$1 addr=$2 len=$3 n=$4 warm=$5
