@@ -192,7 +192,10 @@ class OwnershipGate:
         ok = self.owners.answered(check, answer or None, now,
                                   remember_failure=(written or timed_out) and not inconclusive)
         if ok and prepare:
-            self.transfer.prepare(prepare)
+            try:  # an optimisation only: the requests that waited are answered regardless
+                self.transfer.prepare(prepare)
+            except Exception as e:  # noqa: BLE001
+                log.warning("mapping offered regions ahead failed: %s", e)
         await self._unpark(check.conn, req if not ok else None)
 
     async def _unpark(self, conn: Conn, failed: PrefillRequest | None) -> None:
