@@ -167,6 +167,7 @@ class PrefillMessenger(JobWrites, MessengerBase):
 
     async def _from_peers(self) -> None:
         async for zframes in pending_frames(self.sock):
+            arrived = time.monotonic()  # a job's queue clock starts here, before its checks
             frames = [f.bytes for f in zframes]
             peer = frames[0]
             conn = (peer, source_fd(zframes[0]))
@@ -190,7 +191,7 @@ class PrefillMessenger(JobWrites, MessengerBase):
                     await self._reply(peer, Pong(seq, self.queued_tokens, self.layout,
                                                  self.transfer.transport))
                 case PrefillRequest() as req:
-                    await self._accept(peer, req, conn)
+                    await self._accept(peer, req, conn, arrived)
                 case AbortPrefill(request_id=rid):
                     await self._abort(peer, rid, conn)
                 case ChallengeAnswer(id=cid, nonce=nonce):
@@ -236,7 +237,10 @@ class PrefillMessenger(JobWrites, MessengerBase):
 
     # ------------------------------------------------------------------ requests
 
-    async def _accept(self, peer: bytes, req: PrefillRequest, conn: Conn) -> None:
+    async def _accept(self, peer: bytes, req: PrefillRequest, conn: Conn,
+                      arrived: float | None = None) -> None:
+        """Take a request (``arrived``: when its frame was read; None after the ownership
+        check it waited for: now) or answer why not."""
         why = request_problem(self.layout, self.vocab_size, req)
         dst_kv: list[Any] = []
         dst_ctx = None
@@ -278,7 +282,8 @@ class PrefillMessenger(JobWrites, MessengerBase):
         self.by_peer[(peer, req.request_id)] = job.id
         self.ctx_of[job.id] = self.ctx_free.pop()
         self.queued_tokens += len(req.prompt_ids)
-        self._carry_out(self.life.accept(job.id, peer, pages, req.timeout_s, cap_s, now))
+        self._carry_out(self.life.accept(job.id, peer, pages, req.timeout_s, cap_s,
+                                         now if arrived is None else arrived))
 
     def _carry_out(self, commands: list[LifeCommand]) -> None:
         """Do what the job machine decided, in its order."""

@@ -2,7 +2,8 @@
 decoder never reads the context row, so the write (one unit it counts) goes out as a marker
 right after the last layer of the job's last chunk, not after the step's end (the executor's
 reply, the scheduler's hop); with MTP it carries the hidden row and waits for the step's end.
-A real PrefillMessenger (its zmq sockets) over a transfer engine that records the writes."""
+A real PrefillMessenger (its zmq sockets) over a transfer engine that records the writes; and
+where a job's queue clock starts (the frame's arrival)."""
 
 from __future__ import annotations
 
@@ -140,3 +141,42 @@ def test_mtp_context_waits_for_the_hidden_row() -> None:
     seen, transfer = asyncio.run(one_step(layout(spec_method="mtp"), 12, 12))
     assert all(w[0] != "ctx" for w in seen[-2])  # its row is only known at StepDone
     assert [w for w in seen[-1] if w[0] == "ctx"] == [("ctx", 1)]
+
+
+def test_a_jobs_queue_clock_starts_when_its_frame_arrived(monkeypatch) -> None:
+    """The prefiller's queue time (PrefillDone's queue_s) starts when the request's frame was
+    read, before its checks (decoding, bounds, descriptors): that work is the prefiller's, not
+    the transfer tail's (the decoder's exposed transfer is its KV wait minus queue and
+    compute)."""
+    import disagg.actors.prefill_messenger as pm
+
+    monkeypatch.setattr(pm, "descriptor_problem", lambda *a: None)
+    monkeypatch.setattr(pm, "endpoints", lambda kv, ctx, lanes: ([ctx], None))
+
+    class Transfer(RecordingTransfer):
+        def decode_descriptor(self, raw: bytes) -> MemoryDescriptor:
+            return MemoryDescriptor(backend="fabric", provider="tcp", address=b"a", base=0,
+                                    length=1 << 20, key=0)
+
+    async def run() -> float:
+        ctx = zmq.asyncio.Context()
+        b = ctx.socket(zmq.PAIR)
+        lay = layout()
+        kv = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+        m = PrefillMessenger("tcp://127.0.0.1:0", ctx, b, Transfer(), lay, [kv],  # type: ignore[arg-type]
+                             Counter(), vocab_size=100, max_jobs=4)
+        monkeypatch.setattr(m.gate, "status", lambda conn, addresses, now: "owned")
+        try:
+            req = PrefillRequest(request_id="r", key=5, prompt_ids=list(range(12)),
+                                 dst_pages=[0, 1, 2], dst_layout=lay, dst_kv=b"", dst_ctx=b"",
+                                 ctx_offset=0, timeout_s=60.0)
+            arrived = time.monotonic() - 5.0
+            await m._accept(b"peer", req, (b"peer", 7), arrived)
+            (job,) = m.life.jobs.values()
+            return job.accepted_at - arrived
+        finally:
+            m.close()
+            b.close()
+            ctx.term()
+
+    assert asyncio.run(run()) == 0.0
