@@ -8,13 +8,16 @@
 #   mixed_L - the mixed node alone for each of SHORT_LENS (the baseline TTFT)
 # Results: WORK/*.json (disagg-bench serve), WORK/summary.json and WORK/summary.txt, node logs.
 #   bench/ttft_tail.sh WORK
+# Two GPUs: DECODE_DEVICE=cuda:1 puts the decode node there (prefill and mixed stay on DEVICE),
+# so the split's KV crosses GPU0 -> GPU1 (the exposed-transfer sweep of issue 19).
 # Overrides (CPU dry run: DEVICE=cpu TRANSFER=fabric DTYPE=float32 CONFIG_JSON=tiny.json
 #   LONG_LENS="64 128" SHORT_LENS="17 30" PAGE=4 ...):
-#   DEVICE DTYPE TRANSFER CONFIG_JSON LONG_LENS SHORT_LENS N_LONG N_SHORT OUTLEN PAGES MAXLEN
-#   PAGE VOCAB PORT STARTUP EXTRA (extra node flags)
+#   DEVICE DECODE_DEVICE DTYPE TRANSFER CONFIG_JSON LONG_LENS SHORT_LENS N_LONG N_SHORT OUTLEN
+#   PAGES MAXLEN PAGE VOCAB PORT STARTUP EXTRA (extra node flags)
 set -u
 WORK=${1:?usage: ttft_tail.sh WORK}
-DEVICE=${DEVICE:-cuda:0}; DTYPE=${DTYPE:-bfloat16}; TRANSFER=${TRANSFER:-cuda-ipc}
+DEVICE=${DEVICE:-cuda:0}; DECODE_DEVICE=${DECODE_DEVICE:-$DEVICE}
+DTYPE=${DTYPE:-bfloat16}; TRANSFER=${TRANSFER:-cuda-ipc}
 LONG_LENS=${LONG_LENS:-"1024 4096 16384 32768"}; SHORT_LENS=${SHORT_LENS:-"17 64 130"}
 N_LONG=${N_LONG:-8}; N_SHORT=${N_SHORT:-16}; OUTLEN=${OUTLEN:-4}
 PAGES=${PAGES:-4608}; MAXLEN=${MAXLEN:-33792}; PAGE=${PAGE:-16}; VOCAB=${VOCAB:-150000}
@@ -26,8 +29,7 @@ if [ -n "${CONFIG_JSON:-}" ]; then cp "$CONFIG_JSON" "$MODEL/config.json"; else
 $PY -c "import json, sys; sys.path.insert(0, 'bench'); from experiment_engine import QWEN3_8B; \
 json.dump(QWEN3_8B, open('$MODEL/config.json', 'w'))" || exit 1; fi
 COMMON=(--model "$MODEL" --random-weights --seed 0 --dtype "$DTYPE" --page-size "$PAGE"
-        --max-model-len "$MAXLEN" --num-pages "$PAGES" --startup-timeout "$STARTUP"
-        --devices "$DEVICE" ${EXTRA:-})
+        --max-model-len "$MAXLEN" --num-pages "$PAGES" --startup-timeout "$STARTUP" ${EXTRA:-})
 P=tcp://127.0.0.1:$PORT; D=tcp://127.0.0.1:$((PORT + 1)); M=tcp://127.0.0.1:$((PORT + 2))
 NODE_TIMEOUT=$((STARTUP + 600))
 source "$(dirname "$0")/nodes.sh"  # start_node, wait_ready, stop_nodes
@@ -43,10 +45,12 @@ serve() {  # tag connect input-len n warmup
 
 T0=$(date +%s)
 # all three start at once (start-up dominates the run); the mixed node idles meanwhile
-start_node prefill --role prefill --listen "$P" --transfer-backend "$TRANSFER" "${COMMON[@]}"
+echo "prefill and mixed on $DEVICE, decode on $DECODE_DEVICE ($TRANSFER)"
+start_node prefill --role prefill --listen "$P" --transfer-backend "$TRANSFER" \
+  --devices "$DEVICE" "${COMMON[@]}"
 start_node decode --role decode --listen "$D" --prefill-peer "$P" --transfer-backend "$TRANSFER" \
-  "${COMMON[@]}"
-start_node mixed --role mixed --listen "$M" "${COMMON[@]}"
+  --devices "$DECODE_DEVICE" "${COMMON[@]}"
+start_node mixed --role mixed --listen "$M" --devices "$DEVICE" "${COMMON[@]}"
 wait_ready prefill "$STARTUP" && wait_ready decode "$STARTUP" && wait_ready mixed "$STARTUP" \
   || exit 1
 echo "nodes ready after $(( $(date +%s) - T0 )) s"
