@@ -46,7 +46,8 @@ def trio(model_dir, tmp_path_factory):
     d_err = node("decode", model_dir, tmp, "--num-pages", "64", "--prefill-peer", p_addr,
                  "--on-prefill-failure", "error", nocache, *FAST_FAILURE)
     d_loc = node("decode", model_dir, tmp, "--num-pages", "64", "--prefill-peer", p_addr,
-                 "--on-prefill-failure", "local", nocache, *FAST_FAILURE)
+                 "--on-prefill-failure", "local", nocache, *FAST_FAILURE,
+                 "--overlap-schedule", "on")  # decode steps deferred around the faults
     with running([p, d_err[1], d_loc[1]], [d_err[0], d_loc[0]]):
         yield (p_addr, p), d_err[0], d_loc[0]
 
@@ -130,7 +131,7 @@ def test_retry_on_another_prefiller(model_dir, tmp_path, ref):
                        "4", env=SLOW) for _ in range(2)]
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "64", "--prefill-peer",
                      prefillers[0][0], "--prefill-peer", prefillers[1][0],
-                     "--on-prefill-failure", "retry", *FAST_FAILURE)
+                     "--on-prefill-failure", "retry", *FAST_FAILURE, "--overlap-schedule", "on")
     with running([p for _, p in prefillers] + [d], [d_addr], prefillers=2):
         req = Req(d_addr, prompt(LONG))
         wait_for(lambda: any(prefilling(a) for a, _ in prefillers), what="prefill under way")
