@@ -420,11 +420,12 @@ class PrefillMessenger(JobWrites, MessengerBase):
                 if job is not None and (why := self.life.overdue(job_id, now)):
                     self._fail(job, "timeout", why)
                 continue
+            slot = None  # without MTP its marker went out with the last layer
             if self.layout.spec_method == "mtp":  # the decoder's MTP layer reads this row
                 slot = self.ctx_of[job_id]
                 self.ctx_buf[slot] = torch.frombuffer(
                     bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]), dtype=torch.uint8)
-            self._post_context(job, slot if self.layout.spec_method == "mtp" else None)
+            self._post_context(job, slot)
             self._carry_out(self.life.computed(job_id, now))
         self._send_soon(self.stats())
 

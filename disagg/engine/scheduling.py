@@ -322,8 +322,7 @@ class BatchScheduler:
         longer holds (new work: the caller steps normally) or a page is missing (no
         preemption ahead)."""
         live = [c for c in batch.chunks if c.seq.status is Status.RUNNING]
-        if (self.spec_tokens or self.mtp or self.waiting or len(live) != len(self.running)
-                or batch.num_decodes != len(batch.chunks)):
+        if batch.num_decodes != len(batch.chunks) or not self.can_defer(Batch(live, len(live))):
             return None
         chunks: list[ScheduledChunk] = []
         for c in live:
