@@ -96,6 +96,8 @@ def overlapped_step_ms(runner, plan, steps: int) -> float:
         launched.wait()
         launched = nxt
     host = []
+    # the clock runs from one step's end (the last wait) to the end of the ``steps``-th step
+    # after it; the step still in flight after the loop is not counted
     t = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -103,10 +105,11 @@ def overlapped_step_ms(runner, plan, steps: int) -> float:
         host.append(time.perf_counter() - t0)
         launched.wait()
         launched = nxt
+    elapsed = time.perf_counter() - t
     launched.wait()
     print(f"overlapped B={len(plan.chunks)}: launch host ms p50 "
           f"{1e3 * statistics.median(host):.3f} max {1e3 * max(host):.3f}", flush=True)
-    return (time.perf_counter() - t) / steps * 1e3
+    return elapsed / steps * 1e3
 
 
 def overlapped_gaps(runner, plan, steps: int = 6) -> dict:
@@ -208,13 +211,35 @@ def main() -> None:
     with torch.inference_mode():
         hid = model(host[0], host[1], alloc.tensor, host[2], runner.backend)
         e_logits = model.logits(hid)
-    runner.graphs = graphs
     rel = float((g_logits - e_logits).norm() / e_logits.norm())
     res["check"] = {"graph_vs_eager_logits_rel_l2": rel,
                     "argmax_agree": sum(a == b for a, b in zip(g_tokens, e_tokens, strict=True)),
                     "rows": args.batch,
                     "counter_ok": res["counter_after_graph"] == 1000 + arch.num_layers}
     print("check", res["check"], flush=True)
+    # the timings: graphs as a decode or mixed node captures them, without the layer counter
+    # (only a prefill node keeps one, and it runs no decode graphs)
+    counted = runner
+    runner = ModelRunner(model, alloc.tensor, runner.backend)
+    res["graph_capture_s"] = runner.enable_cuda_graphs(256, args.max_model_len)
+    # short prompts, eager: a prefill node's step (the prompt but its last token, the layer
+    # counter bumped after every layer, nothing sampled) and a mixed node's (all of it, sampled)
+    res["short_prefill"] = {}
+    for n in (17, 130):
+        ids = [random.Random(n).randrange(1000, 100000) for _ in range(n)]
+        table = ppages[: -(-n // page)]
+        split = StepPlan(6, [SeqChunk(0, ids[:-1], 0, table, False)], 0, counter_base=5000)
+        mixed = StepPlan(7, [SeqChunk(0, ids, 0, table, True)], 0)
+        counted.execute(split)
+        runner.execute(mixed)
+        res["short_prefill"][n] = {
+            "prefill_node_step_ms": median_ms(lambda p=split: counted.execute(p), 20),
+            "prefill_node_step_no_counter_ms": median_ms(lambda p=split: runner.execute(p), 20),
+            "mixed_node_step_ms": median_ms(lambda p=mixed: runner.execute(p), 20)}
+    print("short_prefill", res["short_prefill"], flush=True)
+    graphs = runner.graphs
+    assert graphs is not None
+    runner.execute(plan)  # the graph's inputs: the plan's (the replay below reads them)
 
     # 2. decode step timings
     kv_bytes = sum(c.start_pos + 1 for c in plan.chunks) * layout.page_bytes // page

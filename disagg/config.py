@@ -136,6 +136,9 @@ class DisaggConfig(msgspec.Struct, frozen=True):
     # prefill: share of the job slots and of the page pool one decoder connection may hold
     peer_share: float = 0.5  # (--peer-share; 1 = no per-peer bound)
     ownership_timeout_s: float = 5.0  # prefill: a decoder proves it owns its memory within this (--ownership-timeout)
+    # prefill: a step of fewer prompt tokens ships its KV in one go after its last layer
+    # rather than layer by layer (--layerwise-min-tokens; 0: always layer by layer)
+    layerwise_min_tokens: int = 256
 
     def validate(self) -> None:
         if self.transfer_backend not in ("fabric", "cuda-ipc"):
@@ -153,6 +156,8 @@ class DisaggConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--fabric-lanes applies to --transfer-backend fabric only")
         if self.local_prefill_max_tokens < 0:
             raise ConfigError("--local-prefill-max-tokens must be >= 0")
+        if self.layerwise_min_tokens < 0:
+            raise ConfigError("--layerwise-min-tokens must be >= 0")
         if not 0 < self.peer_share <= 1:
             raise ConfigError(f"--peer-share must be in (0, 1], got {self.peer_share}")
         try:

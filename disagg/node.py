@@ -203,7 +203,7 @@ class Node:
             cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensors(),
             self.counter, vocab_size=arch.vocab_size, kv_fds=self.executors.kv_fds,
             peer_share=cfg.disagg.peer_share, ownership_timeout_s=cfg.disagg.ownership_timeout_s,
-            metrics=self.metrics)
+            metrics=self.metrics, layerwise_min_tokens=cfg.disagg.layerwise_min_tokens)
         self.address = self.messenger.address
         actors.append(("messenger", self.messenger.run))
 

@@ -1,6 +1,10 @@
 """What the prefill messenger (``disagg.actors.prefill_messenger``) holds per job and per
 step: the request and where its writes go, and which layers of a step went out; and how it
-posts a job's writes (``JobWrites``)."""
+posts a job's writes (``JobWrites``): layer by layer as the layer counter moves, except for a
+short step (fewer prompt tokens than ``layerwise_min_tokens``), whose layers go out together
+in one write per destination after its last layer. For such a step shipping early hides
+almost nothing (its KV is small), while every post costs the prefill GPU a switch to the
+transfer engine's CUDA context (cuda-ipc on a shared GPU) and the host a post."""
 
 from __future__ import annotations
 
@@ -10,10 +14,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.protocol.inproc import StepAnnounce
+from disagg.protocol.inproc import ChunkInfo, StepAnnounce
 from disagg.protocol.peer import KVLayoutDesc, PrefillFailCode, PrefillRequest
 from disagg.remote.prefill import PrefillJobs
-from disagg.remote.transfer_plan import ChunkPlan, Runs, context_write
+from disagg.remote.transfer_plan import (
+    ChunkPlan,
+    Runs,
+    context_write,
+    job_pages_plan,
+    pages_to_send,
+    spec_pages_plan,
+)
 
 log = logging.getLogger("disagg.actors.prefill_messenger")
 
@@ -42,6 +53,22 @@ class Step:
     next_layer: int = 0  # layers [0, next_layer) handed to the engine
     plans: dict[int, ChunkPlan | None] = field(default_factory=dict)  # by chunk index, lazily
 
+    @property
+    def tokens(self) -> int:
+        return sum(c.count for c in self.announce.chunks)
+
+
+def layer_spans(next_layer: int, layers_done: int, num_layers: int,
+                whole: bool) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` layer spans to post now, each one write per destination: every newly
+    finished layer alone, or with ``whole`` (a short step) all layers at once when the last
+    one finished, nothing before."""
+    if layers_done <= next_layer:
+        return []
+    if whole:
+        return [(next_layer, layers_done)] if layers_done >= num_layers else []
+    return [(i, i + 1) for i in range(next_layer, layers_done)]
+
 
 class JobWrites:
     """The prefill messenger's posting of a job's writes (mixed into it)."""
@@ -51,6 +78,15 @@ class JobWrites:
     transfer: Any  # disagg.actors.transfer.TransferEngine
     ctx_region: Any
     zero_slot: int  # a context row never written: the source of context markers
+    kv_regions: list[Any]
+    jobs: dict[int, Job]
+    steps: dict[int, Step]
+    metrics: Any  # disagg.serving.metrics.Metrics | None
+    layerwise_steps: int  # steps that began shipping before their last layer
+    layerwise_min_tokens: int  # shorter steps ship all layers at once
+
+    def _progressed(self, now: float) -> None:
+        raise NotImplementedError
 
     def _fail(self, job: Job, code: PrefillFailCode, message: str) -> None:
         raise NotImplementedError
@@ -80,3 +116,79 @@ class JobWrites:
         except Exception as e:  # out of range: refuse, never write outside
             log.error("job %d: refused writes: %s", job.id, e)
             self._fail(job, "transfer_failed", str(e))
+
+    def on_layers(self, step_id: int, layers_done: int, seen_at: float | None = None) -> None:
+        """Called in the loop by the poller: ship the step's newly finished layers
+        (``layer_spans``). ``seen_at``: when the poller saw the counter reach ``layers_done`` (for the lag metric)."""
+        step = self.steps.get(step_id)
+        if step is None:
+            return
+        num_layers = self.layout.num_layers
+        whole = step.tokens < self.layerwise_min_tokens
+        spans = layer_spans(step.next_layer, layers_done, num_layers, whole)
+        if not spans:
+            return
+        if seen_at is not None and self.metrics is not None:
+            self.metrics.observe_layer_lag(time.monotonic() - seen_at)
+        if step.next_layer == 0 and layers_done < num_layers and step.announce.chunks:
+            self.layerwise_steps += 1  # shipping starts while later layers still compute
+        now = time.monotonic()
+        self._progressed(now)
+        for lo, hi in spans:
+            for i, chunk in enumerate(step.announce.chunks):
+                job = self.jobs.get(chunk.job)
+                if job is None or not self.life.may_write(job.id, now):
+                    if job is not None and (why := self.life.overdue(job.id, now)):
+                        self._fail(job, "timeout", why)  # the decoder may reuse the pages
+                    continue
+                plan = self._plan(step, i, job)
+                if plan is None:
+                    continue
+                for sr, dr in plan.by_pair:  # every source rank sends in parallel
+                    self._post(job, self.kv_regions[sr], job.dst_kv[dr],
+                               plan.layers((sr, dr), lo, hi))
+                if lo == 0 and self.layout.spec_method == "draft":  # computed before it
+                    self._ship_spec(job, self._spec_plan(job, chunk))
+        if step.next_layer < num_layers <= layers_done:  # last layer out: markers
+            for c in step.announce.chunks:
+                if c.start + c.count == c.total and (job := self.jobs.get(c.job)):
+                    self._post_context(job)
+        step.next_layer = max(step.next_layer, layers_done)
+
+    def _ship_spec(self, job: Job, plan: ChunkPlan | None) -> None:
+        """Every layer of a chunk's pages in the speculative region (a draft model's KV,
+        computed before the step's first layer; the MTP layers', after its last)."""
+        if plan is None:
+            return
+        self._post(job, self.kv_regions[0], job.dst_kv[0], plan.layers((0, 0), 0,
+                                                                        plan.num_layers))
+
+    def _ship_cached(self, chunk: ChunkInfo, now: float) -> None:
+        """A job's first chunk starts after pages this node had in its prefix cache: they are
+        complete for every layer, so they go out at once (those the decoder does not hold)."""
+        job = self.jobs.get(chunk.job)
+        if job is None or not self.life.may_write(job.id, now):
+            return
+        job.cached_tokens = chunk.start
+        plan = job_pages_plan(self.layout, job.req, chunk.pages,
+                              range(chunk.start // self.layout.page_size))
+        if plan is None:
+            return
+        for sr, dr in plan.by_pair:  # every layer in one write per destination
+            self._post(job, self.kv_regions[sr], job.dst_kv[dr],
+                       plan.layers((sr, dr), 0, self.layout.num_layers))
+        self._ship_spec(job, spec_pages_plan(self.layout, job.req, chunk.pages,
+                                             range(chunk.start // self.layout.page_size)))
+
+    def _spec_plan(self, job: Job, c: ChunkInfo) -> ChunkPlan | None:
+        return spec_pages_plan(self.layout, job.req, c.pages, pages_to_send(
+            c.start, c.start + c.count, c.total, self.layout.page_size))
+
+    def _plan(self, step: Step, i: int, job: Job) -> ChunkPlan | None:
+        """The writes of chunk ``i`` of ``step`` for every layer (planned at its first layer;
+        None when the chunk completes no page)."""
+        if i not in step.plans:
+            c = step.announce.chunks[i]
+            step.plans[i] = job_pages_plan(self.layout, job.req, c.pages, pages_to_send(
+                c.start, c.start + c.count, c.total, self.layout.page_size))
+        return step.plans[i]

@@ -45,7 +45,6 @@ from disagg.actors.transfer import TransferEngine
 from disagg.protocol import StatsRequest
 from disagg.protocol.inproc import (
     CancelJob,
-    ChunkInfo,
     MessengerStats,
     PrefillJob,
     ReleaseJob,
@@ -87,12 +86,6 @@ from disagg.remote.prefill import (
     wire_reply,
 )
 from disagg.remote.requests import descriptor_problem, request_problem
-from disagg.remote.transfer_plan import (
-    ChunkPlan,
-    job_pages_plan,
-    pages_to_send,
-    spec_pages_plan,
-)
 from disagg.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -116,8 +109,10 @@ class PrefillMessenger(JobWrites, MessengerBase):
         peer_share: float = 0.5,  # of the job slots and the page pool, per peer connection
         ownership_timeout_s: float = 5.0,  # a peer proves it owns its endpoint within this
         metrics: Metrics | None = None,
+        layerwise_min_tokens: int = 0,  # shorter steps ship all layers at once (JobWrites)
     ):
         self.vocab_size = vocab_size
+        self.layerwise_min_tokens = layerwise_min_tokens
         # decoders' node keys only
         self.sock, self.monitor = listening(ctx, listen, max_frame=PEER_FRAME_BYTES, who="nodes")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -318,78 +313,6 @@ class PrefillMessenger(JobWrites, MessengerBase):
         self._carry_out(self.life.cancel(job.id, "failed", code, message))
 
     # ------------------------------------------------------------------ layers and steps
-
-    def on_layers(self, step_id: int, layers_done: int, seen_at: float | None = None) -> None:
-        """Called in the loop by the poller: ship every newly finished layer of the step.
-        ``seen_at``: when the poller saw the counter reach ``layers_done`` (for the lag metric)."""
-        step = self.steps.get(step_id)
-        if step is None:
-            return
-        if seen_at is not None and self.metrics is not None and layers_done > step.next_layer:
-            self.metrics.observe_layer_lag(time.monotonic() - seen_at)
-        if step.next_layer == 0 and layers_done < self.layout.num_layers and step.announce.chunks:
-            self.layerwise_steps += 1  # shipping starts while later layers still compute
-        now = time.monotonic()
-        if layers_done > step.next_layer:
-            self._progressed(now)
-        for layer in range(step.next_layer, layers_done):
-            for i, chunk in enumerate(step.announce.chunks):
-                job = self.jobs.get(chunk.job)
-                if job is None or not self.life.may_write(job.id, now):
-                    if job is not None and (why := self.life.overdue(job.id, now)):
-                        self._fail(job, "timeout", why)  # the decoder may reuse the pages
-                    continue
-                plan = self._plan(step, i, job)
-                if plan is None:
-                    continue
-                for sr, dr in plan.by_pair:  # every source rank sends in parallel
-                    self._post(job, self.kv_regions[sr], job.dst_kv[dr],
-                               plan.layer((sr, dr), layer))
-                if layer == 0 and self.layout.spec_method == "draft":  # computed before it
-                    self._ship_spec(job, self._spec_plan(job, chunk))
-        if step.next_layer < self.layout.num_layers <= layers_done:  # last layer out: markers
-            for c in step.announce.chunks:
-                if c.start + c.count == c.total and (job := self.jobs.get(c.job)):
-                    self._post_context(job)
-        step.next_layer = max(step.next_layer, layers_done)
-
-    def _ship_spec(self, job: Job, plan: ChunkPlan | None) -> None:
-        """Every layer of a chunk's pages in the speculative region (a draft model's KV,
-        computed before the step's first layer; the MTP layers', after its last)."""
-        if plan is None:
-            return
-        for layer in range(plan.num_layers):
-            self._post(job, self.kv_regions[0], job.dst_kv[0], plan.layer((0, 0), layer))
-
-    def _ship_cached(self, chunk: ChunkInfo, now: float) -> None:
-        """A job's first chunk starts after pages this node had in its prefix cache: they are
-        complete for every layer, so they go out at once (those the decoder does not hold)."""
-        job = self.jobs.get(chunk.job)
-        if job is None or not self.life.may_write(job.id, now):
-            return
-        job.cached_tokens = chunk.start
-        plan = job_pages_plan(self.layout, job.req, chunk.pages,
-                              range(chunk.start // self.layout.page_size))
-        if plan is None:
-            return
-        for layer in range(self.layout.num_layers):
-            for sr, dr in plan.by_pair:
-                self._post(job, self.kv_regions[sr], job.dst_kv[dr], plan.layer((sr, dr), layer))
-        self._ship_spec(job, spec_pages_plan(self.layout, job.req, chunk.pages,
-                                             range(chunk.start // self.layout.page_size)))
-
-    def _spec_plan(self, job: Job, c: ChunkInfo) -> ChunkPlan | None:
-        return spec_pages_plan(self.layout, job.req, c.pages, pages_to_send(
-            c.start, c.start + c.count, c.total, self.layout.page_size))
-
-    def _plan(self, step: Step, i: int, job: Job) -> ChunkPlan | None:
-        """The writes of chunk ``i`` of ``step`` for every layer (planned at its first layer;
-        None when the chunk completes no page)."""
-        if i not in step.plans:
-            c = step.announce.chunks[i]
-            step.plans[i] = job_pages_plan(self.layout, job.req, c.pages, pages_to_send(
-                c.start, c.start + c.count, c.total, self.layout.page_size))
-        return step.plans[i]
 
     def _step_done(self, done: StepDone, hidden: bytes | None) -> None:
         step = self.steps.get(done.step_id)

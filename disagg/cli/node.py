@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "keys) for each remote prefill attempt and revoke it when the attempt "
                          "ends, so late or forged writes are refused; auto: on where "
                          "registration pins nothing (tcp, shm, net), off elsewhere (verbs, efa)")
+    ap.add_argument("--layerwise-min-tokens", type=int, default=d.layerwise_min_tokens,
+                    metavar="N", help="prefill role: a step of fewer prompt tokens ships its "
+                    "KV in one write per destination after its last layer instead of layer by "
+                    "layer (short prompts: fewer posts, fewer GPU context switches); 0: always "
+                    "layer by layer")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
                     help="decode role: prompts of at most this many tokens are prefilled locally")
     ap.add_argument("--on-prefill-failure", default=d.on_prefill_failure,
@@ -215,7 +220,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             on_prefill_failure=args.on_prefill_failure, prefill_timeout_s=args.prefill_timeout,
             heartbeat_s=args.heartbeat, peer_timeout_s=args.peer_timeout,
-            peer_share=args.peer_share, ownership_timeout_s=args.ownership_timeout),
+            peer_share=args.peer_share, ownership_timeout_s=args.ownership_timeout,
+            layerwise_min_tokens=args.layerwise_min_tokens),
         curve_keys=args.curve_keys,
         step_timeout_s=args.step_timeout,
         startup_timeout_s=args.startup_timeout,

@@ -78,21 +78,22 @@ class DecodeGraphs:
         self.buckets = buckets_for(max_batch)
         n = self.buckets[-1]
         dev = model.device
-        self.input_ids = torch.zeros(n * q, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n * q, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros((n, self.max_pages), dtype=torch.int32, device=dev)
-        self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
-        # pinned host staging (async, cheap copies): token ids, positions, slots, then fill
-        # rows and their sources; lengths; block tables. Two sets used in turn, so staging a
-        # step never overwrites what the step before it may still be copying (overlapped
-        # decoding launches a step while the previous one runs)
-        self._staging = [(torch.zeros((4, 2 * n * q), dtype=torch.int64).pin_memory(),
-                          torch.full((n,), q, dtype=torch.int32).pin_memory(),
-                          torch.zeros((n, self.max_pages), dtype=torch.int32).pin_memory())
+        # every input in one device buffer, so a step's inputs go over in one copy from one of
+        # two pinned staging buffers, used in turn (staging a step never overwrites what the
+        # step before it may still be copying: overlapped decoding launches a step while the
+        # previous one runs)
+        self.layout = InputLayout(n * q, n, self.max_pages)
+        self._buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=dev)
+        rows, self.seq_lens, self.block_tables = self.layout.views(self._buffer)
+        self.input_ids, self.positions, self.slot_mapping, self.fill_src = rows
+        self._staging = [torch.zeros(self.layout.nbytes, dtype=torch.uint8).pin_memory()
                          for _ in range(2)]
+        self._staged = [tuple(v.numpy() for v in self.layout.views(b)) for b in self._staging]
         self._turn = 0
+        self.cu_seqlens_q = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
+        # each replay's argmax, where the next replay's follow rows take their tokens
+        # (an eager step's tokens, copied here, may be one per sequence up to ``max_batch``)
+        self.sampled = torch.zeros(max(n * q, max_batch), dtype=torch.int64, device=dev)
         self._pad_positions = np.tile(np.arange(q, dtype=np.int64), n)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> logits, argmax
@@ -111,10 +112,14 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = b * self.q_len
-        hidden = self.model(self.input_ids[:t], self.positions[:t], self.kv, self._meta(b),
-                            self.backend, self.layer_hook)
+        src = self.fill_src[:t]  # follow rows: the previous replay's token (overlap)
+        ids = torch.where(src >= 0, self.sampled.index_select(0, src.clamp(min=0)),
+                          self.input_ids[:t])
+        hidden = self.model(ids, self.positions[:t], self.kv, self._meta(b), self.backend,
+                            self.layer_hook)
         logits = self.model.logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        self.sampled[:t].copy_(logits.argmax(dim=-1))
+        return logits, self.sampled[:t]
 
     @torch.inference_mode()
     def capture_all(self) -> float:
@@ -146,6 +151,7 @@ class DecodeGraphs:
         self.positions.copy_(torch.arange(self.q_len, device=self.positions.device).repeat(
             self.buckets[-1]))
         self.slot_mapping.fill_(-1)
+        self.fill_src.fill_(-1)
         self.block_tables.zero_()
         self.seq_lens.fill_(self.q_len)
 
@@ -156,48 +162,74 @@ class DecodeGraphs:
         (the caller pads drafted sequences: ``ModelRunner._spec_graph_step``). ``tables`` is
         ``[n, w]`` with ``w <= max_pages``. ``fill`` = (rows, src, tokens): input rows whose
         token is ``tokens[src]``, a device tensor (a previous step's sampled tokens: overlapped
-        decoding), copied in on the device before the replay. Returns (logits
-        ``[n * q_len, V]`` float32, argmax), views of the graph's outputs valid until the next
-        replay."""
+        decoding), taken inside the graph (``tokens`` is copied to ``sampled`` first unless it
+        is the last replay's). Returns (logits ``[n * q_len, V]`` float32, argmax), views of
+        the graph's outputs valid until the next replay."""
         q = self.q_len
         t = int(token_ids.shape[0])
         n = t // q
         b = pick_bucket(n, self.buckets)
         assert b is not None and n * q == t
         w = int(tables.shape[1])
-        staged, staged_lens, staged_tables = self._staging[self._turn]
+        staged = self._staging[self._turn]
+        host, lens, ht = self._staged[self._turn]
         self._turn ^= 1
-        host = staged.numpy()
         host[0, :b * q] = 0
         host[0, :t] = token_ids
         host[1, :b * q] = self._pad_positions[:b * q]  # padding sequences: positions 0 .. q-1
         host[1, :t] = positions
         host[2, :b * q] = -1
         host[2, :t] = slots
-        lens = staged_lens.numpy()
+        host[3, :b * q] = -1
+        if fill is not None:
+            rows, src, tokens = fill
+            host[3, rows] = src
+            if tokens.data_ptr() != self.sampled.data_ptr():  # not the last replay's argmax
+                self.sampled[:tokens.shape[0]].copy_(tokens)
         lens[:b] = q
         lens[:n] = positions[q - 1::q] + 1
-        ht = staged_tables.numpy()
         ht[:n, :w] = tables
         # columns the kernel reads: padding rows past a sequence's own pages read page 0
         cols = max(w, -(-int(lens[:b].max()) // self.page_size))
         ht[:n, w:cols] = 0
         ht[n:b, :cols] = 0
-        self.input_ids[:b * q].copy_(staged[0, :b * q], non_blocking=True)
-        self.positions[:b * q].copy_(staged[1, :b * q], non_blocking=True)
-        self.slot_mapping[:b * q].copy_(staged[2, :b * q], non_blocking=True)
-        self.seq_lens[:b].copy_(staged_lens[:b], non_blocking=True)
-        # whole rows: a column slice is not contiguous, and torch would stage it through
-        # pageable memory, a copy that waits for the device (the step in flight)
-        self.block_tables[:b].copy_(staged_tables[:b], non_blocking=True)
-        if fill is not None:
-            rows, src, tokens = fill
-            k = len(rows)
-            host[3, :k] = rows
-            host[3, k:2 * k] = src
-            idx = staged[3, :2 * k].to(self.input_ids.device, non_blocking=True)
-            self.input_ids.index_copy_(0, idx[:k], tokens.index_select(0, idx[k:]))
+        # one copy: the rows, lengths and the bucket's whole block-table rows (a column slice
+        # is not contiguous; torch would stage it through pageable memory, a copy that waits
+        # for the device, the step in flight)
+        size = self.layout.size_for(b)
+        self._buffer[:size].copy_(staged[:size], non_blocking=True)
         self.graphs[b].replay()
         self.replays += 1
         logits, tokens = self.outputs[b]
         return logits[:t], tokens[:t]
+
+
+class InputLayout:
+    """Where a graph's inputs lie in its one byte buffer: four int64 rows of ``rows`` (token
+    ids, positions, slots, follow sources), then ``seqs`` int32 lengths, then the ``[seqs,
+    pages]`` int32 block table, each part 256-byte aligned. The first ``size_for(b)`` bytes
+    hold everything a bucket of ``b`` sequences reads."""
+
+    ALIGN = 256
+
+    def __init__(self, rows: int, seqs: int, pages: int) -> None:
+        self.rows, self.seqs, self.pages = rows, seqs, pages
+        self.lens_at = self._align(4 * rows * 8)
+        self.tables_at = self._align(self.lens_at + 4 * seqs)
+        self.nbytes = self.tables_at + 4 * seqs * pages
+
+    @classmethod
+    def _align(cls, n: int) -> int:
+        return -(-n // cls.ALIGN) * cls.ALIGN
+
+    def size_for(self, b: int) -> int:
+        return self.tables_at + 4 * b * self.pages
+
+    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows ``[4, rows]`` int64, lengths ``[seqs]`` int32, tables ``[seqs, pages]``
+        int32) over the uint8 tensor ``buf`` of ``nbytes``."""
+        assert buf.dtype == torch.uint8 and buf.numel() == self.nbytes
+        rows = buf[: 32 * self.rows].view(torch.int64).view(4, self.rows)
+        lens = buf[self.lens_at : self.lens_at + 4 * self.seqs].view(torch.int32)
+        tables = buf[self.tables_at :].view(torch.int32).view(self.seqs, self.pages)
+        return rows, lens, tables

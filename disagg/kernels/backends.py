@@ -24,6 +24,7 @@ class TorchBackend:
     """The plain torch reference: correct everywhere, fast nowhere."""
 
     name = "torch"
+    triton_append = False  # see TritonBackend
 
     def append_kv(self, k, v, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
         reference.append_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -38,6 +39,9 @@ class TritonBackend:
     """Triton kernels (``disagg.kernels.append/decode/prefill``); CUDA, or CPU under the interpreter."""
 
     name = "triton"
+    # its KV append is ``disagg.kernels.append``'s slot layout, so the fused layer may do the
+    # append inside its q/k rope kernel (``disagg.model.fused.qk_rope_append``)
+    triton_append = True
 
     def append_kv(
         self,

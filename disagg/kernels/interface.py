@@ -33,6 +33,7 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    triton_append: bool  # append_kv is disagg.kernels.append's (other kernels may do it)
 
     def append_kv(
         self,

@@ -10,6 +10,7 @@ code in ``disagg.model.transformer``, so outputs match it up to the float32 sum 
 - ``norm_rope(x, w, cos, sin, eps)``: per head, optional RMSNorm (``w`` may be None) then
   rotate-half RoPE, on a strided ``[T, H, D]`` view (q or k inside the fused qkv output);
   ``interleave``: DeepSeek's interleaved pairs (MLA's rope parts), de-interleaved out.
+- ``qk_rope_append(qkv, ...)``: ``norm_rope`` of q and of k plus the KV append, one launch.
 - ``silu_mul(gate_up)``: ``silu(gate) * up`` of the halves of ``[T, 2I]``.
 
 Imported only on CUDA paths (or under ``TRITON_INTERPRET=1`` in tests).
@@ -62,21 +63,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh,
-                      stride_ct, heads, eps, HAS_NORM: tl.constexpr, H_PAD: tl.constexpr,
-                      HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _rope_heads(row, stride_h, w_ptr, cos_ptr, sin_ptr, heads, eps, dt: tl.constexpr,
+                HAS_NORM: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
+                INTERLEAVE: tl.constexpr):
+    """One token's ``heads`` heads at ``row`` (head stride ``stride_h``): optional RMSNorm,
+    then RoPE with that token's ``cos``/``sin`` rows -> the two rotated halves ``[H_PAD, HALF]``
+    in ``dt`` (rows past ``heads`` are zeros)."""
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, HALF)
     mask = (h[:, None] < heads) & (d[None, :] < HALF)
-    row = x_ptr + t * stride_xt + h[:, None] * stride_xh
+    row = row + h[:, None] * stride_h
     if INTERLEAVE:  # pairs (x0, x1), (x2, x3) ...: the evens rotate with the odds
         x1 = tl.load(row + 2 * d[None, :], mask=mask, other=0.0)
         x2 = tl.load(row + 2 * d[None, :] + 1, mask=mask, other=0.0)
     else:
         x1 = tl.load(row + d[None, :], mask=mask, other=0.0)
         x2 = tl.load(row + d[None, :] + HALF, mask=mask, other=0.0)
-    dt = out_ptr.dtype.element_ty
     if HAS_NORM:
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
@@ -86,15 +88,29 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride
         w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
         x1 = (w1 * (f1 * inv).to(dt).to(tl.float32)).to(dt)
         x2 = (w2 * (f2 * inv).to(dt).to(tl.float32)).to(dt)
-    c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + t * stride_ct + HALF + d).to(tl.float32)[None, :]
+    c1 = tl.load(cos_ptr + d).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + HALF + d).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + d).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + HALF + d).to(tl.float32)[None, :]
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
     # torch: x * cos + rotate_half(x) * sin, each product rounded, then the sum
     o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
     o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh,
+                      stride_ct, heads, eps, HAS_NORM: tl.constexpr, H_PAD: tl.constexpr,
+                      HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    o1, o2 = _rope_heads(x_ptr + t * stride_xt, stride_xh, w_ptr, cos_ptr + t * stride_ct,
+                         sin_ptr + t * stride_ct, heads, eps, out_ptr.dtype.element_ty,
+                         HAS_NORM, H_PAD, HALF, INTERLEAVE)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, HALF)
+    mask = (h[:, None] < heads) & (d[None, :] < HALF)
     obase = out_ptr + t * (heads * 2 * HALF) + h[:, None] * (2 * HALF) + d[None, :]
     tl.store(obase, o1, mask=mask)
     tl.store(obase + HALF, o2, mask=mask)
@@ -120,6 +136,84 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: t
                             H_PAD=triton.next_power_of_2(heads), HALF=d // 2,
                             INTERLEAVE=interleave, **launch)
     return out
+
+
+@triton.jit
+def _qk_rope_append_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr,
+                           v_cache_ptr, slot_ptr, stride_t, stride_ct, stride_kp, stride_vp, eps,
+                           HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr,
+                           HKV_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+                           HAS_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    row = qkv_ptr + t * stride_t
+    dt = q_ptr.dtype.element_ty
+    D: tl.constexpr = 2 * HALF
+    d = tl.arange(0, HALF)
+    # (the two branches name their values apart: Triton needs a name that both assign to keep
+    # one type, and the query and key tiles differ in shape)
+    if tl.program_id(1) == 0:  # the query heads -> q
+        q1, q2 = _rope_heads(row, D, qn_ptr, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct,
+                             HQ, eps, dt, HAS_NORM, HQ_PAD, HALF, False)
+        hq = tl.arange(0, HQ_PAD)
+        qmask = (hq[:, None] < HQ) & (d[None, :] < HALF)
+        qout = q_ptr + t * (HQ * D) + hq[:, None] * D + d[None, :]
+        tl.store(qout, q1, mask=qmask)
+        tl.store(qout + HALF, q2, mask=qmask)
+    else:  # the key heads (normed, rotated) and the value heads -> their cache slot
+        k1, k2 = _rope_heads(row + HQ * D, D, kn_ptr, cos_ptr + t * stride_ct,
+                             sin_ptr + t * stride_ct, HKV, eps, dt, HAS_NORM, HKV_PAD, HALF,
+                             False)
+        slot = tl.load(slot_ptr + t)
+        keep = slot >= 0
+        slot = tl.where(keep, slot, 0).to(tl.int64)
+        hk = tl.arange(0, HKV_PAD)
+        heads = tl.where(keep, HKV, 0)  # (per element: the interpreter rejects scalar masks)
+        kmask = (hk[:, None] < heads) & (d[None, :] < HALF)
+        at = hk[:, None] * (PAGE * D) + (slot % PAGE) * D + d[None, :]
+        kc = k_cache_ptr + (slot // PAGE) * stride_kp + at
+        ct = k_cache_ptr.dtype.element_ty
+        tl.store(kc, k1.to(ct), mask=kmask)
+        tl.store(kc + HALF, k2.to(ct), mask=kmask)
+        vrow = row + (HQ + HKV) * D + hk[:, None] * D + d[None, :]
+        vc = v_cache_ptr + (slot // PAGE) * stride_vp + at
+        vt = v_cache_ptr.dtype.element_ty
+        tl.store(vc, tl.load(vrow, mask=kmask, other=0.0).to(vt), mask=kmask)
+        tl.store(vc + HALF, tl.load(vrow + HALF, mask=kmask, other=0.0).to(vt), mask=kmask)
+
+
+def qk_rope_append(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   num_heads: int) -> torch.Tensor:
+    """One launch for a layer's q/k/v between the QKV projection and attention: ``qkv``
+    ``[T, (H + 2 Hkv) D]`` -> q ``[T, H, D]`` (per-head RMSNorm with ``q_norm`` if given, then
+    RoPE), while k (``k_norm``, RoPE) and v go into the ``[P, Hkv, S, D]`` caches at
+    ``slot_mapping`` ``[T]`` (a negative slot is skipped). The same values as ``norm_rope`` of
+    q and k followed by ``append_kv``."""
+    checks.check_kv_pair(k_cache, v_cache)
+    _, hkv, page, d = k_cache.shape
+    t = qkv.shape[0]
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("qk_rope_append: q_norm and k_norm go together")
+    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * hkv) * d or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, {(num_heads + 2 * hkv) * d}] with unit stride, got "
+                         f"{tuple(qkv.shape)}")
+    if cos.stride(2) != 1 or cos.stride() != sin.stride():
+        raise ValueError("qk_rope_append needs unit stride along head_dim and matching cos/sin")
+    checks.check_index("slot_mapping", slot_mapping, 1, torch.int64, k_cache.device)
+    if slot_mapping.shape[0] != t:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {t} tokens")
+    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    launch = {} if checks.interpreting() else dict(num_warps=4)
+    _qk_rope_append_kernel[(t, 2)](
+        qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
+        cos, sin, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), v_cache.stride(0), eps, HQ=num_heads, HKV=hkv,
+        HQ_PAD=triton.next_power_of_2(num_heads), HKV_PAD=triton.next_power_of_2(hkv),
+        HALF=d // 2, PAGE=page, HAS_NORM=q_norm is not None, **launch)
+    return q
 
 
 @triton.jit

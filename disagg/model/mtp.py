@@ -67,5 +67,5 @@ class MTPLayer(nn.Module):
         e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
         x = F.linear(torch.cat((rms_norm(e, self.enorm, self.eps),
                                 rms_norm(previous, self.hnorm, self.eps)), dim=-1), self.eh_proj)
-        x = self.block(x, cos, sin, cache[0, :, 0], cache[0, :, -1], meta, backend, None)
-        return rms_norm(x, self.head_norm, self.eps)
+        x, delta = self.block(x, cos, sin, cache[0, :, 0], cache[0, :, -1], meta, backend, None)
+        return rms_norm(x if delta is None else x + delta, self.head_norm, self.eps)

@@ -27,6 +27,16 @@ def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, w, eps)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; one row on CUDA goes through the Triton GEMV (``disagg.kernels.gemv``),
+    which reads the weights faster than cuBLAS does at one row."""
+    if x.shape[0] == 1 and fused_on(x) and x.stride(1) == 1 and w.is_contiguous():
+        from disagg.kernels.gemv import gemv
+
+        return gemv(x, w, bias)
+    return F.linear(x, w, bias)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` -> ``silu(gate) * up`` ``[T, I]`` (the gated MLP's activation)."""
     if fused_on(gate_up):

@@ -21,7 +21,7 @@ from disagg.model.config import ModelArch
 from disagg.model.mla import MLAAttention
 from disagg.model.moe import MoEMLP
 from disagg.model.mtp import MTPLayer
-from disagg.model.ops import fused_on, norm, silu_mul
+from disagg.model.ops import fused_on, linear, norm, silu_mul
 from disagg.model.rotary import Rotary, rms_norm, rotate_half
 from disagg.model.tp import TensorParallel
 
@@ -65,13 +65,20 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         after_attention: Callable[[], None] | None,
-    ) -> torch.Tensor:
+        delta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer over the residual stream ``x`` (plus ``delta``, the last layer's MLP output
+        not yet added, if given) -> ``(x, delta)`` the same way: on CUDA the MLP's residual add
+        is left to the next norm's kernel (``fused.rms_norm`` with a residual), elsewhere
+        ``delta`` comes back None."""
         if self.mla is not None:
-            attn = self.mla(norm(x, self.input_norm, self.eps), cos, sin, k_cache, meta, backend)
+            h, x = self._input_norm(x, delta)
+            attn = self.mla(h, cos, sin, k_cache, meta, backend)
             return self._mlp(x, after_attention, self.tp.all_reduce(attn))
         if fused_on(x):
-            return self._forward_fused(x, cos, sin, k_cache, v_cache, meta, backend,
+            return self._forward_fused(x, delta, cos, sin, k_cache, v_cache, meta, backend,
                                        after_attention)
+        x = x if delta is None else x + delta
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)
@@ -90,10 +97,23 @@ class DecoderLayer(nn.Module):
         x = x + self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
         return self._mlp(x, after_attention)
 
+    def _input_norm(self, x: torch.Tensor,
+                    delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + delta), x + delta)``: one kernel when ``delta`` is pending (CUDA)."""
+        if delta is None:
+            return norm(x, self.input_norm, self.eps), x
+        if fused_on(x):
+            from disagg.model import fused
+
+            return fused.rms_norm(delta, self.input_norm, self.eps, residual=x)
+        x = x + delta
+        return rms_norm(x, self.input_norm, self.eps), x
+
     def _mlp(self, x: torch.Tensor, after_attention: Callable[[], None] | None,
-             attn: torch.Tensor | None = None) -> torch.Tensor:
+             attn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MLP half of the layer over ``x`` (plus ``attn``, the attention output, when
-        given: added with the norm in one kernel on CUDA)."""
+        given: added with the norm in one kernel on CUDA) -> ``(x, mlp output)`` on CUDA (the
+        next norm adds it), ``(x + mlp output, None)`` elsewhere."""
         if after_attention is not None:
             after_attention()
         if attn is not None and fused_on(x):
@@ -104,13 +124,16 @@ class DecoderLayer(nn.Module):
             x = x if attn is None else x + attn
             h = rms_norm(x, self.post_norm, self.eps)
         if self.moe is not None:
-            return x + self.tp.all_reduce(self.moe(h))
-        act = silu_mul(F.linear(h, self.gate_up_weight))
-        return x + self.tp.all_reduce(F.linear(act, self.down_weight))
+            out = self.tp.all_reduce(self.moe(h))
+        else:
+            out = self.tp.all_reduce(linear(silu_mul(linear(h, self.gate_up_weight)),
+                                            self.down_weight))
+        return (x, out) if fused_on(x) else (x + out, None)
 
     def _forward_fused(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
@@ -118,22 +141,24 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         after_attention: Callable[[], None] | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same layer with the elementwise work in fused Triton kernels (CUDA)."""
         from disagg.model import fused
 
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h = norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
-        q = qkv[:, : hq * d].view(t, hq, d)
-        k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        q = fused.norm_rope(q, self.q_norm, cos, sin, self.eps)
-        k = fused.norm_rope(k, self.k_norm, cos, sin, self.eps)
-        backend.append_kv(k, v, k_cache, v_cache, meta)
+        h, x = self._input_norm(x, delta)
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        if backend.triton_append:  # q/k norm + rope and the append: one kernel
+            q = fused.qk_rope_append(qkv, self.q_norm, self.k_norm, cos, sin, self.eps, k_cache,
+                                     v_cache, meta.slot_mapping, hq)
+        else:
+            q = fused.norm_rope(qkv[:, : hq * d].view(t, hq, d), self.q_norm, cos, sin, self.eps)
+            k = fused.norm_rope(qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), self.k_norm,
+                                cos, sin, self.eps)
+            backend.append_kv(k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), k_cache, v_cache, meta)
         attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
-        o = self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
+        o = self.tp.all_reduce(linear(attn.reshape(t, hq * d), self.o_weight))
         return self._mlp(x, after_attention, o)
 
 
@@ -183,12 +208,17 @@ class Transformer(nn.Module):
         D]``, the latent passed as both K and V)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        delta = None  # the last MLP's output, added by the next norm's kernel (CUDA)
         for i, layer in enumerate(self.layers):
             hook = None if layer_hook is None else (lambda i=i: layer_hook(i))
-            x = layer(x, cos, sin, kv[i, :, 0], kv[i, :, -1], meta, backend, hook)
+            x, delta = layer(x, cos, sin, kv[i, :, 0], kv[i, :, -1], meta, backend, hook, delta)
+        if delta is not None:
+            from disagg.model import fused
+
+            return fused.rms_norm(delta, self.norm, self.arch.rms_norm_eps, residual=x)[0]
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()

@@ -318,6 +318,16 @@ class ChunkPlan:
         return Runs(r.src_offset + layer * self.src_stride, r.dst_offset + layer * self.dst_stride,
                     r.length, r.units)
 
+    def layers(self, pair: tuple[int, int], lo: int, hi: int) -> Runs:
+        """The writes of layers ``[lo, hi)`` as one ``Runs`` (layer by layer)."""
+        if hi - lo == 1:
+            return self.layer(pair, lo)
+        r = self.by_pair[pair]
+        k = np.arange(lo, hi, dtype=np.int64)[:, None]
+        return Runs((r.src_offset[None, :] + k * self.src_stride).ravel(),
+                    (r.dst_offset[None, :] + k * self.dst_stride).ravel(),
+                    np.tile(r.length, hi - lo), np.tile(r.units, hi - lo))
+
     def shifted(self, src_base: int, dst_base: int) -> ChunkPlan:
         """The same writes into regions starting ``src_base`` / ``dst_base`` bytes further."""
         return ChunkPlan({k: Runs(r.src_offset + src_base, r.dst_offset + dst_base, r.length,

@@ -42,6 +42,7 @@ def trio(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trio")
     nocache = "--no-prefix-caching"
     p_addr, p = node("prefill", model_dir, tmp, "--num-pages", "64", "--max-batch-tokens", "4",
+                     "--layerwise-min-tokens", "0",  # its 4-token steps ship layer by layer
                      nocache, env=SLOW)
     d_err = node("decode", model_dir, tmp, "--num-pages", "64", "--prefill-peer", p_addr,
                  "--on-prefill-failure", "error", nocache, *FAST_FAILURE)

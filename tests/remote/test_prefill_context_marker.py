@@ -78,11 +78,11 @@ class Poller:  # the layer poller thread's place: the test reports layers itself
         pass
 
 
-async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int
+async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int, min_tokens: int = 0
                    ) -> tuple[list[list[tuple[str, int]]], RecordingTransfer]:
     """A job of ``prompt`` tokens computed in steps of ``chunk`` tokens: the writes recorded
-    after each step's last layer was seen (as the layer poller reports it) and after its
-    StepDone, in order."""
+    after each step's first layer, its last layer (as the layer poller reports them) and its
+    StepDone, in order; ``min_tokens``: the messenger's ``layerwise_min_tokens``."""
     ctx = zmq.asyncio.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     a.bind("inproc://sched")
@@ -90,7 +90,8 @@ async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int
     transfer = RecordingTransfer()
     kv = torch.zeros(lay.total_bytes, dtype=torch.uint8)
     m = PrefillMessenger("tcp://127.0.0.1:0", ctx, b, transfer, lay, [kv],  # type: ignore[arg-type]
-                         Counter(), vocab_size=100, max_jobs=4)
+                         Counter(), vocab_size=100, max_jobs=4,
+                         layerwise_min_tokens=min_tokens)
     m.poller = Poller()  # type: ignore[assignment]
     try:
         n_pages = -(-prompt // PAGE)
@@ -108,7 +109,9 @@ async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int
             await a.send(enc.encode(StepAnnounce(step, 0, [ChunkInfo(1, start, count, prompt,
                                                                      src)])))
             await m._from_scheduler()
-            m.on_layers(step, LAYERS)  # the poller saw the step's last layer
+            m.on_layers(step, 1)  # the poller saw the step's first layer
+            seen.append(list(transfer.writes))
+            m.on_layers(step, LAYERS)  # ... and its last
             seen.append(list(transfer.writes))
             last = start + count == prompt
             await a.send_multipart([enc.encode(StepDone(step, True, [1] if last else [])),
@@ -128,6 +131,7 @@ async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int
 def test_context_marker_goes_out_with_the_last_layer(chunk: int) -> None:
     seen, transfer = asyncio.run(one_step(layout(), 12, chunk))
     after_last_layer = seen[-2]
+    assert len(seen) == 3 * -(-12 // chunk)
     # the decoder's count completes before the step's end is known here
     assert [w for w in after_last_layer if w[0] == "ctx"] == [("ctx", 1)]
     # nothing of the context before the last chunk's last layer, and no second write after
@@ -135,6 +139,18 @@ def test_context_marker_goes_out_with_the_last_layer(chunk: int) -> None:
     assert [w for w in transfer.writes if w[0] == "ctx"] == [("ctx", 1)]
     kv_units = sum(u for d, u in transfer.writes if d == "kv")
     assert kv_units == LAYERS * 3  # 12 tokens: 3 pages of every layer
+
+
+def test_steps_ship_layer_by_layer_unless_short() -> None:
+    """A step of at least ``layerwise_min_tokens`` prompt tokens ships each layer as it
+    finishes; a shorter one ships nothing until its last layer, then every layer in one write
+    (the same units)."""
+    seen, transfer = asyncio.run(one_step(layout(), 12, 12, min_tokens=12))
+    assert seen[0] == [("kv", 3)]  # layer 0's three pages, while layers 1.. still compute
+    assert transfer.writes == [("kv", 3), ("kv", 3), ("kv", 3), ("ctx", 1)]
+    seen, transfer = asyncio.run(one_step(layout(), 12, 12, min_tokens=13))
+    assert seen[0] == []
+    assert transfer.writes == [("kv", 3 * LAYERS), ("ctx", 1)]
 
 
 def test_mtp_context_waits_for_the_hidden_row() -> None:
