@@ -137,8 +137,10 @@ class DisaggConfig(msgspec.Struct, frozen=True):
     peer_share: float = 0.5  # (--peer-share; 1 = no per-peer bound)
     ownership_timeout_s: float = 5.0  # prefill: a decoder proves it owns its memory within this (--ownership-timeout)
     # prefill: a step of fewer prompt tokens ships its KV in one go after its last layer
-    # rather than layer by layer (--layerwise-min-tokens; 0: always layer by layer)
-    layerwise_min_tokens: int = 256
+    # rather than layer by layer (--layerwise-min-tokens; 0: always layer by layer). Off by
+    # default: on a slow link (tcp) it would expose the whole transfer of such a step, and on
+    # one H200 it showed no gain beyond run-to-run noise (docs/BENCHMARKS.md)
+    layerwise_min_tokens: int = 0
 
     def validate(self) -> None:
         if self.transfer_backend not in ("fabric", "cuda-ipc"):

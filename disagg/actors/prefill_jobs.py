@@ -1,10 +1,9 @@
 """What the prefill messenger (``disagg.actors.prefill_messenger``) holds per job and per
 step: the request and where its writes go, and which layers of a step went out; and how it
 posts a job's writes (``JobWrites``): layer by layer as the layer counter moves, except for a
-short step (fewer prompt tokens than ``layerwise_min_tokens``), whose layers go out together
-in one write per destination after its last layer. For such a step shipping early hides
-almost nothing (its KV is small), while every post costs the prefill GPU a switch to the
-transfer engine's CUDA context (cuda-ipc on a shared GPU) and the host a post."""
+short step (fewer prompt tokens than ``layerwise_min_tokens``, 0 by default), whose layers go
+out together in one write per destination after its last layer: one post instead of one per
+layer, where the link is fast enough that the step's whole KV costs little exposed."""
 
 from __future__ import annotations
 

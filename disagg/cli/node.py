@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layerwise-min-tokens", type=int, default=d.layerwise_min_tokens,
                     metavar="N", help="prefill role: a step of fewer prompt tokens ships its "
                     "KV in one write per destination after its last layer instead of layer by "
-                    "layer (short prompts: fewer posts, fewer GPU context switches); 0: always "
-                    "layer by layer")
+                    "layer (fewer posts for short prompts; it exposes the whole transfer of "
+                    "such a step, so only for fast links); 0 (default): always layer by layer")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
                     help="decode role: prompts of at most this many tokens are prefilled locally")
     ap.add_argument("--on-prefill-failure", default=d.on_prefill_failure,
