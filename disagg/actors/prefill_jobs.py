@@ -1,6 +1,6 @@
 """What the prefill messenger (``disagg.actors.prefill_messenger``) holds per job and per
 step: the request and where its writes go, and which layers of a step went out; and how it
-posts a job's writes (``JobWrites``): layer by layer as the layer counter moves, except for a
+posts a job's writes (``JobWriter``): layer by layer as the layer counter moves, except for a
 short step (fewer prompt tokens than ``layerwise_min_tokens``, 0 by default), whose layers go
 out together in one write per destination after its last layer: one post instead of one per
 layer, where the link is fast enough that the step's whole KV costs little exposed."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,38 +70,42 @@ def layer_spans(next_layer: int, layers_done: int, num_layers: int,
     return [(i, i + 1) for i in range(next_layer, layers_done)]
 
 
-class JobWrites:
-    """The prefill messenger's posting of a job's writes (mixed into it)."""
+class JobWriter:
+    """Posts the prefill messenger's job writes to the transfer engine: each step's layers as
+    the layer counter reports them (``on_layers``), a job's cached pages at once, the
+    speculative region, the context write. It shares the messenger's ``jobs`` and ``steps``
+    and tells it of a refused write (``fail``) and of progress (``progressed``)."""
 
-    layout: KVLayoutDesc
-    life: PrefillJobs
-    transfer: Any  # disagg.actors.transfer.TransferEngine
-    ctx_region: Any
-    zero_slot: int  # a context row never written: the source of context markers
-    kv_regions: list[Any]
-    jobs: dict[int, Job]
-    steps: dict[int, Step]
-    metrics: Any  # disagg.serving.metrics.Metrics | None
-    layerwise_steps: int  # steps that began shipping before their last layer
-    layerwise_min_tokens: int  # shorter steps ship all layers at once
+    def __init__(self, layout: KVLayoutDesc, life: PrefillJobs, transfer: Any,
+                 kv_regions: list[Any], ctx_region: Any, zero_slot: int, jobs: dict[int, Job],
+                 steps: dict[int, Step], fail: Callable[[Job, PrefillFailCode, str], None],
+                 progressed: Callable[[float], None], metrics: Any = None,
+                 layerwise_min_tokens: int = 0) -> None:
+        self.layout = layout
+        self.life = life
+        self.transfer = transfer  # disagg.actors.transfer.TransferEngine
+        self.kv_regions = kv_regions
+        self.ctx_region = ctx_region
+        self.zero_slot = zero_slot  # a context row never written: the source of markers
+        self.jobs = jobs
+        self.steps = steps
+        self._fail = fail
+        self._progressed = progressed
+        self.metrics = metrics  # disagg.serving.metrics.Metrics | None
+        self.layerwise_min_tokens = layerwise_min_tokens  # shorter steps: all layers at once
+        self.layerwise_steps = 0  # steps that began shipping before their last layer
 
-    def _progressed(self, now: float) -> None:
-        raise NotImplementedError
-
-    def _fail(self, job: Job, code: PrefillFailCode, message: str) -> None:
-        raise NotImplementedError
-
-    def _post_context(self, job: Job, slot: int | None = None) -> None:
+    def post_context(self, job: Job, slot: int | None = None) -> None:
         """The job's context write, once: its hidden row at ``slot`` (MTP reads it), else a
         zero-row marker, posted with the last layer's KV so the decoder's count ends there."""
         if job.context_posted or (slot is None and self.layout.spec_method == "mtp") or \
                 not self.life.may_write(job.id, time.monotonic()):
             return
         job.context_posted, n = True, self.layout.context_bytes
-        self._post(job, self.ctx_region, job.dst_ctx, Runs.of([context_write(
+        self.post(job, self.ctx_region, job.dst_ctx, Runs.of([context_write(
             (self.zero_slot if slot is None else slot) * n, job.req.ctx_offset, n)]))
 
-    def _post(self, job: Job, src: Any, dst: Any, runs: Runs) -> None:
+    def post(self, job: Job, src: Any, dst: Any, runs: Runs) -> None:
         """Hand ``runs`` to the transfer engine (the caller checked ``may_write``); no write
         may still be queued or posted past the job's absolute deadline."""
         now = time.monotonic()
@@ -144,25 +149,25 @@ class JobWrites:
                 if plan is None:
                     continue
                 for sr, dr in plan.by_pair:  # every source rank sends in parallel
-                    self._post(job, self.kv_regions[sr], job.dst_kv[dr],
+                    self.post(job, self.kv_regions[sr], job.dst_kv[dr],
                                plan.layers((sr, dr), lo, hi))
                 if lo == 0 and self.layout.spec_method == "draft":  # computed before it
-                    self._ship_spec(job, self._spec_plan(job, chunk))
+                    self.ship_spec(job, self.spec_plan(job, chunk))
         if step.next_layer < num_layers <= layers_done:  # last layer out: markers
             for c in step.announce.chunks:
                 if c.start + c.count == c.total and (job := self.jobs.get(c.job)):
-                    self._post_context(job)
+                    self.post_context(job)
         step.next_layer = max(step.next_layer, layers_done)
 
-    def _ship_spec(self, job: Job, plan: ChunkPlan | None) -> None:
+    def ship_spec(self, job: Job, plan: ChunkPlan | None) -> None:
         """Every layer of a chunk's pages in the speculative region (a draft model's KV,
         computed before the step's first layer; the MTP layers', after its last)."""
         if plan is None:
             return
-        self._post(job, self.kv_regions[0], job.dst_kv[0], plan.layers((0, 0), 0,
+        self.post(job, self.kv_regions[0], job.dst_kv[0], plan.layers((0, 0), 0,
                                                                         plan.num_layers))
 
-    def _ship_cached(self, chunk: ChunkInfo, now: float) -> None:
+    def ship_cached(self, chunk: ChunkInfo, now: float) -> None:
         """A job's first chunk starts after pages this node had in its prefix cache: they are
         complete for every layer, so they go out at once (those the decoder does not hold)."""
         job = self.jobs.get(chunk.job)
@@ -174,12 +179,12 @@ class JobWrites:
         if plan is None:
             return
         for sr, dr in plan.by_pair:  # every layer in one write per destination
-            self._post(job, self.kv_regions[sr], job.dst_kv[dr],
+            self.post(job, self.kv_regions[sr], job.dst_kv[dr],
                        plan.layers((sr, dr), 0, self.layout.num_layers))
-        self._ship_spec(job, spec_pages_plan(self.layout, job.req, chunk.pages,
+        self.ship_spec(job, spec_pages_plan(self.layout, job.req, chunk.pages,
                                              range(chunk.start // self.layout.page_size)))
 
-    def _spec_plan(self, job: Job, c: ChunkInfo) -> ChunkPlan | None:
+    def spec_plan(self, job: Job, c: ChunkInfo) -> ChunkPlan | None:
         return spec_pages_plan(self.layout, job.req, c.pages, pages_to_send(
             c.start, c.start + c.count, c.total, self.layout.page_size))
 

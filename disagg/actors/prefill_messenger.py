@@ -33,7 +33,7 @@ import zmq.asyncio
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.ownership_gate import OwnershipGate
-from disagg.actors.prefill_jobs import Job, JobWrites, Step
+from disagg.actors.prefill_jobs import Job, JobWriter, Step
 from disagg.actors.sockets import (
     PEER_FRAME_BYTES,
     disconnected_fds,
@@ -93,7 +93,7 @@ log = logging.getLogger(__name__)
 MAX_STATS_WAITING = 1000  # Stats requests of one peer answered by one query (more: dropped)
 
 
-class PrefillMessenger(JobWrites, MessengerBase):
+class PrefillMessenger(MessengerBase):
     def __init__(
         self,
         listen: str,
@@ -109,15 +109,14 @@ class PrefillMessenger(JobWrites, MessengerBase):
         peer_share: float = 0.5,  # of the job slots and the page pool, per peer connection
         ownership_timeout_s: float = 5.0,  # a peer proves it owns its endpoint within this
         metrics: Metrics | None = None,
-        layerwise_min_tokens: int = 0,  # shorter steps ship all layers at once (JobWrites)
+        layerwise_min_tokens: int = 0,  # shorter steps ship all layers at once (JobWriter)
     ):
         self.vocab_size = vocab_size
-        self.layerwise_min_tokens = layerwise_min_tokens
         # decoders' node keys only
         self.sock, self.monitor = listening(ctx, listen, max_frame=PEER_FRAME_BYTES, who="nodes")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         super().__init__(sched_sock, transfer, layout, kvs, kv_fds, max_jobs + 1, metrics)
-        self.zero_slot = self.ctx_free.pop(0)  # never written: the context marker's source
+        zero_slot = self.ctx_free.pop(0)  # never written: the context marker's source
         self.life = PrefillJobs(PeerQuota(int(max_jobs * peer_share),
                                           int(layout.num_pages * peer_share)))
         self.gate = OwnershipGate(transfer, ownership_timeout_s, self.life.quota.max_jobs,
@@ -133,7 +132,9 @@ class PrefillMessenger(JobWrites, MessengerBase):
         self._ids = itertools.count(1)
         self._peer_dec = msgspec.msgpack.Decoder(PeerRequest)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
-        self.layerwise_steps = 0
+        self.writes = JobWriter(layout, self.life, transfer, self.kv_regions, self.ctx_region,
+                                zero_slot, self.jobs, self.steps, self._fail, self._progressed,
+                                metrics, layerwise_min_tokens)
         self.poller: LayerPoller | None = None
 
     # ------------------------------------------------------------------ loop
@@ -142,7 +143,7 @@ class PrefillMessenger(JobWrites, MessengerBase):
         """Loop: 1. wait for a decoder frame or a scheduler message; 2. handle it (accept,
         abort, ping / announce, step done). Layer progress arrives via the poller thread."""
         self.poller = LayerPoller(self.counter, self.layout.num_layers,
-                                  asyncio.get_running_loop(), self.on_layers)
+                                  asyncio.get_running_loop(), self.writes.on_layers)
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.sched, zmq.POLLIN)
@@ -211,7 +212,7 @@ class PrefillMessenger(JobWrites, MessengerBase):
                         first = self.life.state(c.job) is JobState.QUEUED
                         self.life.step_started(c.job, now)
                         if first and c.start > 0:  # it starts after pages from the cache
-                            self._ship_cached(c, now)
+                            self.writes.ship_cached(c, now)
                     self._progressed(now)
                     assert self.poller is not None
                     self.poller.follow(a.step_id, a.counter_base)
@@ -319,12 +320,12 @@ class PrefillMessenger(JobWrites, MessengerBase):
         if step is None:
             return
         if done.ok:
-            self.on_layers(done.step_id, self.layout.num_layers)  # whatever the poller missed
+            self.writes.on_layers(done.step_id, self.layout.num_layers)  # whatever the poller missed
             if self.layout.spec_method == "mtp":  # computed after the model's last layer
                 for c in step.announce.chunks:
                     if (job := self.jobs.get(c.job)) and self.life.may_write(job.id,
                                                                             time.monotonic()):
-                        self._ship_spec(job, self._spec_plan(job, c))
+                        self.writes.ship_spec(job, self.writes.spec_plan(job, c))
         del self.steps[done.step_id]
         if done.ok:
             self._progressed(time.monotonic())
@@ -348,7 +349,7 @@ class PrefillMessenger(JobWrites, MessengerBase):
                 slot = self.ctx_of[job_id]
                 self.ctx_buf[slot] = torch.frombuffer(
                     bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]), dtype=torch.uint8)
-            self._post_context(job, slot)
+            self.writes.post_context(job, slot)
             self._carry_out(self.life.computed(job_id, now))
         self._send_soon(self.stats())
 
@@ -388,7 +389,7 @@ class PrefillMessenger(JobWrites, MessengerBase):
         return MessengerStats(
             transfers_in_flight=sum(1 for j in self.jobs.values() if j.futures),
             kv_writes_sent=self.transfer.writes_sent, kv_bytes_sent=self.transfer.bytes_sent,
-            layer_lag=lag, layerwise_steps=self.layerwise_steps)
+            layer_lag=lag, layerwise_steps=self.writes.layerwise_steps)
 
     async def _reply(self, peer: bytes, msg: Any) -> None:
         try:

@@ -109,9 +109,9 @@ async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int, min_tokens: int =
             await a.send(enc.encode(StepAnnounce(step, 0, [ChunkInfo(1, start, count, prompt,
                                                                      src)])))
             await m._from_scheduler()
-            m.on_layers(step, 1)  # the poller saw the step's first layer
+            m.writes.on_layers(step, 1)  # the poller saw the step's first layer
             seen.append(list(transfer.writes))
-            m.on_layers(step, LAYERS)  # ... and its last
+            m.writes.on_layers(step, LAYERS)  # ... and its last
             seen.append(list(transfer.writes))
             last = start + count == prompt
             await a.send_multipart([enc.encode(StepDone(step, True, [1] if last else [])),
