@@ -74,13 +74,13 @@ from disagg.protocol.peer import (
     PrefillDone,
     PrefillFailed,
     PrefillProgress,
-    PrefillRequest,
+    PrefillRequestOut,
 )
 from disagg.remote.discovery import split_specs
 from disagg.remote.ownership import CHALLENGE_UNITS, NONCE_BYTES, area_rows, nonce_offset
 from disagg.remote.transfer_plan import incompatibility, make_key, new_generation, request_units
 from disagg.serving.metrics import Metrics
-from disagg.serving.routing import PrefixIndex, prefix_keys
+from disagg.serving.routing import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -293,22 +293,22 @@ class DecodeMessenger(MessengerBase):
             close_offer(peer)
 
     async def _send_request(self, msg: SendPrefill) -> None:
-        peer = self.pick(prefix_keys(msg.prompt_ids, None))
+        peer = self.pick(msg.route_keys)
         if peer is None or not self.ctx_free:
             why = "no prefiller is alive" if peer is None else "no free context slot"
             await self._event(AttemptEvent(msg.request_id, "failed", "no_prefiller", why))
             return
         assert peer.layout is not None  # alive means it answered a Ping
-        units = request_units(peer.layout, self.layout, len(msg.prompt_ids), msg.skip_pages)
+        units = request_units(peer.layout, self.layout, msg.num_tokens, msg.skip_pages)
         ctx_slot = self.ctx_free.pop()
         exp = self.transfer.expect(msg.key, units, timeout=msg.cap_s)  # the engine's cap
         window = self.transfer.window(self.kv_regions + [self.ctx_region])
-        w = Wire(msg.request_id, peer, peer.epoch, ctx_slot, exp, window, len(msg.prompt_ids),
+        w = Wire(msg.request_id, peer, peer.epoch, ctx_slot, exp, window, msg.num_tokens,
                  time.monotonic())
         self.wires[w.request_id] = w
-        peer.sent_tokens += len(msg.prompt_ids)
-        req = PrefillRequest(
-            request_id=msg.request_id, key=msg.key, prompt_ids=msg.prompt_ids,
+        peer.sent_tokens += msg.num_tokens
+        req = PrefillRequestOut(  # the prompt's msgpack as the scheduler encoded it
+            request_id=msg.request_id, key=msg.key, prompt_ids=msg.prompt,
             dst_pages=msg.dst_pages, dst_layout=self.layout,
             dst_kv=window.descriptors[0].encode(),
             dst_kv_ranks=[d.encode() for d in window.descriptors[:-1]],

@@ -46,6 +46,7 @@ from disagg.remote.decode import (
     Send,
 )
 from disagg.remote.transfer_plan import new_generation
+from disagg.serving.routing import prefix_keys
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +149,11 @@ class DecodeSide(SchedulerSide):
                     self.clock.get(c.slot, {})["sent"] = time.monotonic()
                     self.sent[c.slot] = c.request_id
                     n, held = len(seq.prompt_ids) - 1, len(seq.block_table)
-                    await self._to_messenger(SendPrefill(
-                        c.request_id, c.key, seq.prompt_ids[:-1],
+                    ids = seq.prompt_ids[:-1]
+                    await self._to_messenger(SendPrefill.of(
+                        c.request_id, c.key, ids,
                         list(c.pages[: pages_needed(n, self.port.page_size) - held]), c.cap_s,
-                        skip_pages=held))
+                        skip_pages=held, route_keys=prefix_keys(ids, None)))
                 case Abort():
                     await self._to_messenger(StopPrefill(c.request_id, c.blame))
                 case Forget():

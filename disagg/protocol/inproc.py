@@ -9,6 +9,8 @@ import msgspec
 
 from disagg.protocol import ClientMessage, Stats
 
+_ENC = msgspec.msgpack.Encoder()
+
 # ------------------------------------------------------------------ frontend <-> scheduler (inproc)
 
 
@@ -105,15 +107,33 @@ AttemptEventKind = Literal["landed", "progress", "failed", "done", "acked", "pee
 
 
 class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=True):
-    """Decode side (``disagg.remote.decode.Send``): ask a prefiller for the KV of
-    ``prompt_ids`` under ``request_id`` / ``key``, written into ``dst_pages``."""
+    """Decode side (``disagg.remote.decode.Send``): ask a prefiller for the KV of the prompt
+    under ``request_id`` / ``key``, written into ``dst_pages``.
+
+    The prompt ids travel encoded once (``prompt``, a msgpack array): the messenger puts
+    those bytes into the ``PrefillRequest`` as they are (``PrefillRequestOut``) and reads
+    only ``num_tokens`` and ``route_keys``, so a long prompt is not decoded and encoded again
+    on its way out (``SendPrefill.of`` builds one)."""
 
     request_id: str
     key: int
-    prompt_ids: list[int]  # without the last prompt token
-    dst_pages: list[int]  # pages covering prompt_ids after the first skip_pages
+    prompt: msgspec.Raw  # msgpack of the prompt ids without the last prompt token
+    num_tokens: int  # how many ids ``prompt`` holds
+    route_keys: list[bytes]  # disagg.serving.routing.prefix_keys of those ids
+    dst_pages: list[int]  # pages covering the prompt after the first skip_pages
     cap_s: float  # the attempt's absolute budget (sent as deadline_unix)
     skip_pages: int = 0  # leading prompt pages the decoder holds (prefix cache): not written
+
+    @classmethod
+    def of(cls, request_id: str, key: int, prompt_ids: list[int], dst_pages: list[int],
+           cap_s: float, skip_pages: int = 0, route_keys: list[bytes] | None = None
+           ) -> SendPrefill:
+        return cls(request_id, key, msgspec.Raw(_ENC.encode(prompt_ids)), len(prompt_ids),
+                   route_keys or [], dst_pages, cap_s, skip_pages)
+
+    def prompt_ids(self) -> list[int]:
+        """The ids, decoded (tests and tools; the messenger never needs them)."""
+        return msgspec.msgpack.decode(self.prompt, type=list[int])
 
 
 class StopPrefill(msgspec.Struct, tag="stop_prefill", array_like=True, frozen=True):

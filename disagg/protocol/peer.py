@@ -3,7 +3,7 @@ pings, the ownership challenge (and its offer ahead of requests), and their answ
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -119,6 +119,27 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     challenge_key: int = 0  # the immediate key the decoder expects a challenge's writes under
     skip_pages: int = 0  # leading prompt pages the decoder has in its prefix cache
     v: int = PROTOCOL_VERSION
+
+
+def _raw_prompt_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """``cls`` with ``prompt_ids`` typed ``msgspec.Raw``: the same fields, order, tag and
+    defaults, so it encodes to the same bytes from ids that are already msgpack."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(cls):
+        kind = msgspec.Raw if f.name == "prompt_ids" else f.type
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, kind, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, kind, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, kind))
+    return msgspec.defstruct(cls.__name__ + "Out", fields, tag=cls.__struct_config__.tag,
+                             frozen=True, forbid_unknown_fields=True)
+
+
+# what a decoder encodes a PrefillRequest with: its prompt ids as the msgpack its scheduler
+# made (SendPrefill.prompt), never decoded in between; prefillers decode PrefillRequest
+PrefillRequestOut = _raw_prompt_twin(PrefillRequest)
 
 
 class AbortPrefill(msgspec.Struct, tag="abort_prefill", frozen=True, forbid_unknown_fields=True):

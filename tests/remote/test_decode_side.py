@@ -21,6 +21,7 @@ from disagg.protocol.inproc import (
     ToMessenger,
 )
 from disagg.serving.admission import Counters, Limits
+from disagg.serving.routing import prefix_keys
 
 PAGE = 4
 
@@ -74,7 +75,8 @@ def test_a_long_prompt_goes_remote_and_runs_its_last_token_once_the_kv_landed():
         seq = long_seq()
         assert await side.enqueue(seq)
         [send] = port.sent
-        assert isinstance(send, SendPrefill) and send.prompt_ids == seq.prompt_ids[:-1]
+        assert isinstance(send, SendPrefill) and send.prompt_ids() == seq.prompt_ids[:-1]
+        assert send.num_tokens == 16 and send.route_keys == prefix_keys(seq.prompt_ids[:-1], None)
         assert len(send.dst_pages) == 4 and port.pool.num_free == 16 - 5  # 17 tokens: 5 pages
         assert side.waiting_for_kv() == 1 and seq.status is Status.REMOTE
         await side.handle_messenger(AttemptEvent(send.request_id, "done", timings=(0.1, 0.2, 0.0)))

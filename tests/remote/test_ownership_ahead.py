@@ -67,7 +67,7 @@ class Pair:
         raise AssertionError(f"no {kind.__name__} reached the scheduler in {timeout}s")
 
     async def send_prefill(self, rid: str) -> None:
-        await self.d_sched.send(ENC.encode(SendPrefill(
+        await self.d_sched.send(ENC.encode(SendPrefill.of(
             rid, make_key(1, new_generation()), list(range(7)), [0, 1], 30.0)))
 
 
