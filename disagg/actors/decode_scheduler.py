@@ -148,11 +148,11 @@ class DecodeSide(SchedulerSide):
                     seq = self.seqs[c.slot]
                     self.clock.get(c.slot, {})["sent"] = time.monotonic()
                     self.sent[c.slot] = c.request_id
-                    n, held = len(seq.prompt_ids) - 1, len(seq.block_table)
-                    ids = seq.prompt_ids[:-1]
+                    ids, held = seq.prompt_ids[:-1], len(seq.block_table)
                     await self._to_messenger(SendPrefill.of(
                         c.request_id, c.key, ids,
-                        list(c.pages[: pages_needed(n, self.port.page_size) - held]), c.cap_s,
+                        list(c.pages[: pages_needed(len(ids), self.port.page_size) - held]),
+                        c.cap_s,
                         skip_pages=held, route_keys=prefix_keys(ids, None)))
                 case Abort():
                     await self._to_messenger(StopPrefill(c.request_id, c.blame))

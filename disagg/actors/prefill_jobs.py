@@ -128,7 +128,7 @@ class JobWriter:
         if step is None:
             return
         num_layers = self.layout.num_layers
-        whole = step.tokens < self.layerwise_min_tokens
+        whole = self.layerwise_min_tokens > 0 and step.tokens < self.layerwise_min_tokens
         spans = layer_spans(step.next_layer, layers_done, num_layers, whole)
         if not spans:
             return

@@ -112,12 +112,15 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = b * self.q_len
-        src = self.fill_src[:t]  # follow rows: the previous replay's token (overlap)
-        ids = torch.where(src >= 0, self.sampled.index_select(0, src.clamp(min=0)),
-                          self.input_ids[:t])
+        ids = self.input_ids[:t]
+        if self.q_len == 1:  # follow rows: the previous replay's token (overlap; no drafts)
+            src = self.fill_src[:t]
+            ids = torch.where(src >= 0, self.sampled.index_select(0, src.clamp(min=0)), ids)
         hidden = self.model(ids, self.positions[:t], self.kv, self._meta(b), self.backend,
                             self.layer_hook)
         logits = self.model.logits(hidden)
+        if self.q_len > 1:
+            return logits, logits.argmax(dim=-1)
         self.sampled[:t].copy_(logits.argmax(dim=-1))
         return logits, self.sampled[:t]
 

@@ -236,8 +236,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_prefill(self, max_batch_tokens: int, max_model_len: int) -> list[int]:
         """Run one eager prefill step per attention tile variant (chunks of at most 64 query
-        rows, and more) and of one row before serving, so their kernels compile now rather than stalling the
-        first short and the first long prompt. It writes KV into pages that hold nothing yet
+        rows, and more) and of one row (the GEMV) before serving, so their kernels compile now
+        rather than stalling the first short and the first long prompt. It writes KV into pages that hold nothing yet
         and leaves the layer counter alone; and the fused MoE kernels' tile variants for up to
         ``max_batch_tokens`` rows (every MoE layer has the same shapes). Returns the chunk
         lengths run."""
@@ -248,7 +248,6 @@ class ModelRunner:
             warm(moe, max_batch_tokens)
         hook, counter = self.layer_hook, self.counter
         self.layer_hook, self.counter = None, None
-        # 1: a one-row step's projections take the GEMV kernel (disagg.kernels.gemv)
         lengths = sorted({min(n, max_batch_tokens, max_model_len) for n in (1, 8, 96)})
         try:
             for n in lengths:

@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
         if fused_on(x):
             return self._forward_fused(x, delta, cos, sin, k_cache, v_cache, meta, backend,
                                        after_attention)
-        x = x if delta is None else x + delta
+        assert delta is None  # only the fused path leaves the residual add pending
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)
@@ -99,15 +99,13 @@ class DecoderLayer(nn.Module):
 
     def _input_norm(self, x: torch.Tensor,
                     delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + delta), x + delta)``: one kernel when ``delta`` is pending (CUDA)."""
+        """``(norm(x + delta), x + delta)``: one kernel when ``delta`` is pending (it only is
+        on the fused path)."""
         if delta is None:
             return norm(x, self.input_norm, self.eps), x
-        if fused_on(x):
-            from disagg.model import fused
+        from disagg.model import fused
 
-            return fused.rms_norm(delta, self.input_norm, self.eps, residual=x)
-        x = x + delta
-        return rms_norm(x, self.input_norm, self.eps), x
+        return fused.rms_norm(delta, self.input_norm, self.eps, residual=x)
 
     def _mlp(self, x: torch.Tensor, after_attention: Callable[[], None] | None,
              attn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
