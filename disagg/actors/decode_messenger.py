@@ -42,11 +42,10 @@ from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.prefill_peers import (
     OFFER_WINDOW_S,
+    DialedPeers,
     Peer,
     Wire,
     close_offer,
-    close_peer,
-    dial,
     make_offer,
     offer_due,
 )
@@ -113,13 +112,10 @@ class DecodeMessenger(MessengerBase):
         # with a window per attempt the shared registrations need no remote access at all
         self.register_access = "source" if transfer.windows else "target"
         self.ctx = ctx
-        self.peers: list[Peer] = []
         static, names = split_specs(peers)
-        for address in static:
-            self.peers.append(dial(ctx, address, self.peers, len(self.peers) - 1))
-        self.discovery = PeerDiscovery(names, static, self.update_peers, resolve_interval_s)
-        self._changes: list[tuple[str, bool]] = []  # (address, appeared) not yet applied
-        self._last_slot = len(self.peers) - 1  # challenge slot of the peer dialed last
+        self.dialed = DialedPeers(ctx, static)
+        self.peers = self.dialed.peers  # the same list, kept current by self.dialed
+        self.discovery = PeerDiscovery(names, static, self.dialed.update, resolve_interval_s)
         # context slots, then the challenge area (its last bytes), never a context slot
         super().__init__(sched_sock, transfer, layout, kvs, kv_fds,
                          max_slots + area_rows(layout.context_bytes), metrics)
@@ -147,15 +143,15 @@ class DecodeMessenger(MessengerBase):
         poller = zmq.asyncio.Poller()
         poller.register(self.sched, zmq.POLLIN)
         for p in self.peers:
-            poller.register(p.sock, zmq.POLLIN)
-            poller.register(p.monitor, zmq.POLLIN)
+            self.dialed.register(poller, p)
         if self.discovery.names:
             self._spawn(self.discovery.run())
         next_beat = 0.0
         while True:
             now = time.monotonic()
             if now >= next_beat:
-                self._apply_peer_changes(poller)
+                self.dialed.apply(poller, lambda p: any(w.peer is p
+                                                        for w in self.wires.values()))
                 await self._heartbeat(now)
                 next_beat = now + self.heartbeat_s
             events = dict(await poller.poll(max(1, int((next_beat - now) * 1000))))
@@ -433,36 +429,6 @@ class DecodeMessenger(MessengerBase):
             await self._to_scheduler(PeersAlive(n))
             await self._to_scheduler(self.stats())
 
-    # ------------------------------------------------------------------ peer set
-
-    async def update_peers(self, appeared: list[str], vanished: list[str]) -> None:
-        """Discovery's news, applied by the loop at its next heartbeat (between polls)."""
-        self._changes += [(a, True) for a in appeared] + [(a, False) for a in vanished]
-
-    def _apply_peer_changes(self, poller: zmq.asyncio.Poller) -> None:
-        """Dial the peers that appeared (their Pongs are checked like a static peer's); those
-        that vanished are dead from now on, as if they had stopped answering (the heartbeat
-        reports their attempts ``peer_dead``), and are closed once no attempt names them."""
-        for address, appeared in self._changes:
-            p = next((p for p in self.peers if p.address == address), None)
-            if p is None and appeared:
-                p = dial(self.ctx, address, self.peers, self._last_slot)
-                self._last_slot = p.slot
-                self.peers.append(p)
-                poller.register(p.sock, zmq.POLLIN)
-                poller.register(p.monitor, zmq.POLLIN)
-            elif p is not None:  # one back before it was closed: its next Pong revives it
-                p.removed, p.alive = not appeared, p.alive and appeared
-                if not appeared:
-                    log.warning("prefiller %s left the peer set; treating it as dead", address)
-        self._changes.clear()
-        for p in [p for p in self.peers if p.removed]:
-            if all(w.peer is not p for w in self.wires.values()):
-                self.peers.remove(p)
-                poller.unregister(p.sock)
-                poller.unregister(p.monitor)
-                close_peer(p)
-
     # ------------------------------------------------------------------ plumbing
 
     def stats(self) -> MessengerStats:
@@ -482,5 +448,4 @@ class DecodeMessenger(MessengerBase):
 
     def close(self) -> None:
         self._cancel_tasks()
-        for p in self.peers:
-            close_peer(p)
+        self.dialed.close()

@@ -1,18 +1,24 @@
 """The decode messenger's prefill peers: what it holds per peer and per attempt (``Peer``,
-``Wire``), dialing and closing peers as the set changes at run time (discovery), and the
+``Wire``), dialing and closing peers as the set changes at run time (``DialedPeers``,
+discovery), and the
 ownership offer a decoder makes a compatible peer ahead of its requests."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
 import zmq.asyncio
 
 from disagg.actors.sockets import dialing
 from disagg.protocol.peer import KVLayoutDesc, OwnershipOffer
 from disagg.remote.ownership import CHALLENGE_SLOTS
 from disagg.remote.peer_health import PeerHealth
+
+log = logging.getLogger(__name__)
 
 REOFFER_S = 150.0  # an OwnershipOffer is repeated this often (a prefiller's binding: 300 s)
 OFFER_WINDOW_S = 30.0  # an offer's window is revoked after this if no check came
@@ -68,6 +74,54 @@ def dial(ctx: zmq.asyncio.Context, address: str, peers: list[Peer], after: int =
     slot = next((s for s in slots if s not in used), len(peers) % CHALLENGE_SLOTS)
     sock, monitor = dialing(ctx, address)
     return Peer(address, sock, monitor=monitor, slot=slot)
+
+
+class DialedPeers:
+    """The prefillers this decoder dials: the static ``--prefill-peer`` addresses, then those
+    discovery reports appearing (dialed) or vanishing (dead from then on, as if silent, and
+    closed once no attempt names them). ``peers`` is one list for the messenger's lifetime."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, static: list[str]) -> None:
+        self.ctx = ctx
+        self.peers: list[Peer] = []
+        for address in static:
+            self.peers.append(dial(ctx, address, self.peers, len(self.peers) - 1))
+        self._changes: list[tuple[str, bool]] = []  # (address, appeared) not yet applied
+        self._last_slot = len(self.peers) - 1  # challenge slot of the peer dialed last
+
+    def register(self, poller: zmq.asyncio.Poller, peer: Peer) -> None:
+        poller.register(peer.sock, zmq.POLLIN)
+        poller.register(peer.monitor, zmq.POLLIN)
+
+    async def update(self, appeared: list[str], vanished: list[str]) -> None:
+        """Discovery's news, applied by ``apply`` at the messenger's next heartbeat."""
+        self._changes += [(a, True) for a in appeared] + [(a, False) for a in vanished]
+
+    def apply(self, poller: zmq.asyncio.Poller, in_use: Callable[[Peer], bool]) -> None:
+        """Dial the peers that appeared (their Pongs are checked like a static peer's); those
+        that vanished are dead from now on (the heartbeat reports their attempts
+        ``peer_dead``), and are closed once ``in_use`` says no attempt names them."""
+        for address, appeared in self._changes:
+            p = next((p for p in self.peers if p.address == address), None)
+            if p is None and appeared:
+                p = dial(self.ctx, address, self.peers, self._last_slot)
+                self._last_slot = p.slot
+                self.peers.append(p)
+                self.register(poller, p)
+            elif p is not None:  # one back before it was closed: its next Pong revives it
+                p.removed, p.alive = not appeared, p.alive and appeared
+                if not appeared:
+                    log.warning("prefiller %s left the peer set; treating it as dead", address)
+        self._changes.clear()
+        for p in [p for p in self.peers if p.removed and not in_use(p)]:
+            self.peers.remove(p)
+            poller.unregister(p.sock)
+            poller.unregister(p.monitor)
+            close_peer(p)
+
+    def close(self) -> None:
+        for p in self.peers:
+            close_peer(p)
 
 
 def offer_due(peer: Peer, now: float) -> bool:
