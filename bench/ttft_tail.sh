@@ -13,7 +13,10 @@
 # Overrides (CPU dry run: DEVICE=cpu TRANSFER=fabric DTYPE=float32 CONFIG_JSON=tiny.json
 #   LONG_LENS="64 128" SHORT_LENS="17 30" PAGE=4 ...):
 #   DEVICE DECODE_DEVICE DTYPE TRANSFER CONFIG_JSON LONG_LENS SHORT_LENS N_LONG N_SHORT OUTLEN
-#   PAGES MAXLEN PAGE VOCAB PORT STARTUP EXTRA (extra node flags)
+#   PAGES MAXLEN PAGE VOCAB PORT STARTUP EXTRA (extra node flags) DECODE_EXTRA (the decode
+#   node's only, e.g. "--local-prefill-max-tokens 256")
+# TRACE=1: the prefill and decode nodes record hop marks (disagg.trace) into WORK/trace, and
+#   bench/tail_trace.py breaks the split runs' time down hop by hop (WORK/tail_trace.{txt,json}).
 set -u
 WORK=${1:?usage: ttft_tail.sh WORK}
 DEVICE=${DEVICE:-cuda:0}; DECODE_DEVICE=${DECODE_DEVICE:-$DEVICE}
@@ -46,10 +49,12 @@ serve() {  # tag connect input-len n warmup
 T0=$(date +%s)
 # all three start at once (start-up dominates the run); the mixed node idles meanwhile
 echo "prefill and mixed on $DEVICE, decode on $DECODE_DEVICE ($TRANSFER)"
+[ -n "${TRACE:-}" ] && export DISAGG_TRACE=$WORK/trace
 start_node prefill --role prefill --listen "$P" --transfer-backend "$TRANSFER" \
   --devices "$DEVICE" "${COMMON[@]}"
 start_node decode --role decode --listen "$D" --prefill-peer "$P" --transfer-backend "$TRANSFER" \
-  --devices "$DECODE_DEVICE" "${COMMON[@]}"
+  --devices "$DECODE_DEVICE" "${COMMON[@]}" ${DECODE_EXTRA:-}
+unset DISAGG_TRACE
 start_node mixed --role mixed --listen "$M" --devices "$DEVICE" "${COMMON[@]}"
 wait_ready prefill "$STARTUP" && wait_ready decode "$STARTUP" && wait_ready mixed "$STARTUP" \
   || exit 1
@@ -114,4 +119,8 @@ text = "\n".join(lines)
 open(os.path.join(work, "summary.txt"), "w").write(text + "\n")
 print(text)
 EOF
+if [ -n "${TRACE:-}" ]; then
+  $PY "$(dirname "$0")/tail_trace.py" "$WORK/trace" --json "$WORK/tail_trace.json" \
+    > "$WORK/tail_trace.txt" 2>&1; cat "$WORK/tail_trace.txt"
+fi
 echo "total $(( $(date +%s) - T0 )) s"

@@ -33,7 +33,7 @@ from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
 from disagg.actors.transfer import TransferEngine
 from disagg.config import NodeConfig
 from disagg.engine.speculative import speculation
-from disagg.gc_tuning import freeze_startup_objects
+from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import Tokenizer
 from disagg.protocol import ErrorCode
@@ -126,6 +126,7 @@ class Node:
         actors.append(("scheduler", self.scheduler.run))
         self._tasks = [asyncio.create_task(self._guard(run(), name)) for name, run in actors]
         freeze_startup_objects(f"{cfg.role} node")
+        keep_large_buffers(f"{cfg.role} node")
         self.summary = (f"{cfg.role} node serving {arch.architecture} on {self.address} "
                         f"({self.executors.num_pages} pages of {cfg.cache.page_size} tokens)")
         log.info("started: %s", self.summary)

@@ -38,6 +38,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from disagg import trace
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.prefill_peers import (
@@ -49,7 +50,7 @@ from disagg.actors.prefill_peers import (
     make_offer,
     offer_due,
 )
-from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending
+from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending, pending_frames
 from disagg.actors.transfer import TransferEngine
 from disagg.fabric.topology import MAX_LANES
 from disagg.protocol.inproc import (
@@ -164,8 +165,8 @@ class DecodeMessenger(MessengerBase):
                     await self._connection_events(p)
 
     async def _from_scheduler(self) -> None:
-        async for data in pending(self.sched):
-            match self._sched_dec.decode(data):
+        async for frames in pending_frames(self.sched):  # uncopied: SendPrefill.prompt
+            match self._sched_dec.decode(frames[0].buffer):  # stays a view into its frame
                 case SendPrefill() as msg:
                     await self._send_request(msg)
                 case StopPrefill(request_id=rid, blame=blame):
@@ -208,6 +209,7 @@ class DecodeMessenger(MessengerBase):
                     if w is not None:  # no write of it can land any more
                         await self._settled(rid, "failed", code, message)
                 case PrefillDone(request_id=rid) as done:
+                    trace.mark("dm.done_in", rid)
                     timings = (done.queue_s, done.compute_s, done.tail_s)
                     if self._of(rid, peer) is not None:
                         await self._settled(rid, "done", timings=timings,
@@ -289,6 +291,7 @@ class DecodeMessenger(MessengerBase):
             close_offer(peer)
 
     async def _send_request(self, msg: SendPrefill) -> None:
+        trace.mark("dm.send_in", msg.request_id)
         peer = self.pick(msg.route_keys)
         if peer is None or not self.ctx_free:
             why = "no prefiller is alive" if peer is None else "no free context slot"
@@ -304,7 +307,7 @@ class DecodeMessenger(MessengerBase):
         self.wires[w.request_id] = w
         peer.sent_tokens += msg.num_tokens
         req = PrefillRequestOut(  # the prompt's msgpack as the scheduler encoded it
-            request_id=msg.request_id, key=msg.key, prompt_ids=msg.prompt,
+            request_id=msg.request_id, key=msg.key, prompt_ids=msgspec.Raw(msg.prompt),
             dst_pages=msg.dst_pages, dst_layout=self.layout,
             dst_kv=window.descriptors[0].encode(),
             dst_kv_ranks=[d.encode() for d in window.descriptors[:-1]],
@@ -313,6 +316,8 @@ class DecodeMessenger(MessengerBase):
             deadline_unix=time.time() + msg.cap_s, challenge_slot=peer.slot,
             challenge_key=self._challenge_key(peer), skip_pages=msg.skip_pages)
         await peer.sock.send(self._enc.encode(req))
+        trace.mark("dm.req_out", msg.request_id)
+        trace.mark("link", f"{msg.request_id}=k{msg.key}")
         self._spawn(self._await_kv(w, units, msg.dst_pages))
 
     async def _await_kv(self, w: Wire, units: int, dst_pages: list[int]) -> None:
@@ -320,6 +325,7 @@ class DecodeMessenger(MessengerBase):
             await w.expectation
         except BaseException:  # noqa: BLE001 - stopped, or its cap passed: the machine's call
             return
+        trace.mark("dm.kv", w.request_id)
         if not w.wanted:
             return
         # fabric over host staging: its pages mirror -> GPU first (no-op otherwise)

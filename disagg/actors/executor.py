@@ -24,9 +24,10 @@ import msgspec
 import torch
 import zmq
 
+from disagg import trace
 from disagg.actors.executor_group import ExecutorError, rendezvous_path
 from disagg.config import NodeConfig
-from disagg.gc_tuning import freeze_startup_objects
+from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.tp import TensorParallel
 from disagg.protocol.executor import (
     Collect,
@@ -147,6 +148,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         log.info("warmed prefill steps of %s tokens in %.1f s", lengths, time.perf_counter() - t1)
         arm(f"executor {rank}")
     freeze_startup_objects(f"executor {rank}")
+    keep_large_buffers(f"executor {rank}")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -156,6 +158,16 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     sock.send(enc.encode(ExecutorReady(rank, num_pages, alloc.info,
                                        None if counter is None else counter.handle())))
     deferred: tuple[int, Launched | Exception] | None = None  # answered on the next command
+    # hop marks (disagg.trace) of the lead rank's steps: x.* / s<id> on a prefill node,
+    # dx.* / d<id> on the others
+    tkey = ("s" if cfg.role == "prefill" else "d") if trace.enabled() and rank == 0 else ""
+    tev = "x" if cfg.role == "prefill" else "dx"
+
+    def answer(step_id: int, launched: Launched | Exception) -> None:
+        sock.send_multipart(reply(enc, runner, step_id, launched))
+        if tkey:
+            trace.mark(f"{tev}.replied", f"{tkey}{step_id}")
+
     try:
         while True:
             if not sock.poll(POLL_MS):
@@ -170,17 +182,21 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                 continue
             match command:
                 case StepPlan() as plan:
+                    if tkey:
+                        trace.mark(f"{tev}.plan_in", f"{tkey}{plan.step_id}")
                     launched = launch(runner, plan)  # before answering the deferred step, so
+                    if tkey:
+                        trace.mark(f"{tev}.launched", f"{tkey}{plan.step_id}")
                     if deferred is not None:  # this step's host work overlaps its device work
-                        sock.send_multipart(reply(enc, runner, *deferred))
+                        answer(*deferred)
                         deferred = None
                     if plan.defer:
                         deferred = (plan.step_id, launched)
                     else:
-                        sock.send_multipart(reply(enc, runner, plan.step_id, launched))
+                        answer(plan.step_id, launched)
                 case Collect():
                     if deferred is not None:
-                        sock.send_multipart(reply(enc, runner, *deferred))
+                        answer(*deferred)
                         deferred = None
                 case Shutdown():
                     return

@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any
 
+from disagg import trace
+
 POLL_S = 0.0002  # counter poll period while a step runs
 
 
@@ -48,6 +50,8 @@ class LayerPoller:
             step_id, base = step
             done = max(0, min(self.num_layers, self.counter.read() - base))
             if done != seen[1] or step_id != seen[0]:
+                if done == self.num_layers:
+                    trace.mark("lp.last_layer_seen", f"s{step_id}")
                 if done > 0:
                     self.loop.call_soon_threadsafe(self.on_layers, step_id, done,
                                                    time.monotonic())

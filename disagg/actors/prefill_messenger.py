@@ -30,6 +30,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from disagg import trace
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.ownership_gate import OwnershipGate
@@ -187,6 +188,8 @@ class PrefillMessenger(MessengerBase):
                     await self._reply(peer, Pong(seq, self.queued_tokens, self.layout,
                                                  self.transfer.transport))
                 case PrefillRequest() as req:
+                    trace.mark("p.arrived", req.request_id, at=arrived)
+                    trace.mark("p.req_in", req.request_id)
                     await self._accept(peer, req, conn, arrived)
                 case AbortPrefill(request_id=rid):
                     await self._abort(peer, rid, conn)
@@ -209,6 +212,8 @@ class PrefillMessenger(MessengerBase):
                     self.steps[a.step_id] = Step(a)
                     now = time.monotonic()
                     for c in a.chunks:
+                        if trace.enabled() and c.job in self.jobs:
+                            trace.mark("link", f"{self.jobs[c.job].req.request_id}=s{a.step_id}")
                         first = self.life.state(c.job) is JobState.QUEUED
                         self.life.step_started(c.job, now)
                         if first and c.start > 0:  # it starts after pages from the cache
@@ -217,6 +222,7 @@ class PrefillMessenger(MessengerBase):
                     assert self.poller is not None
                     self.poller.follow(a.step_id, a.counter_base)
                 case StepDone() as d:
+                    trace.mark("p.step_done", f"s{d.step_id}")
                     self._step_done(d, frames[1] if len(frames) > 1 else None)
                 case StatsReply(peer=peer, stats=stats):
                     # this messenger's fields as they are now: the copy the scheduler holds
@@ -280,6 +286,7 @@ class PrefillMessenger(MessengerBase):
         self.queued_tokens += len(req.prompt_ids)
         self._carry_out(self.life.accept(job.id, peer, pages, req.timeout_s, cap_s,
                                          now if arrived is None else arrived))
+        trace.mark("p.accepted", req.request_id)
 
     def _carry_out(self, commands: list[LifeCommand]) -> None:
         """Do what the job machine decided, in its order."""
@@ -357,6 +364,7 @@ class PrefillMessenger(MessengerBase):
         """Wait for every write of ``job`` posted so far to settle; tell the machine."""
         results = await asyncio.gather(*job.futures, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
+        trace.mark("p.settled", job.req.request_id)
         self._carry_out(self.life.settled(job.id, str(errors[0]) if errors else None,
                                           time.monotonic()))
 
@@ -371,6 +379,7 @@ class PrefillMessenger(MessengerBase):
         self.by_peer.pop((job.peer, rid), None)
         self.ctx_free.append(self.ctx_of.pop(job.id))
         self._spawn(self._reply(job.peer, msg))
+        trace.mark("p.answered", rid)
 
     def _progressed(self, now: float) -> None:
         """This prefiller computed something (a step was scheduled, a layer or a step done):

@@ -215,14 +215,31 @@ class BatchScheduler:
 
     def prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """The chained hashes of ``seq``'s full pages before its last token (which is always
-        computed, for its logits): what a lookup matches. Kept on the sequence while its
-        tokens do not change (a waiting head looks up again at every step)."""
-        if seq.lookup is None or seq.lookup[0] != seq.num_tokens:
-            ps = self.page_size
-            full = (seq.num_tokens - 1) // ps
-            seq.lookup = (seq.num_tokens,
-                          page_hashes(seq.tokens(0, full * ps), ps, self.cache_root, full))
-        return seq.lookup[1]
+        computed, for its logits) as far as this node's cache holds them, and the first one
+        it does not: what a lookup matches. Hashed page by page up to that miss, so a new
+        prompt costs one hash here; its other pages are hashed once, as they complete
+        (``_register``). A waiting head looks up again at every step: the pages hashed
+        before are not hashed again (``Sequence.known_hashes``)."""
+        full = (seq.num_tokens - 1) // self.page_size
+        known = seq.known_hashes
+        hit = self.pool.cached_run(known[:full])
+        if hit < min(len(known), full):
+            return known[:hit + 1]
+        while len(known) < full:  # every known hash is cached: go on while they are
+            self.page_hashes(seq, len(known) + 1)
+            if not self.pool.cached_run(known[-1:]):
+                break
+        return known[:full]
+
+    def page_hashes(self, seq: Sequence, pages: int) -> list[bytes]:
+        """The chained hashes of ``seq``'s first ``pages`` full pages, hashing only those not
+        hashed before (kept in ``seq.known_hashes``)."""
+        known = seq.known_hashes
+        if len(known) < pages:
+            ps, n = self.page_size, len(known)
+            known.extend(page_hashes(seq.tokens(n * ps, pages * ps), ps,
+                                     known[-1] if known else self.cache_root, pages - n))
+        return known[:pages]
 
     def _match(self, seq: Sequence) -> None:
         """Start ``seq`` on the cached pages of its longest cached prefix (whole pages)."""
@@ -253,8 +270,7 @@ class BatchScheduler:
         start = len(seq.hashes)
         if done <= start:
             return
-        parent = seq.hashes[-1] if seq.hashes else self.cache_root
-        new = page_hashes(seq.tokens(start * ps, done * ps), ps, parent, done - start)
+        new = self.page_hashes(seq, done)[start:]
         for page, h in zip(seq.block_table[start:done], new, strict=True):
             self.pool.cache_page(page, h)
         seq.hashes.extend(new)

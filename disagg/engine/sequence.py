@@ -38,7 +38,9 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache at its first start
     matched: bool = False  # its first start looked the cache up (counted in the statistics)
-    lookup: tuple[int, list[bytes]] | None = None  # (num_tokens, prefix_hashes) last computed
+    # the chained hashes of its leading full pages computed so far (BatchScheduler.page_hashes):
+    # a page's hash never changes (tokens are only appended), so none is computed twice
+    known_hashes: list[bytes] = field(default_factory=list)
     draft_computed: int = 0  # leading tokens whose KV the draft model has (draft_model mode)
     spec_state: Any = None  # the drafting method's own state (prompt lookup: a token array)
     prev_hidden: bytes = b""  # mtp after a remote prefill: the prefiller's last hidden row

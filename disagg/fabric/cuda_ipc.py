@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from disagg import trace
 from disagg.fabric.cuda_mem import (
     CUMEM_HANDLE,
     PeerMappings,
@@ -400,6 +401,7 @@ class CudaIpcEngine:
             work = True
             try:
                 self._out.sendto(_IMM.pack(job.imm, job.dst.shape[0]), job.address)
+                trace.mark("c.note_out", f"k{job.imm}")
                 events.append((job.future, None))
             except OSError as e:
                 events.append((job.future, ConnectionError(f"peer gone: {e}")))
@@ -424,6 +426,7 @@ class CudaIpcEngine:
                             "cuda-ipc batch still queued at its deadline, not issued")))
                         continue
                     try:
+                        trace.mark("c.issue", f"k{job.imm}")
                         self._issue(job, stream, events)
                         job.event = torch.cuda.Event()
                         job.event.record(stream)
@@ -471,6 +474,7 @@ class CudaIpcEngine:
                 self.stats["bad_notes"] += 1
                 continue
             self.stats["arrived"] += n
+            trace.mark("c.note_in", f"k{imm}")
             self._expectations.arrive({imm: n}, events)
             report = self._expectations.junk_report(time.monotonic())
             if report:

@@ -113,11 +113,13 @@ class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=Tr
     The prompt ids travel encoded once (``prompt``, a msgpack array): the messenger puts
     those bytes into the ``PrefillRequest`` as they are (``PrefillRequestOut``) and reads
     only ``num_tokens`` and ``route_keys``, so a long prompt is not decoded and encoded again
-    on its way out (``SendPrefill.of`` builds one)."""
+    on its way out (``SendPrefill.of`` builds one). They go as a msgpack bin, not as
+    ``msgspec.Raw`` (a Raw array is walked element by element to find its end: 0.36 ms at 32k
+    ids), decoded as a ``memoryview`` into the received frame (no copy)."""
 
     request_id: str
     key: int
-    prompt: msgspec.Raw  # msgpack of the prompt ids without the last prompt token
+    prompt: memoryview  # msgpack of the prompt ids without the last prompt token
     num_tokens: int  # how many ids ``prompt`` holds
     route_keys: list[bytes]  # disagg.serving.routing.prefix_keys of those ids
     dst_pages: list[int]  # pages covering the prompt after the first skip_pages
@@ -128,7 +130,7 @@ class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=Tr
     def of(cls, request_id: str, key: int, prompt_ids: list[int], dst_pages: list[int],
            cap_s: float, skip_pages: int = 0, route_keys: list[bytes] | None = None
            ) -> SendPrefill:
-        return cls(request_id, key, msgspec.Raw(_ENC.encode(prompt_ids)), len(prompt_ids),
+        return cls(request_id, key, memoryview(_ENC.encode(prompt_ids)), len(prompt_ids),
                    route_keys or [], dst_pages, cap_s, skip_pages)
 
     def prompt_ids(self) -> list[int]:

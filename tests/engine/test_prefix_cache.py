@@ -94,6 +94,34 @@ def test_a_repeated_prefix_is_not_computed_again_and_generated_pages_are_cached_
     assert s.pool.num_cached > 0
 
 
+def test_every_page_is_hashed_once_and_a_lookup_stops_at_its_first_miss(monkeypatch):
+    """A new prompt's lookup hashes one page (the miss); its pages are hashed as they are
+    cached, none twice; a prompt whose prefix is cached hashes only that prefix to find it."""
+    import disagg.engine.scheduling as scheduling
+
+    hashed: list[int] = []
+
+    def counting(tokens, ps, parent, count):
+        hashed.append(count)
+        return page_hashes(tokens, ps, parent, count)
+
+    monkeypatch.setattr(scheduling, "page_hashes", counting)
+    s = sched()
+    a = seq(0, list(range(100, 141)))  # 41 tokens: 10 full pages
+    assert s.prefix_hashes(a) == page_hashes(a.prompt_ids, PAGE, s.cache_root, 1)
+    assert sum(hashed) == 1
+    run(s, a)
+    n = len(a.known_hashes)
+    assert n == (41 + 2) // PAGE  # every full page computed, generated ones too (3 outputs)
+    assert a.known_hashes == page_hashes(a.prompt_ids + a.output_ids, PAGE, s.cache_root, n)
+    assert sum(hashed) == n  # none twice: the lookup's page was not hashed again
+    hashed.clear()
+    b = seq(1, list(range(100, 141)) + [7])  # 42 tokens: its 10 full pages are cached
+    assert len(s.prefix_hashes(b)) == 10 and sum(hashed) == 10
+    [[start, *_]] = run(s, b)
+    assert start == 40 and b.cached_tokens == 40
+
+
 def test_the_last_token_is_always_computed_and_the_cache_can_be_off():
     s = sched()
     p = list(range(30, 38))  # exactly two pages

@@ -27,3 +27,29 @@ def test_freeze_moves_live_objects_to_the_permanent_generation():
 
 def test_freeze_can_be_turned_off():
     assert run("0") == [0, 0]
+
+
+MALLOC_CODE = """
+import ctypes, sys
+from disagg.gc_tuning import keep_large_buffers
+tuned = keep_large_buffers("test")
+buf = bytearray(1 << 20)  # over glibc's default mmap threshold (128 KiB)
+addr = ctypes.addressof((ctypes.c_char * 1).from_buffer(buf))
+heap = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+lo, hi = (int(x, 16) for x in heap[0].split("-"))
+print(int(tuned), int(lo <= addr < hi))
+"""
+
+
+def run_malloc(env_value):
+    env = {"DISAGG_MALLOC_TUNING": env_value} if env_value is not None else {}
+    out = subprocess.run([sys.executable, "-c", MALLOC_CODE], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=60, check=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_large_buffers_come_from_the_heap():
+    """A 1 MiB block is a fresh mapping under glibc's defaults and a heap block once tuned
+    (no page faults to fill it, no munmap to free it)."""
+    assert run_malloc(None) == [1, 1]
+    assert run_malloc("0") == [0, 0]

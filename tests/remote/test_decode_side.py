@@ -9,7 +9,7 @@ import time
 import msgspec
 
 from disagg.actors.decode_scheduler import DecodeSide
-from disagg.engine.cache import PagePool
+from disagg.engine.cache import PagePool, page_hashes
 from disagg.engine.scheduling import BatchScheduler, Sequence, Status
 from disagg.protocol import Error, Finished, SamplingParams
 from disagg.protocol.inproc import (
@@ -86,6 +86,25 @@ def test_a_long_prompt_goes_remote_and_runs_its_last_token_once_the_kv_landed():
         side.emitting(seq)
         timings = side.timings_of(seq)
         assert timings is not None and timings["prefill_queue"] == 100.0  # the early PrefillDone
+
+    run(go())
+
+
+def test_a_remote_prompts_pages_are_hashed_while_its_prefill_runs():
+    """Its lookup hashes one page (nothing cached); the rest are hashed in the background
+    before the KV lands, so caching them then hashes nothing on the first token's path."""
+    side, port = side_with()
+
+    async def go():
+        await side.handle_messenger(PeersAlive(1))
+        seq = long_seq(n=1 + 300 * PAGE)  # 300 full pages of prompt to prefill: several slices
+        port.pool = port.sched.pool = PagePool(400)
+        assert await side.enqueue(seq)
+        assert len(seq.known_hashes) == 1
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert len(seq.known_hashes) == seq.num_tokens // PAGE == 300
+        assert seq.known_hashes == page_hashes(seq.prompt_ids, PAGE, port.sched.cache_root, 300)
 
     run(go())
 
