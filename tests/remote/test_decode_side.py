@@ -101,8 +101,10 @@ def test_a_remote_prompts_pages_are_hashed_while_its_prefill_runs():
         port.pool = port.sched.pool = PagePool(400)
         assert await side.enqueue(seq)
         assert len(seq.known_hashes) == 1
-        for _ in range(10):
-            await asyncio.sleep(0)
+        for _ in range(200):  # bounded: a few ms of slices
+            if len(seq.known_hashes) == 300:
+                break
+            await asyncio.sleep(0.001)
         assert len(seq.known_hashes) == seq.num_tokens // PAGE == 300
         assert seq.known_hashes == page_hashes(seq.prompt_ids, PAGE, port.sched.cache_root, 300)
 
