@@ -426,7 +426,6 @@ class CudaIpcEngine:
                             "cuda-ipc batch still queued at its deadline, not issued")))
                         continue
                     try:
-                        trace.mark("c.issue", f"k{job.imm}")
                         self._issue(job, stream, events)
                         job.event = torch.cuda.Event()
                         job.event.record(stream)
