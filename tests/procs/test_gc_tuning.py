@@ -13,9 +13,9 @@ print(n, gc.get_freeze_count())
 """
 
 
-def run(env_value):
-    env = {"DISAGG_GC_FREEZE": env_value} if env_value is not None else {}
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
+def run(env_value, code=CODE, name="DISAGG_GC_FREEZE"):
+    env = {name: env_value} if env_value is not None else {}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=60, check=True)
     return [int(x) for x in out.stdout.split()]
 
@@ -42,10 +42,7 @@ print(int(tuned), int(lo <= addr < hi))
 
 
 def run_malloc(env_value):
-    env = {"DISAGG_MALLOC_TUNING": env_value} if env_value is not None else {}
-    out = subprocess.run([sys.executable, "-c", MALLOC_CODE], capture_output=True, text=True,
-                         env={**os.environ, **env}, timeout=60, check=True)
-    return [int(x) for x in out.stdout.split()]
+    return run(env_value, MALLOC_CODE, "DISAGG_MALLOC_TUNING")
 
 
 def test_large_buffers_come_from_the_heap():
