@@ -76,7 +76,6 @@ class DecodeSide(SchedulerSide):
         self.held: dict[int, tuple[Sequence, str, float]] = {}
         self.context: dict[int, bytes] = {}  # slot -> the landed attempt's context row (mtp)
         self._menc = msgspec.msgpack.Encoder()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     async def enqueue(self, seq: Sequence) -> bool:
         """Take ``seq`` for remote prefill when a prefiller is alive and more than
@@ -102,9 +101,7 @@ class DecodeSide(SchedulerSide):
                           time.monotonic())
         await self._pump()
         if sched.prefix_caching:
-            task = asyncio.ensure_future(self._hash_ahead(seq))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.port.spawn(self._hash_ahead(seq))
         return True
 
     async def _hash_ahead(self, seq: Sequence) -> None:

@@ -310,7 +310,7 @@ class SchedulerActor:
             self.tokenizing[key] = req  # counted live for its client from now on
             self.per_client[identity] += 1
             self.counters.started += 1
-            self._spawn(self._tokenize_then_admit(identity, req))
+            self.spawn(self._tokenize_then_admit(identity, req))
             return
         try:
             ids = prepare_prompt(req, self.tokenizer, self.arch.vocab_size, self.max_model_len,
@@ -360,7 +360,8 @@ class SchedulerActor:
         self.by_slot[slot] = key
         self.queue.push(identity, seq, now + self.limits.queue_timeout_s)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task of this actor (cancelled when it stops)."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

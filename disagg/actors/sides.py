@@ -7,7 +7,8 @@ machine ``disagg.remote.decode.DecodeRemote``) and ``prefill_scheduler.PrefillSi
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 from disagg.engine.cache import PagePool
 from disagg.engine.scheduling import Batch, BatchScheduler, Sequence
@@ -27,6 +28,8 @@ class SchedulerPort(Protocol):
     counters: Counters
 
     def next_slot(self) -> int: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
 
     async def end(self, seq: Sequence, terminal: Finished | Error) -> None: ...
 

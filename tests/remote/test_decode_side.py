@@ -35,11 +35,15 @@ class FakePort:
         self.limits = Limits(queue_timeout_s=100.0)
         self.counters = Counters()
         self.sent: list[object] = []
+        self.tasks: set[asyncio.Task] = set()
         self.ended: list[tuple[Sequence, Finished | Error]] = []
         self._dec = msgspec.msgpack.Decoder(ToMessenger)
 
     def next_slot(self) -> int:
         return 0
+
+    def spawn(self, coro) -> None:
+        self.tasks.add(asyncio.ensure_future(coro))
 
     async def end(self, seq: Sequence, terminal: Finished | Error) -> None:
         self.ended.append((seq, terminal))
