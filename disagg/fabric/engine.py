@@ -182,13 +182,14 @@ class FabricEngine:
             self._call(do)
 
     def window(self, regions: list[LocalRegion]) -> Window:
-        """Fresh remote-write registrations of ``regions``' memory, revoked by ``close()``."""
-        fresh = [self.register_address(r.addr, r.length, r.owner, access="target")
-                 for r in regions]
+        """Fresh remote-write registrations of ``regions``' memory, revoked by ``close()``
+        (each in one round trip to the progress thread, which runs libfabric calls)."""
+        fresh = self._call(lambda: [self.register_address(r.addr, r.length, r.owner,
+                                                          access="target") for r in regions])
 
         def revoke() -> None:
-            for r in fresh:
-                self.deregister(r)
+            if not self._closed:
+                self._call(lambda: list(map(self.deregister, fresh)))
 
         self.stats["windows"] += 1
         return Window([r.descriptor for r in fresh], revoke)
@@ -343,9 +344,10 @@ class FabricEngine:
         else:
             if self._active or len(self._expectations):
                 sleep = min(sleep, 5e-5)  # work is expected soon: keep latency low
-            ready = poller.poll(0) if sleep == 0 else []
-            if not ready:
-                time.sleep(sleep)
+            # no CQ fd (shm): nap, then poll the CQ; a wake (a caller in _call, a new batch)
+            # ends the nap (a plain sleep held a per-attempt window 1.6 ms instead of 0.2)
+            r, _, _ = select.select([self._wake_fd], [], [], sleep)
+            ready = [(fd, select.POLLIN) for fd in r]
         for fd, _ in ready:
             if fd == self._wake_fd:
                 try:
