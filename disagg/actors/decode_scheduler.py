@@ -169,12 +169,7 @@ class DecodeSide(SchedulerSide):
                     self.clock.get(c.slot, {})["sent"] = time.monotonic()
                     trace.mark("d.send", c.request_id, len(seq.prompt_ids))
                     self.sent[c.slot] = c.request_id
-                    ids, held = seq.prompt_ids[:-1], len(seq.block_table)
-                    await self._to_messenger(SendPrefill.of(
-                        c.request_id, c.key, ids,
-                        list(c.pages[: pages_needed(len(ids), self.port.page_size) - held]),
-                        c.cap_s,
-                        skip_pages=held, route_keys=prefix_keys(ids, None)))
+                    await self._to_messenger(self._send_prefill(seq, c))
                     trace.mark("d.sent_out", c.request_id)
                 case Abort():
                     await self._to_messenger(StopPrefill(c.request_id, c.blame))
@@ -264,6 +259,20 @@ class DecodeSide(SchedulerSide):
         seq.block_table = []
         await self._carry_out(self.remote.cancel(seq.slot, time.monotonic()))
         return True
+
+    def _send_prefill(self, seq: Sequence, c: Send) -> SendPrefill:
+        """The request for the KV of ``seq``'s prompt but its last token. That token comes off
+        the prompt list while the ids are encoded and hashed for routing, and goes back before
+        anything else runs: slicing would copy (and later free) a 32k-element list."""
+        ids, held = seq.prompt_ids, len(seq.block_table)
+        last = ids.pop()
+        try:
+            return SendPrefill.of(
+                c.request_id, c.key, ids,
+                list(c.pages[: pages_needed(len(ids), self.port.page_size) - held]), c.cap_s,
+                skip_pages=held, route_keys=prefix_keys(ids, None))
+        finally:
+            ids.append(last)
 
     async def before_step(self, plan: StepPlan, batch: Batch) -> None:
         if trace.enabled():  # hop marks: the step that computes a landed prompt's last token

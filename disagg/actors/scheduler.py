@@ -156,6 +156,9 @@ class SchedulerActor:
                 await self._drain(block=idle, timeout_ms=self._idle_timeout_ms() if idle else None)
                 await self._expire(time.monotonic())
                 await self._feed()
+                # after feeding: a remote prefill's request reaches the messenger before the
+                # frontend's turn for the acks (its wake-up would come first in the loop)
+                await self._flush_acks()
                 if self.stepper.in_flight is not None:
                     await self.stepper.advance()
                     continue
@@ -193,7 +196,6 @@ class SchedulerActor:
                 else:
                     await self.handle_messenger(self._mdec.decode(data))
         await self.pages_changed()
-        await self._flush_acks()
 
     def _idle_timeout_ms(self) -> int | None:
         """How long an idle loop may block: until the next queue deadline, at most 1 s while

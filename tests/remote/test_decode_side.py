@@ -80,6 +80,7 @@ def test_a_long_prompt_goes_remote_and_runs_its_last_token_once_the_kv_landed():
         assert await side.enqueue(seq)
         [send] = port.sent
         assert isinstance(send, SendPrefill) and send.prompt_ids() == seq.prompt_ids[:-1]
+        assert seq.prompt_ids == list(range(1, 18))  # its last token back in place
         assert send.num_tokens == 16 and send.route_keys == prefix_keys(seq.prompt_ids[:-1], None)
         assert len(send.dst_pages) == 4 and port.pool.num_free == 16 - 5  # 17 tokens: 5 pages
         assert side.waiting_for_kv() == 1 and seq.status is Status.REMOTE
