@@ -122,6 +122,19 @@ def test_every_page_is_hashed_once_and_a_lookup_stops_at_its_first_miss(monkeypa
     assert start == 40 and b.cached_tokens == 40
 
 
+def test_a_lookup_again_finds_pages_cached_since_the_last_one():
+    """A waiting head looks up at every step: pages another request cached meanwhile are
+    found, past the miss its first lookup stopped at."""
+    s = sched()
+    prompt = list(range(200, 221))  # 21 tokens: 5 full pages
+    waiting = seq(1, prompt)
+    assert len(s.prefix_hashes(waiting)) == 1  # nothing cached: stops at page 0
+    run(s, seq(0, prompt))  # caches the prompt's pages
+    assert s.prefix_hashes(waiting) == page_hashes(prompt, PAGE, s.cache_root, 5)
+    [[start, *_]] = run(s, waiting)
+    assert start == 20 and waiting.cached_tokens == 20
+
+
 def test_the_last_token_is_always_computed_and_the_cache_can_be_off():
     s = sched()
     p = list(range(30, 38))  # exactly two pages
