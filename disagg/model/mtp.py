@@ -25,6 +25,7 @@ from torch import nn
 
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import ModelArch
+from disagg.model.ops import add_norm
 from disagg.model.rotary import rms_norm
 from disagg.model.tp import TensorParallel
 
@@ -68,4 +69,4 @@ class MTPLayer(nn.Module):
         x = F.linear(torch.cat((rms_norm(e, self.enorm, self.eps),
                                 rms_norm(previous, self.hnorm, self.eps)), dim=-1), self.eh_proj)
         x, delta = self.block(x, cos, sin, cache[0, :, 0], cache[0, :, -1], meta, backend, None)
-        return rms_norm(x if delta is None else x + delta, self.head_norm, self.eps)
+        return add_norm(x, delta, self.head_norm, self.eps)[0]

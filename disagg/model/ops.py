@@ -27,6 +27,20 @@ def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, w, eps)
 
 
+def add_norm(x: torch.Tensor, add: torch.Tensor | None, w: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + add), x + add)`` (``add`` None: ``(norm(x), x)``): a residual add and the norm
+    after it, one kernel on CUDA."""
+    if add is None:
+        return norm(x, w, eps), x
+    if fused_on(x):
+        from disagg.model import fused
+
+        return fused.rms_norm(add, w, eps, residual=x)
+    x = x + add
+    return rms_norm(x, w, eps), x
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; one row on CUDA goes through the Triton GEMV (``disagg.kernels.gemv``),
     which reads the weights faster than cuBLAS does at one row."""

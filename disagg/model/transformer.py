@@ -21,7 +21,7 @@ from disagg.model.config import ModelArch
 from disagg.model.mla import MLAAttention
 from disagg.model.moe import MoEMLP
 from disagg.model.mtp import MTPLayer
-from disagg.model.ops import fused_on, linear, norm, silu_mul
+from disagg.model.ops import add_norm, fused_on, linear, silu_mul
 from disagg.model.rotary import Rotary, rms_norm, rotate_half
 from disagg.model.tp import TensorParallel
 
@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
         is left to the next norm's kernel (``fused.rms_norm`` with a residual), elsewhere
         ``delta`` comes back None."""
         if self.mla is not None:
-            h, x = self._input_norm(x, delta)
+            h, x = add_norm(x, delta, self.input_norm, self.eps)
             attn = self.mla(h, cos, sin, k_cache, meta, backend)
             return self._mlp(x, after_attention, self.tp.all_reduce(attn))
         if fused_on(x):
@@ -97,16 +97,6 @@ class DecoderLayer(nn.Module):
         x = x + self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
         return self._mlp(x, after_attention)
 
-    def _input_norm(self, x: torch.Tensor,
-                    delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + delta), x + delta)``: one kernel when ``delta`` is pending (it only is
-        on the fused path)."""
-        if delta is None:
-            return norm(x, self.input_norm, self.eps), x
-        from disagg.model import fused
-
-        return fused.rms_norm(delta, self.input_norm, self.eps, residual=x)
-
     def _mlp(self, x: torch.Tensor, after_attention: Callable[[], None] | None,
              attn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The MLP half of the layer over ``x`` (plus ``attn``, the attention output, when
@@ -114,13 +104,7 @@ class DecoderLayer(nn.Module):
         next norm adds it), ``(x + mlp output, None)`` elsewhere."""
         if after_attention is not None:
             after_attention()
-        if attn is not None and fused_on(x):
-            from disagg.model import fused
-
-            h, x = fused.rms_norm(attn, self.post_norm, self.eps, residual=x)
-        else:
-            x = x if attn is None else x + attn
-            h = rms_norm(x, self.post_norm, self.eps)
+        h, x = add_norm(x, attn, self.post_norm, self.eps)
         if self.moe is not None:
             out = self.tp.all_reduce(self.moe(h))
         else:
@@ -145,7 +129,7 @@ class DecoderLayer(nn.Module):
 
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h, x = self._input_norm(x, delta)
+        h, x = add_norm(x, delta, self.input_norm, self.eps)
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
         if backend.triton_append:  # q/k norm + rope and the append: one kernel
             q = fused.qk_rope_append(qkv, self.q_norm, self.k_norm, cos, sin, self.eps, k_cache,
@@ -210,11 +194,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             hook = None if layer_hook is None else (lambda i=i: layer_hook(i))
             x, delta = layer(x, cos, sin, kv[i, :, 0], kv[i, :, -1], meta, backend, hook, delta)
-        if delta is not None:
-            from disagg.model import fused
-
-            return fused.rms_norm(delta, self.norm, self.arch.rms_norm_eps, residual=x)[0]
-        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        return add_norm(x, delta, self.norm, self.arch.rms_norm_eps)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
