@@ -14,6 +14,24 @@ from disagg.kernels import checks
 
 
 @triton.jit
+def slot_tile(slot_ptr, t, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+              PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, COLS: tl.constexpr):
+    """Where token ``t``'s KV goes in a ``[P, Hkv, PAGE, HEAD_DIM]`` cache: its page, the
+    in-page offsets ``[HEADS_PAD, COLS]`` of its heads' first ``COLS`` elements, and their
+    mask (all off for a negative slot: skipped)."""
+    slot = tl.load(slot_ptr + t)
+    keep = slot >= 0
+    slot = tl.where(keep, slot, 0).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)
+    c = tl.arange(0, COLS)
+    # (a comparison per element: the interpreter rejects masks and-ed with a scalar bool)
+    heads = tl.where(keep, NUM_KV_HEADS, 0)
+    mask = (h[:, None] < heads) & (c[None, :] < COLS)
+    at = h[:, None] * (PAGE * HEAD_DIM) + (slot % PAGE) * HEAD_DIM + c[None, :]
+    return slot // PAGE, at, mask
+
+
+@triton.jit
 def _append_kv_kernel(
     k_ptr,
     v_ptr,
@@ -32,19 +50,11 @@ def _append_kv_kernel(
     HEAD_DIM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t)
-    keep = slot >= 0
-    slot = tl.where(keep, slot, 0).to(tl.int64)
-    page = slot // PAGE
-    offset = slot % PAGE
+    page, dst, mask = slot_tile(slot_ptr, t, NUM_KV_HEADS, HEADS_PAD, PAGE, HEAD_DIM, HEAD_DIM)
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    # (a comparison per element: the interpreter rejects masks and-ed with a scalar bool)
-    heads = tl.where(keep, NUM_KV_HEADS, 0)
-    mask = (h[:, None] < heads) & (d[None, :] < HEAD_DIM)
     src_k = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
     src_v = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
-    dst = h[:, None] * (PAGE * HEAD_DIM) + offset * HEAD_DIM + d[None, :]
     k = tl.load(src_k, mask=mask, other=0.0)
     v = tl.load(src_v, mask=mask, other=0.0)
     tl.store(k_cache_ptr + page * stride_kp + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

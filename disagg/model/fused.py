@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from disagg.kernels import checks
+from disagg.kernels.append import slot_tile
 
 
 @triton.jit
@@ -163,19 +164,14 @@ def _qk_rope_append_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, k_c
         k1, k2 = _rope_heads(row + HQ * D, D, kn_ptr, cos_ptr + t * stride_ct,
                              sin_ptr + t * stride_ct, HKV, eps, dt, HAS_NORM, HKV_PAD, HALF,
                              False)
-        slot = tl.load(slot_ptr + t)
-        keep = slot >= 0
-        slot = tl.where(keep, slot, 0).to(tl.int64)
+        page, at, kmask = slot_tile(slot_ptr, t, HKV, HKV_PAD, PAGE, D, HALF)
         hk = tl.arange(0, HKV_PAD)
-        heads = tl.where(keep, HKV, 0)  # (per element: the interpreter rejects scalar masks)
-        kmask = (hk[:, None] < heads) & (d[None, :] < HALF)
-        at = hk[:, None] * (PAGE * D) + (slot % PAGE) * D + d[None, :]
-        kc = k_cache_ptr + (slot // PAGE) * stride_kp + at
+        kc = k_cache_ptr + page * stride_kp + at
         ct = k_cache_ptr.dtype.element_ty
         tl.store(kc, k1.to(ct), mask=kmask)
         tl.store(kc + HALF, k2.to(ct), mask=kmask)
         vrow = row + (HQ + HKV) * D + hk[:, None] * D + d[None, :]
-        vc = v_cache_ptr + (slot // PAGE) * stride_vp + at
+        vc = v_cache_ptr + page * stride_vp + at
         vt = v_cache_ptr.dtype.element_ty
         tl.store(vc, tl.load(vrow, mask=kmask, other=0.0).to(vt), mask=kmask)
         tl.store(vc + HALF, tl.load(vrow + HALF, mask=kmask, other=0.0).to(vt), mask=kmask)

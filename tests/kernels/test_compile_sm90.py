@@ -55,3 +55,16 @@ def test_gemv_compiles_for_sm90(bias: bool) -> None:
     types.update(N="i32", K="i32")
     bn, bk = gemv.tiles(4096, 12288)
     compile_sm90(gemv._gemv_kernel, types, dict(HAS_BIAS=bias, BN=bn, BK=bk))
+
+
+@pytest.mark.parametrize("kv_heads", [8, 3])
+def test_append_kv_compiles_for_sm90(kv_heads: int) -> None:
+    from disagg.kernels import append
+
+    types = {p: "*bf16" for p in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
+    types.update(slot_ptr="*i64", stride_kt="i64", stride_kh="i64", stride_vt="i64",
+                 stride_vh="i64", stride_kp="i64", stride_vp="i64")
+    asm = compile_sm90(append._append_kv_kernel, types, dict(
+        NUM_KV_HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(kv_heads), PAGE=16,
+        HEAD_DIM=128))
+    assert "cubin" in asm
