@@ -60,7 +60,7 @@ def main() -> None:
             sent = SendPrefill.of("r", 1, ids, pages, 60.0,  # noqa: B023
                                   route_keys=prefix_keys(ids, None))  # noqa: B023
             msg = send_dec.decode(enc.encode(sent))  # the hop to the messenger
-            enc.encode(PrefillRequestOut(prompt_ids=msg.prompt, **common))  # noqa: B023
+            enc.encode(PrefillRequestOut(prompt_ids=msgspec.Raw(msg.prompt), **common))  # noqa: B023
 
         def before() -> None:  # the ids decoded and encoded again at each hop
             hop = send_dec.decode(enc.encode(SendPrefill.of("r", 1, ids, pages, 60.0)))  # noqa: B023
@@ -72,7 +72,7 @@ def main() -> None:
         msg = send_dec.decode(enc.encode(sent))
         hop = ms(lambda: send_dec.decode(enc.encode(  # noqa: B023
             SendPrefill.of("r", 1, ids, pages, 60.0, route_keys=prefix_keys(ids, None)))))  # noqa: B023
-        out = ms(lambda: enc.encode(PrefillRequestOut(prompt_ids=msg.prompt, **common)))  # noqa: B023
+        out = ms(lambda: enc.encode(PrefillRequestOut(prompt_ids=msgspec.Raw(msg.prompt), **common)))  # noqa: B023
         total, old = ms(decoder), ms(before)
         req = PrefillRequest(prompt_ids=ids, **common)
         raw = enc.encode(req)
