@@ -28,12 +28,13 @@ def enabled() -> bool:
     return _fd is not None
 
 
-def mark(event: str, key: object, value: object = "", at: float | None = None) -> None:
-    """Record that ``key`` passed ``event`` now (or at monotonic time ``at``), with an optional
+def mark(event: str, *key: object, value: object = "", at: float | None = None) -> None:
+    """Record that the key (its parts joined, so that a caller on a hot path builds no string
+    while tracing is off) passed ``event`` now (or at monotonic time ``at``), with an optional
     ``value`` (a no-op unless tracing is on)."""
     if _fd is not None:
         t = time.monotonic() if at is None else at
-        os.write(_fd, f"{t:.6f} {event} {key} {value}\n".encode())
+        os.write(_fd, f"{t:.6f} {event} {''.join(map(str, key))} {value}\n".encode())
 
 
 if os.environ.get("DISAGG_TRACE"):

@@ -317,7 +317,7 @@ class DecodeMessenger(MessengerBase):
             challenge_key=self._challenge_key(peer), skip_pages=msg.skip_pages)
         await peer.sock.send(self._enc.encode(req))
         trace.mark("dm.req_out", msg.request_id)
-        trace.mark("link", f"{msg.request_id}=k{msg.key}")
+        trace.mark("link", msg.request_id, "=k", msg.key)
         self._spawn(self._await_kv(w, units, msg.dst_pages))
 
     async def _await_kv(self, w: Wire, units: int, dst_pages: list[int]) -> None:

@@ -167,7 +167,7 @@ class DecodeSide(SchedulerSide):
                 case Send():
                     seq = self.seqs[c.slot]
                     self.clock.get(c.slot, {})["sent"] = time.monotonic()
-                    trace.mark("d.send", c.request_id, len(seq.prompt_ids))
+                    trace.mark("d.send", c.request_id, value=len(seq.prompt_ids))
                     self.sent[c.slot] = c.request_id
                     await self._to_messenger(self._send_prefill(seq, c))
                     trace.mark("d.sent_out", c.request_id)
@@ -279,11 +279,11 @@ class DecodeSide(SchedulerSide):
             for c in batch.chunks:
                 clock = self.clock.get(c.seq.slot)
                 if clock is not None and "kv" in clock and "first" not in clock:
-                    trace.mark("link", f"{self.sent.get(c.seq.slot)}=d{plan.step_id}")
+                    trace.mark("link", self.sent.get(c.seq.slot), "=d", plan.step_id)
 
     async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
                          hidden: bytes | None) -> None:
-        trace.mark("d.step_back", f"d{plan.step_id}")
+        trace.mark("d.step_back", "d", plan.step_id)
         await self._pump()
 
     def pages_fenced(self) -> int:

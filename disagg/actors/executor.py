@@ -166,7 +166,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     def answer(step_id: int, launched: Launched | Exception) -> None:
         sock.send_multipart(reply(enc, runner, step_id, launched))
         if tkey:
-            trace.mark(f"{tev}.replied", f"{tkey}{step_id}")
+            trace.mark(f"{tev}.replied", tkey, step_id)
 
     try:
         while True:
@@ -183,10 +183,10 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             match command:
                 case StepPlan() as plan:
                     if tkey:
-                        trace.mark(f"{tev}.plan_in", f"{tkey}{plan.step_id}")
+                        trace.mark(f"{tev}.plan_in", tkey, plan.step_id)
                     launched = launch(runner, plan)  # before answering the deferred step, so
                     if tkey:
-                        trace.mark(f"{tev}.launched", f"{tkey}{plan.step_id}")
+                        trace.mark(f"{tev}.launched", tkey, plan.step_id)
                     if deferred is not None:  # this step's host work overlaps its device work
                         answer(*deferred)
                         deferred = None

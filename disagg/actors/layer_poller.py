@@ -51,7 +51,7 @@ class LayerPoller:
             done = max(0, min(self.num_layers, self.counter.read() - base))
             if done != seen[1] or step_id != seen[0]:
                 if done == self.num_layers:
-                    trace.mark("lp.last_layer_seen", f"s{step_id}")
+                    trace.mark("lp.last_layer_seen", "s", step_id)
                 if done > 0:
                     self.loop.call_soon_threadsafe(self.on_layers, step_id, done,
                                                    time.monotonic())

@@ -130,7 +130,7 @@ class JobWriter:
             return
         num_layers = self.layout.num_layers
         if layers_done >= num_layers > step.next_layer:
-            trace.mark("p.last_layer_in", f"s{step_id}")
+            trace.mark("p.last_layer_in", "s", step_id)
         whole = self.layerwise_min_tokens > 0 and step.tokens < self.layerwise_min_tokens
         spans = layer_spans(step.next_layer, layers_done, num_layers, whole)
         if not spans:
@@ -157,7 +157,7 @@ class JobWriter:
                 if lo == 0 and self.layout.spec_method == "draft":  # computed before it
                     self.ship_spec(job, self.spec_plan(job, chunk))
         if step.next_layer < num_layers <= layers_done:  # last layer out: markers
-            trace.mark("p.last_layer_posted", f"s{step_id}")
+            trace.mark("p.last_layer_posted", "s", step_id)
             for c in step.announce.chunks:
                 if c.start + c.count == c.total and (job := self.jobs.get(c.job)):
                     self.post_context(job)

@@ -213,7 +213,7 @@ class PrefillMessenger(MessengerBase):
                     now = time.monotonic()
                     for c in a.chunks:
                         if trace.enabled() and c.job in self.jobs:
-                            trace.mark("link", f"{self.jobs[c.job].req.request_id}=s{a.step_id}")
+                            trace.mark("link", self.jobs[c.job].req.request_id, "=s", a.step_id)
                         first = self.life.state(c.job) is JobState.QUEUED
                         self.life.step_started(c.job, now)
                         if first and c.start > 0:  # it starts after pages from the cache
@@ -222,7 +222,7 @@ class PrefillMessenger(MessengerBase):
                     assert self.poller is not None
                     self.poller.follow(a.step_id, a.counter_base)
                 case StepDone() as d:
-                    trace.mark("p.step_done", f"s{d.step_id}")
+                    trace.mark("p.step_done", "s", d.step_id)
                     self._step_done(d, frames[1] if len(frames) > 1 else None)
                 case StatsReply(peer=peer, stats=stats):
                     # this messenger's fields as they are now: the copy the scheduler holds

@@ -86,7 +86,7 @@ class PrefillSide(SchedulerSide):
                          hidden: bytes | None) -> None:
         jobs = [self.job_of[w.slot] for w in plan.chunks if w.want_hidden and w.slot in self.job_of]
         done = StepDone(plan.step_id, result.error is None, jobs, result.error)
-        trace.mark("ps.result_in", f"s{plan.step_id}")
+        trace.mark("ps.result_in", "s", plan.step_id)
         frames = [self._menc.encode(done)]
         if hidden is not None and result.error is None:
             frames.append(hidden)

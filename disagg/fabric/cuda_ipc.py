@@ -401,7 +401,7 @@ class CudaIpcEngine:
             work = True
             try:
                 self._out.sendto(_IMM.pack(job.imm, job.dst.shape[0]), job.address)
-                trace.mark("c.note_out", f"k{job.imm}")
+                trace.mark("c.note_out", "k", job.imm)
                 events.append((job.future, None))
             except OSError as e:
                 events.append((job.future, ConnectionError(f"peer gone: {e}")))
@@ -473,7 +473,7 @@ class CudaIpcEngine:
                 self.stats["bad_notes"] += 1
                 continue
             self.stats["arrived"] += n
-            trace.mark("c.note_in", f"k{imm}")
+            trace.mark("c.note_in", "k", imm)
             self._expectations.arrive({imm: n}, events)
             report = self._expectations.junk_report(time.monotonic())
             if report:

@@ -21,7 +21,7 @@ _spec.loader.exec_module(tail_trace)
 CODE = """
 from disagg import trace
 print(trace.enabled())
-trace.mark("d.send", "0.1", 17)
+trace.mark("d.send", "0.", 1, value=17)  # key parts joined: 0.1
 trace.mark("dm.kv", "0.1", at=12.5)
 """
 
