@@ -134,6 +134,7 @@ class DecodeMessenger(MessengerBase):
         self._alive_reported = -1
         self._junk_reported = 0
         self.units_received = 0
+        self._woke = 0.0  # when the loop's poll last returned (the dm.woke hop mark)
 
     # ------------------------------------------------------------------ loop
 
@@ -156,6 +157,7 @@ class DecodeMessenger(MessengerBase):
                 await self._heartbeat(now)
                 next_beat = now + self.heartbeat_s
             events = dict(await poller.poll(max(1, int((next_beat - now) * 1000))))
+            self._woke = time.monotonic()
             if self.sched in events:
                 await self._from_scheduler()
             for p in self.peers:
@@ -291,6 +293,7 @@ class DecodeMessenger(MessengerBase):
             close_offer(peer)
 
     async def _send_request(self, msg: SendPrefill) -> None:
+        trace.mark("dm.woke", msg.request_id, at=self._woke)
         trace.mark("dm.send_in", msg.request_id)
         peer = self.pick(msg.route_keys)
         if peer is None or not self.ctx_free:

@@ -35,6 +35,7 @@ from disagg.protocol.inproc import (
     SendPrefill,
     StopPrefill,
     ToScheduler,
+    drop_last_id,
 )
 from disagg.remote.decode import (
     Abort,
@@ -50,7 +51,7 @@ from disagg.remote.decode import (
     Send,
 )
 from disagg.remote.transfer_plan import new_generation
-from disagg.serving.routing import prefix_keys
+from disagg.serving.routing import encoded_prefix_keys
 
 log = logging.getLogger(__name__)
 
@@ -261,18 +262,24 @@ class DecodeSide(SchedulerSide):
         return True
 
     def _send_prefill(self, seq: Sequence, c: Send) -> SendPrefill:
-        """The request for the KV of ``seq``'s prompt but its last token. That token comes off
-        the prompt list while the ids are encoded and hashed for routing, and goes back before
-        anything else runs: slicing would copy (and later free) a 32k-element list."""
+        """The request for the KV of ``seq``'s prompt but its last token. Its ids go as the
+        client's frame carried them, less the last id (no id converted); a prompt tokenized
+        here is encoded, its last token off the list meanwhile (slicing would copy, and later
+        free, a 32k-element list). The routing keys come from those bytes."""
         ids, held = seq.prompt_ids, len(seq.block_table)
-        last = ids.pop()
-        try:
-            return SendPrefill.of(
-                c.request_id, c.key, ids,
-                list(c.pages[: pages_needed(len(ids), self.port.page_size) - held]), c.cap_s,
-                skip_pages=held, route_keys=prefix_keys(ids, None))
-        finally:
-            ids.append(last)
+        n = len(ids) - 1
+        prompt = None if seq.prompt_msgpack is None else drop_last_id(seq.prompt_msgpack,
+                                                                      len(ids), ids[-1])
+        if prompt is None:
+            last = ids.pop()
+            try:
+                prompt = self._menc.encode(ids)
+            finally:
+                ids.append(last)
+        return SendPrefill(c.request_id, c.key, memoryview(prompt), n,
+                           encoded_prefix_keys(prompt),
+                           list(c.pages[: pages_needed(n, self.port.page_size) - held]),
+                           c.cap_s, held)
 
     async def before_step(self, plan: StepPlan, batch: Batch) -> None:
         if trace.enabled():  # hop marks: the step that computes a landed prompt's last token

@@ -109,7 +109,7 @@ class FrontendActor:
                     f"being handled (at most {self.book.max_inflight} frames, "
                     f"{self.book.max_inflight_bytes >> 20} MiB); retry later", rid))
                 continue
-            await self.scheduler.send(self._enc.encode(FromClient(identity, msg)))
+            await self.scheduler.send(self._enc.encode(FromClient.of(identity, msg)))
 
     async def relay_replies(self) -> None:
         """Route every reply the scheduler has queued (the reply bytes as they are), then

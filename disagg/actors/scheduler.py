@@ -274,8 +274,8 @@ class SchedulerActor:
 
     async def handle(self, env: FromClient) -> None:
         match env.msg:
-            case GenerateRequest() as req:
-                await self._admit(env.identity, req)
+            case GenerateRequest():
+                await self._admit(env.identity, env.generate_request(), env.prompt)
             case Abort(request_id=rid):
                 key = (env.identity, rid)
                 live = self.live.get(key)
@@ -293,7 +293,9 @@ class SchedulerActor:
             case StatsRequest():
                 await self._send(env.identity, self.stats())
 
-    async def _admit(self, identity: bytes, req: GenerateRequest) -> None:
+    async def _admit(self, identity: bytes, req: GenerateRequest,
+                     encoded: memoryview | None = None) -> None:
+        """Make ``req`` live or refuse it (``encoded``: its prompt ids as they came, msgpack)."""
         key = (identity, req.request_id)
         if key in self.live or key in self.tokenizing:
             await self._refuse(identity, req, "duplicate_request",
@@ -322,7 +324,7 @@ class SchedulerActor:
             return
         self.counters.started += 1
         self.per_client[identity] += 1
-        self._accept(identity, req, ids)
+        self._accept(identity, req, ids, encoded)
 
     async def _refuse(self, identity: bytes, req: GenerateRequest, code: ErrorCode,
                       why: str) -> None:
@@ -350,13 +352,14 @@ class SchedulerActor:
         if self.per_client[identity] <= 0:
             del self.per_client[identity]
 
-    def _accept(self, identity: bytes, req: GenerateRequest, ids: list[int]) -> None:
+    def _accept(self, identity: bytes, req: GenerateRequest, ids: list[int],
+                encoded: memoryview | None = None) -> None:
         """Make a validated request live and queue it fairly among its client's others."""
         key = (identity, req.request_id)
         p = req.sampling
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         slot = next(self._slots)
-        seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot)
+        seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot, prompt_msgpack=encoded)
         now = time.monotonic()
         self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer, ids), now)
         self.by_slot[slot] = key

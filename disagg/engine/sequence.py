@@ -44,6 +44,9 @@ class Sequence:
     draft_computed: int = 0  # leading tokens whose KV the draft model has (draft_model mode)
     spec_state: Any = None  # the drafting method's own state (prompt lookup: a token array)
     prev_hidden: bytes = b""  # mtp after a remote prefill: the prefiller's last hidden row
+    # prompt_ids as its client's frame carried them (msgpack), None when tokenized here: a
+    # decoder sends these bytes on to its prefiller (disagg.protocol.inproc.drop_last_id)
+    prompt_msgpack: memoryview | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -430,6 +430,7 @@ class CudaIpcEngine:
                         job.event = torch.cuda.Event()
                         job.event.record(stream)
                         self._pending.append(job)
+                        trace.mark("c.issued", "k", job.imm)
                     except Exception as e:
                         log.warning("cuda-ipc: batch failed: %s", e)
                         events.append((job.future, e))
@@ -441,9 +442,8 @@ class CudaIpcEngine:
                     self._emit(events)
                     events = []
                 if not work:
-                    t = 0.0001 if self._pending else 0.05
-                    r, _, _ = select.select(
-                        [self._sock.fileno(), self._fd_srv.fileno(), self._wake_r], [], [], t)
+                    fds = [self._sock.fileno(), self._fd_srv.fileno(), self._wake_r]
+                    r, _, _ = select.select(fds, [], [], 0.0001 if self._pending else 0.05)
                     if self._wake_r in r:
                         os.read(self._wake_r, 4096)
         except BaseException as e:  # pragma: no cover - a bug; fail everything loudly

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from disagg.client import AsyncClient, Client
 from disagg.llm import LLM
 from disagg.model.loader import load_model
 from disagg.protocol import Finished, SamplingParams
-from disagg.serving.routing import ROUTE_BLOCK
+from disagg.serving.routing import ROUTE_BLOCK_BYTES
 from nodes import PAGE, node, pools_full, prompt, running, stats, tokens, wait_for
 from tinymodels import free_port, hf_greedy, make_tiny_model
 
@@ -239,7 +240,10 @@ def test_a_decoder_sends_a_conversations_turns_to_the_prefiller_holding_it(model
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "96", "--prefill-peer",
                      p1_addr, "--prefill-peer", p2_addr, "--heartbeat", "0.2")
     with running([p1, p2, d], [d_addr], prefillers=2):
-        history = prompt(2 * ROUTE_BLOCK + 3, salt=31)
+        # the decoder's routing keys cover its prompts' msgpack in blocks of bytes: two of them
+        n = next(n for n in range(ROUTE_BLOCK_BYTES // 3, 512)
+                 if len(msgspec.msgpack.encode(prompt(n, salt=31))) >= 2 * ROUTE_BLOCK_BYTES + 3)
+        history = prompt(n, salt=31)
         for turn in range(3):
             out = tokens(d_addr, history, NEW)
             assert out == hf_greedy(model_dir, history, NEW), f"turn {turn}"

@@ -21,7 +21,7 @@ from disagg.protocol.inproc import (
     ToMessenger,
 )
 from disagg.serving.admission import Counters, Limits
-from disagg.serving.routing import prefix_keys
+from disagg.serving.routing import encoded_prefix_keys
 
 PAGE = 4
 
@@ -81,7 +81,7 @@ def test_a_long_prompt_goes_remote_and_runs_its_last_token_once_the_kv_landed():
         [send] = port.sent
         assert isinstance(send, SendPrefill) and send.prompt_ids() == seq.prompt_ids[:-1]
         assert seq.prompt_ids == list(range(1, 18))  # its last token back in place
-        assert send.num_tokens == 16 and send.route_keys == prefix_keys(seq.prompt_ids[:-1], None)
+        assert send.num_tokens == 16 and send.route_keys == encoded_prefix_keys(send.prompt)
         assert len(send.dst_pages) == 4 and port.pool.num_free == 16 - 5  # 17 tokens: 5 pages
         assert side.waiting_for_kv() == 1 and seq.status is Status.REMOTE
         await side.handle_messenger(AttemptEvent(send.request_id, "done", timings=(0.1, 0.2, 0.0)))
@@ -93,6 +93,35 @@ def test_a_long_prompt_goes_remote_and_runs_its_last_token_once_the_kv_landed():
         assert timings is not None and timings["prefill_queue"] == 100.0  # the early PrefillDone
 
     run(go())
+
+
+class NoIdsEncoder:  # messages yes, id lists no
+    def encode(self, obj: object) -> bytes:
+        assert not isinstance(obj, list), "the prompt ids were encoded again"
+        return msgspec.msgpack.encode(obj)
+
+
+def test_a_prompt_goes_out_as_its_client_frame_carried_it_less_its_last_id():
+    ids = [(i * 7919) % 152000 for i in range(300)]
+    sends = []
+    for framed in (True, False):  # from a client's ids / tokenized on the node
+        side, port = side_with(pages=128)
+        seq = Sequence(1, "r1", list(ids), SamplingParams(max_tokens=2), 0, arrival=1,
+                       prompt_msgpack=memoryview(msgspec.msgpack.encode(ids)) if framed else None)
+        if framed:
+            side._menc = NoIdsEncoder()  # type: ignore[assignment]
+
+        async def go(side=side, seq=seq) -> None:
+            await side.handle_messenger(PeersAlive(1))
+            assert await side.enqueue(seq)
+
+        run(go())
+        [send] = port.sent
+        assert isinstance(send, SendPrefill) and seq.prompt_ids == ids
+        assert bytes(send.prompt) == msgspec.msgpack.encode(ids[:-1]) and send.num_tokens == 299
+        sends.append(send)
+    assert sends[0].route_keys == sends[1].route_keys == encoded_prefix_keys(sends[0].prompt)
+    assert len(sends[0].route_keys) >= 3  # 299 ids of 3-5 bytes: full 256-byte blocks
 
 
 def test_a_remote_prompts_pages_are_hashed_while_its_prefill_runs():
