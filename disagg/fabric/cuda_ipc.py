@@ -19,16 +19,11 @@ abstract Unix datagram socket on which senders report immediates. Two kinds of m
 Memory that can be neither (cuMem without its fd) registers as a source only (empty handle).
 
 Sender: ``submit`` maps the peer memory once per descriptor (``prepare``: ahead, on the progress
-thread), then issues the batch on a dedicated stream without synchronizing:
-- ``kernel``: one Triton launch copies every run (``gather_copy``; runs cut into 64 KiB tiles,
-  16-byte vectors), so the CPU cost per batch is a table upload and a launch;
-- ``ce``: one ``cuMemcpyAsync`` per run (copy engine), issued by a C loop in the cffi module;
-- ``loop``: the same from Python (the old path; kept as the last fallback).
-``auto`` (default, or ``DISAGG_CUDA_IPC_COPY``) picks ``kernel`` (4 CTAs of 4 warps per SM)
-when the batch's mean run is under 4 MiB and every address and length is 16-byte aligned, else
-``ce``. Options for experiments: ``kernel:CTAS:WARPS:BLOCK:HINTS``, ``ce:STREAMS``. It records an event; once the event
-has completed the progress thread sends ``(imm, count)`` to the receiver -- the same semantics
-as fabric immediate data: the receiver's counter only moves once the bytes are there.
+thread), then issues the batch on a dedicated stream without synchronizing, as a copy kernel or
+on the copy engines (``disagg.fabric.cuda_copy``: ``copy`` mode ``auto`` by default, or
+``DISAGG_CUDA_IPC_COPY``). It records an event; once the event has completed the progress
+thread sends ``(imm, count)`` to the receiver -- the same semantics as fabric immediate data:
+the receiver's counter only moves once the bytes are there.
 
 One progress thread per engine; futures resolve through ``call_soon_threadsafe`` only.
 """
@@ -51,14 +46,8 @@ from typing import Any
 import numpy as np
 
 from disagg import trace
-from disagg.fabric.cuda_mem import (
-    CUMEM_HANDLE,
-    PeerMappings,
-    check_rc,
-    check_target,
-    driver,
-    serve_fds,
-)
+from disagg.fabric.cuda_copy import CopyIssuer
+from disagg.fabric.cuda_mem import CUMEM_HANDLE, PeerMappings, check_target, driver, serve_fds
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
 from disagg.fabric.regions import EngineClosed, LocalRegion, Window, settle_futures
@@ -67,9 +56,6 @@ log = logging.getLogger("disagg.fabric")
 
 _IMM = struct.Struct("<QQ")  # (imm, count) per notification datagram
 _PREFIX = b"\0disagg-cuda-ipc-"
-COPY_MODES = ("auto", "kernel", "ce", "loop")
-KERNEL_MAX_MEAN_RUN = 4 << 20  # auto: kernel for batches whose mean run is shorter
-RING_ENTRIES = 1 << 19  # int64 entries of the tile-table ring (4 MiB pinned + 4 MiB device)
 _GRANULE = 2 << 20
 MAX_NOTE_COUNT = 1 << 32  # writes one notification may report (a batch's run count)
 @dataclass(eq=False)
@@ -97,12 +83,8 @@ class CudaIpcEngine:
         self.device = device
         self.default_timeout = default_timeout
         self.provider = "cuda-ipc"
-        self.copy = copy or os.environ.get("DISAGG_CUDA_IPC_COPY", "auto")
-        if self.copy.split(":")[0] not in COPY_MODES:
-            raise ValueError(f"cuda-ipc copy mode must be one of {COPY_MODES}, got {self.copy!r}")
         self.stats = collections.Counter[str]()
-        env_ctas = os.environ.get("DISAGG_CUDA_IPC_CTAS")
-        self.ctas = ctas or (int(env_ctas) if env_ctas else 0)  # 0: 4 per SM, set on start
+        self.copier = CopyIssuer(torch, device, copy, ctas, self.stats)
         self._name = f"\0disagg-cuda-ipc-{os.getpid()}-{id(self):x}".encode()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self._name)
@@ -124,24 +106,19 @@ class CudaIpcEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._running = False
-        self._ring: Any = None  # pinned int64 tile tables, uploaded into _dring
-        self._dring: Any = None
-        self._ce_fn: Any = None  # cuMemcpyAsync as a void * for the C loop, or None
-        self._ce_lib: Any = None
-        self._kernel_broken = False
-        self._opts = ""  # the copy mode's options: kernel:CTAS:WARPS:BLOCK:HINTS, ce:STREAMS
-        self._side: list[Any] = []  # extra streams of ce:S
+
+    @property
+    def copy(self) -> str:
+        """The copy mode (``disagg.fabric.cuda_copy``); set between batches by benchmarks."""
+        return self.copier.copy
+
+    @copy.setter
+    def copy(self, mode: str) -> None:
+        self.copier.copy = mode
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> CudaIpcEngine:
         if self._thread is None:
-            if self.copy.split(":")[0] in ("auto", "kernel"):
-                from disagg.fabric import gather_copy
-
-                try:  # compile the copy kernel now, not during the first transfer
-                    gather_copy.warm(self.torch.device("cuda", self.device))
-                except Exception as e:  # noqa: BLE001 - the copy engines still serve
-                    log.warning("cuda-ipc: gather-copy kernel unavailable (%s)", e)
-                    self._kernel_broken = True
+            self.copier.warm()
             self._loop = loop or asyncio.get_running_loop()
             self._running = True
             self._thread = threading.Thread(target=self._run, name="cuda-ipc-progress",
@@ -264,135 +241,17 @@ class CudaIpcEngine:
 
     # ---- the progress thread -----------------------------------------------------------------
 
-    def _setup(self) -> Any:
-        torch = self.torch
-        torch.cuda.set_device(self.device)
-        stream = torch.cuda.Stream(self.device)
-        if not self.ctas:
-            self.ctas = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count
-        try:
-            from disagg.fabric import lib as fl
-
-            ffi, drv = driver()
-            self._ce_fn = fl.ffi.cast("void *", int(ffi.cast("uintptr_t", drv.cuMemcpyAsync)))
-            self._ce_lib = fl
-        except Exception as e:  # noqa: BLE001 - no cffi module: Python loop instead
-            log.info("cuda-ipc: no compiled copy loop (%s)", e)
-            self._ce_fn = None
-        return stream
-
-    def _mode(self, job: _Job, dst: np.ndarray) -> str:
-        mode, _, self._opts = self.copy.partition(":")
-        if mode == "auto":
-            from disagg.fabric.gather_copy import aligned
-
-            # measured on 2x H200 (BENCHMARKS.md, Fabric): the kernel wins below ~4 MiB runs,
-            # the copy engine above
-            small = int(job.lens.sum()) < KERNEL_MAX_MEAN_RUN * job.lens.shape[0]
-            mode = ("kernel" if small and not self._kernel_broken
-                    and aligned(job.src, dst, job.lens) else "ce")
-        if mode == "ce" and self._ce_fn is None:
-            mode = "loop"
-        return mode
-
     def _issue(self, job: _Job, stream: Any, events: list[Any]) -> None:
-        base = self._peers.open(job.address, job.dst_handle)
-        dst = job.dst + np.uint64(base)
-        mode = self._mode(job, dst)
-        if mode == "kernel":
-            try:
-                self._issue_kernel(job, dst, stream, events)
-                self.stats["kernel_batches"] += 1
-                return
-            except _RingFull:
-                pass
-            except Exception as e:
-                if self.copy != "auto":
-                    raise
-                log.warning("cuda-ipc: copy kernel failed (%s); using the copy engine", e)
-                self._kernel_broken = True
-            mode = "ce" if self._ce_fn is not None else "loop"
-        if mode == "ce":
-            self._issue_ce(job, dst, stream)
-            self.stats["ce_batches"] += 1
-            return
-        ffi, drv = driver()
-        s = ffi.cast("void *", stream.cuda_stream)
-        for a, b, n in zip(job.src.tolist(), dst.tolist(), job.lens.tolist(), strict=True):
-            check_rc("cuMemcpyAsync", drv.cuMemcpyAsync(b, a, n, s))
-        self.stats["loop_batches"] += 1
+        dst = job.dst + np.uint64(self._peers.open(job.address, job.dst_handle))
 
-    def _issue_ce(self, job: _Job, dst: np.ndarray, stream: Any) -> None:
-        """Copy-engine copies from the C loop; ``ce:S`` spreads the runs round-robin over S
-        streams (several copy engines overlap their per-copy latency), joined into ``stream``."""
-        fl = self._ce_lib
-        nstreams = int(self._opts.split(":")[0]) if self._opts and self.copy.startswith("ce") else 1
-        n = job.src.shape[0]
-        nstreams = max(1, min(nstreams, n))
-        while len(self._side) < nstreams - 1:
-            self._side.append(self.torch.cuda.Stream(self.device))
-        targets = [stream] + self._side[:nstreams - 1]
-        if nstreams > 1:
-            ev = self.torch.cuda.Event()
-            ev.record(stream)
-            for s in targets[1:]:
-                s.wait_event(ev)
-        for k, s in enumerate(targets):
-            d = np.ascontiguousarray(dst[k::nstreams])
-            a = np.ascontiguousarray(job.src[k::nstreams])
-            ln = np.ascontiguousarray(job.lens[k::nstreams])
-            rc = fl.lib.dg_cuda_copy_runs(
-                self._ce_fn, d.shape[0], fl.ffi.cast("uint64_t *", d.ctypes.data),
-                fl.ffi.cast("uint64_t *", a.ctypes.data), fl.ffi.cast("uint64_t *", ln.ctypes.data),
-                fl.ffi.cast("void *", s.cuda_stream))
-            check_rc("cuMemcpyAsync", rc)
-        for s in targets[1:]:
-            ev = self.torch.cuda.Event()
-            ev.record(s)
-            stream.wait_event(ev)
-
-    def _issue_kernel(self, job: _Job, dst: np.ndarray, stream: Any, events: list[Any]) -> None:
-        from disagg.fabric import gather_copy
-
-        torch = self.torch
-        table = gather_copy.plan_tiles(job.src, dst, job.lens)
-        need = table.size
-        start = self._ring_alloc(need, events)
-        if self._ring is None:
-            self._ring = torch.empty(RING_ENTRIES, dtype=torch.int64, pin_memory=True)
-            self._dring = torch.empty(RING_ENTRIES, dtype=torch.int64, device=self.device)
-        self._ring[start:start + need].numpy()[:] = table.reshape(-1)
-        with torch.cuda.stream(stream):
-            tab = self._dring[start:start + need]
-            tab.copy_(self._ring[start:start + need], non_blocking=True)
-            o = [int(x) if x else -1 for x in self._opts.split(":")] if (
-                self.copy.startswith("kernel")) else []
-            o += [-1] * (4 - len(o))
-            gather_copy.launch(tab, table.shape[0], o[0] if o[0] > 0 else self.ctas,
-                               num_warps=o[1] if o[1] > 0 else 4,
-                               block=o[2] if o[2] > 0 else gather_copy.BLOCK,
-                               hints=bool(o[3]) if o[3] >= 0 else True)
-        job.span = (start, start + need)
-
-    def _ring_alloc(self, need: int, events: list[Any]) -> int:
-        """Start of ``need`` free ring entries (waits for the oldest batches if none)."""
-        if need > RING_ENTRIES:
-            raise _RingFull
-        while True:
-            spans = [j.span for j in self._pending if j.span is not None]
-            if not spans:
-                return 0
-            tail, head = spans[0][0], spans[-1][1]
-            if head > tail:  # used: [tail, head)
-                if RING_ENTRIES - head >= need:
-                    return head
-                if tail >= need:
-                    return 0
-            elif tail - head >= need:  # wrapped, used: [tail, end) and [0, head)
-                return head
-            self.stats["ring_waits"] += 1
-            self._pending[0].event.synchronize()  # in order: the oldest span frees first
+        def wait_oldest() -> None:
+            self._pending[0].event.synchronize()
             self._retire(events)
+
+        job.span = self.copier.issue(job.src, dst, job.lens, stream, self._spans, wait_oldest)
+
+    def _spans(self) -> list[tuple[int, int]]:
+        return [j.span for j in self._pending if j.span is not None]
 
     def _retire(self, events: list[Any]) -> bool:
         work = False
@@ -414,7 +273,7 @@ class CudaIpcEngine:
         torch = self.torch
         events: list[Any] = []
         try:
-            stream = self._setup()
+            stream = self.copier.setup()
             while self._running:
                 work = False
                 self._peers.open_ahead(self._maps)
@@ -485,6 +344,3 @@ class CudaIpcEngine:
             events.append((job.future, TransferTimeout("cuda-ipc batch passed its deadline")))
         self._expectations.expire(now, events)
 
-
-class _RingFull(Exception):
-    """The batch's tile table is larger than the ring: use the copy engine."""
