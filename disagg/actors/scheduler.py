@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import zmq
@@ -138,6 +138,8 @@ class SchedulerActor:
         self.stepper = Stepper(self, arch.num_layers, setup.overlap)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)
+        self._in_vocab = msgspec.msgpack.Decoder(  # a client's prompt ids (FromClient.prompt)
+            list[Annotated[int, msgspec.Meta(ge=0, lt=arch.vocab_size)]])
         self._stopping = False
         self.mbox = mbox
         self._mdec = msgspec.msgpack.Decoder(ToScheduler)
@@ -275,7 +277,11 @@ class SchedulerActor:
     async def handle(self, env: FromClient) -> None:
         match env.msg:
             case GenerateRequest():
-                await self._admit(env.identity, env.generate_request(), env.prompt)
+                try:  # the ids decoded and checked against the vocabulary in one pass
+                    req, in_vocab = env.generate_request(self._in_vocab), env.prompt is not None
+                except msgspec.ValidationError:  # one is not: admission names it
+                    req, in_vocab = env.generate_request(), False
+                await self._admit(env.identity, req, env.prompt, in_vocab)
             case Abort(request_id=rid):
                 key = (env.identity, rid)
                 live = self.live.get(key)
@@ -294,8 +300,9 @@ class SchedulerActor:
                 await self._send(env.identity, self.stats())
 
     async def _admit(self, identity: bytes, req: GenerateRequest,
-                     encoded: memoryview | None = None) -> None:
-        """Make ``req`` live or refuse it (``encoded``: its prompt ids as they came, msgpack)."""
+                     encoded: memoryview | None = None, in_vocab: bool = False) -> None:
+        """Make ``req`` live or refuse it (``encoded``: its prompt ids as they came, msgpack;
+        ``in_vocab``: its prompt ids were checked against the vocabulary as they were decoded)."""
         key = (identity, req.request_id)
         if key in self.live or key in self.tokenizing:
             await self._refuse(identity, req, "duplicate_request",
@@ -318,7 +325,7 @@ class SchedulerActor:
             return
         try:
             ids = prepare_prompt(req, self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                 self.raise_hint)
+                                 self.raise_hint, ids_in_vocab=in_vocab)
         except RequestRejected as e:
             await self._refuse(identity, req, e.code, str(e))
             return

@@ -55,12 +55,14 @@ class FromClient(msgspec.Struct, tag="from_client", array_like=True, frozen=True
                        memoryview(_ENC.encode(msg.prompt_token_ids)))
         return cls(identity, msg)
 
-    def generate_request(self) -> GenerateRequest:
-        """``msg`` (a GenerateRequest) with its prompt ids back in."""
+    def generate_request(self, ids: msgspec.msgpack.Decoder[list[int]] = _IDS
+                         ) -> GenerateRequest:
+        """``msg`` (a GenerateRequest) with its prompt ids back in, decoded by ``ids`` (one
+        with constraints raises ``msgspec.ValidationError`` for an id outside them)."""
         assert isinstance(self.msg, GenerateRequest)
         if self.prompt is None:
             return self.msg
-        return msgspec.structs.replace(self.msg, prompt_token_ids=_IDS.decode(self.prompt))
+        return msgspec.structs.replace(self.msg, prompt_token_ids=ids.decode(self.prompt))
 
 
 class ToClient(msgspec.Struct, tag="to_client", array_like=True, frozen=True):

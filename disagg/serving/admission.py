@@ -293,8 +293,11 @@ class RequestRejected(ValueError):
 
 
 def prepare_prompt(req: GenerateRequest, tokenizer: Tokenizer | None, vocab_size: int,
-                   max_model_len: int, raise_hint: str = "--max-model-len") -> list[int]:
-    """Validate a GenerateRequest and return its prompt token ids (pure; raises RequestRejected)."""
+                   max_model_len: int, raise_hint: str = "--max-model-len",
+                   ids_in_vocab: bool = False) -> list[int]:
+    """Validate a GenerateRequest and return its prompt token ids (pure; raises RequestRejected).
+    ``ids_in_vocab``: its ``prompt_token_ids`` were decoded for it alone and checked against the
+    vocabulary on the way (taken as they are: a 32k-id scan costs ~0.7 ms on the 2-core box)."""
     if not 1 <= len(req.request_id) <= MAX_REQUEST_ID:
         raise RequestRejected("bad_request", f"request_id must have 1-{MAX_REQUEST_ID} characters")
     problem = req.validate()
@@ -309,12 +312,14 @@ def prepare_prompt(req: GenerateRequest, tokenizer: Tokenizer | None, vocab_size
     if req.prompt is not None:
         if tokenizer is None:
             raise RequestRejected("bad_request", "this model has no tokenizer; send prompt_token_ids")
-        ids = tokenizer.encode(req.prompt)
+        ids, checked = tokenizer.encode(req.prompt), False
     else:
-        ids = list(req.prompt_token_ids or [])
+        assert req.prompt_token_ids is not None  # exactly one of the two (above)
+        ids, checked = ((req.prompt_token_ids, True) if ids_in_vocab
+                        else (list(req.prompt_token_ids), False))
     if not ids:
         raise RequestRejected("bad_request", "the prompt is empty")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    bad = None if checked else next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise RequestRejected("bad_request", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_model_len:

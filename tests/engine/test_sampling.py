@@ -157,3 +157,8 @@ def test_prepare_prompt_checks_version_and_stop_token_ids():
         prepare_prompt(req(sampling=SamplingParams(stop_token_ids=[5, 100])), None, 100, 64)
     with pytest.raises(RequestRejected, match="temperature"):
         prepare_prompt(req(sampling=SamplingParams(temperature=1e-45)), None, 100, 64)
+    with pytest.raises(RequestRejected, match="token id 100 is outside the vocabulary"):
+        prepare_prompt(GenerateRequest("r", prompt_token_ids=[1, 100]), None, 100, 64)
+    decoded = [1, 2]  # checked against the vocabulary as it was decoded: taken as it is
+    assert prepare_prompt(GenerateRequest("r", prompt_token_ids=decoded), None, 100, 64,
+                          ids_in_vocab=True) is decoded

@@ -84,3 +84,14 @@ def test_poison_request_fails_alone(node, alone, poison, field):
     after = nodes.stats(node)
     assert after.errored == before.errored and after.rejected == before.rejected + 1
     nodes.wait_for(lambda: nodes.pools_full(node), what="pools full")
+
+
+@pytest.mark.parametrize("bad_id", [320, -1, 1 << 40])  # the tiny model's vocabulary: 320
+def test_a_prompt_id_outside_the_vocabulary_is_named_and_fails_alone(node, alone, bad_id):
+    frames = [ordinary(i) for i in range(N)]
+    frames[POISON_AT]["prompt_token_ids"][3] = bad_id
+    got = run_together(node, frames)
+    bad = got.pop(f"r{POISON_AT}")[1]
+    assert isinstance(bad, Error) and bad.code == "bad_request", bad
+    assert f"token id {bad_id} is outside the vocabulary [0, 320)" in bad.message, bad
+    assert {rid: toks for rid, (toks, _) in got.items()} == {r: t for r, (t, _) in alone.items()}
