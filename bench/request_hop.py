@@ -18,7 +18,12 @@ from collections.abc import Callable
 import msgspec
 
 from disagg.protocol.inproc import SendPrefill, drop_last_id
-from disagg.protocol.peer import KVLayoutDesc, PrefillRequest, PrefillRequestOut
+from disagg.protocol.peer import (
+    KVLayoutDesc,
+    PrefillRequest,
+    PrefillRequestOut,
+    in_vocab_requests,
+)
 from disagg.remote.requests import request_problem
 from disagg.serving.routing import encoded_prefix_keys, prefix_keys
 
@@ -46,8 +51,10 @@ def main() -> None:
     print("| tokens | request size | decoder before: ids encoded, keys from the ids | decoder "
           "now: the client's bytes less the last id, keys from the bytes | SendPrefill encode "
           "+ decode (the hop to the messenger) | PrefillRequest encode (the ids' bytes as they "
-          "are) | prefiller: decode | checks | prefiller total |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "are) | prefiller before: decode | checks | total | prefiller now: decode with the "
+          "ids checked against the vocabulary, then the other checks |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    checked_dec = msgspec.msgpack.Decoder(in_vocab_requests(VOCAB)[0])
     for n in (int(x) for x in args.lengths.split(",")):
         prompt = [random.randrange(VOCAB) for _ in range(n)]
         framed = memoryview(enc.encode(prompt))  # as the frontend handed it over (FromClient)
@@ -76,8 +83,10 @@ def main() -> None:
         raw = enc.encode(req)
         dec = ms(lambda: req_dec.decode(raw))  # noqa: B023
         chk = ms(lambda: request_problem(LAYOUT, VOCAB, req))  # noqa: B023
+        now = ms(lambda: request_problem(LAYOUT, VOCAB, checked_dec.decode(raw),  # noqa: B023
+                                         ids_in_vocab=True))
         print(f"| {n} | {len(raw) >> 10} KiB | {ms(encoded_here):.2f} | {ms(client_bytes):.2f} "
-              f"| {hop:.2f} | {out:.2f} | {dec:.2f} | {chk:.2f} | {dec + chk:.2f} |")
+              f"| {hop:.2f} | {out:.2f} | {dec:.2f} | {chk:.2f} | {dec + chk:.2f} | {now:.2f} |")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ from disagg.protocol.peer import (
     PrefillFailed,
     PrefillProgress,
     PrefillRequest,
+    in_vocab_requests,
 )
 from disagg.remote.deadlines import job_cap_s
 from disagg.remote.ownership import (
@@ -132,6 +133,8 @@ class PrefillMessenger(MessengerBase):
         self.conns: set[tuple[bytes, int | None]] = set()  # connections frames came on
         self._ids = itertools.count(1)
         self._peer_dec = msgspec.msgpack.Decoder(PeerRequest)
+        checked, self._in_vocab = in_vocab_requests(vocab_size)
+        self._checked_dec = msgspec.msgpack.Decoder(checked)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
         self.writes = JobWriter(layout, self.life, transfer, self.kv_regions, self.ctx_region,
                                 zero_slot, self.jobs, self.steps, self._fail, self._progressed,
@@ -178,7 +181,10 @@ class PrefillMessenger(MessengerBase):
             try:
                 if len(frames) != 2:
                     raise msgspec.ValidationError("expected one message frame")
-                msg = self._peer_dec.decode(frames[1])
+                try:  # a request's ids decoded and checked against the vocabulary at once
+                    msg = self._checked_dec.decode(frames[1])
+                except msgspec.ValidationError:  # request_problem names the id (or bad frame)
+                    msg = self._peer_dec.decode(frames[1])
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.bad_frames += 1
                 log.warning("bad frame from a decoder: %s", e)
@@ -243,7 +249,8 @@ class PrefillMessenger(MessengerBase):
                       arrived: float | None = None) -> None:
         """Take a request (``arrived``: when its frame was read; None after the ownership
         check it waited for: now) or answer why not."""
-        why = request_problem(self.layout, self.vocab_size, req)
+        why = request_problem(self.layout, self.vocab_size, req,
+                              ids_in_vocab=isinstance(req, self._in_vocab))
         dst_kv: list[Any] = []
         dst_ctx = None
         lanes: list[Any] = []

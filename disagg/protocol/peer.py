@@ -3,7 +3,7 @@ pings, the ownership challenge (and its offer ahead of requests), and their answ
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
 
@@ -180,6 +180,19 @@ class OwnershipOffer(msgspec.Struct, tag="ownership_offer", frozen=True,
 
 PeerRequest = (PrefillRequest | AbortPrefill | Ping | StatsRequest | ChallengeAnswer
                | OwnershipOffer)
+
+
+def in_vocab_requests(vocab_size: int) -> tuple[Any, type[PrefillRequest]]:
+    """``PeerRequest`` with ``PrefillRequest`` replaced by a subclass whose ``prompt_ids`` must lie
+    in [0, ``vocab_size``), and that subclass: a prefiller decodes a request's ids and checks
+    them in one pass (a 32k-id scan afterwards costs ~0.9 ms on the 2-core box). A request that
+    fails it is decoded again as ``PeerRequest``, for ``request_problem`` to name the id."""
+    ids = list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+    checked: type[PrefillRequest] = msgspec.defstruct(  # type: ignore[assignment]
+        "PrefillRequestInVocab", [("prompt_ids", ids)], bases=(PrefillRequest,),
+        tag=PrefillRequest.__struct_config__.tag, frozen=True, forbid_unknown_fields=True)
+    others = tuple(t for t in get_args(PeerRequest) if t is not PrefillRequest)
+    return Union[(checked, *others)], checked  # noqa: UP007 - built at run time
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):

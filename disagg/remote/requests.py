@@ -10,15 +10,17 @@ from disagg.remote.ownership import CHALLENGE_AREA_BYTES, CHALLENGE_SLOTS
 from disagg.remote.transfer_plan import incompatibility
 
 
-def request_problem(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest) -> str | None:
-    """Why a PrefillRequest cannot be served, or None (bounds-checks before any write)."""
+def request_problem(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest,
+                    ids_in_vocab: bool = False) -> str | None:
+    """Why a PrefillRequest cannot be served, or None (bounds-checks before any write).
+    ``ids_in_vocab``: its ids were checked as they were decoded (``in_vocab_requests``)."""
     why = incompatibility(layout, req.dst_layout)
     if why:
         return why
     n = len(req.prompt_ids)
     if n == 0:
         return "empty prompt"
-    if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab_size:  # builtins: 2x a loop
+    if not ids_in_vocab and (min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab_size):
         return "token id outside the vocabulary"
     d = req.dst_layout
     if not 0 <= req.skip_pages <= n // d.page_size:

@@ -27,7 +27,15 @@ from disagg.protocol import (
     Stats,
     StatsRequest,
 )
-from disagg.protocol.peer import AbortPrefill, KVLayoutDesc, PrefillRequest
+from disagg.protocol.peer import (
+    AbortPrefill,
+    KVLayoutDesc,
+    PeerReply,
+    Ping,
+    Pong,
+    PrefillFailed,
+    PrefillRequest,
+)
 from nodes import Req, node, pools_full, prompt, running, stats, tokens, wait_for
 from tinymodels import add_word_tokenizer, make_tiny_model
 
@@ -331,3 +339,31 @@ def test_a_pipelined_flood_on_the_prefillers_peer_socket(pair, kind):
         ctx.term()
     wait_for(lambda: pools_full(dec), what="decoder pool full")
     assert stats(dec).pages_fenced == 0
+
+
+@pytest.mark.parametrize("bad_id", [320, -1])  # the tiny model's vocabulary: 320
+def test_a_prefill_request_with_an_id_outside_the_vocabulary_is_refused_by_name(pair, bad_id):
+    """A prefiller checks a request's ids while it decodes them; one outside the vocabulary
+    gets the same refusal as before (after the plain decode), an in-vocabulary request with
+    junk descriptors gets past the ids to the descriptor check."""
+    pre, _ = pair
+    ctx, sock = dealer(pre)
+    try:
+        sock.send(ENC.encode(Ping(1)))
+        assert sock.poll(10_000)
+        pong = msgspec.msgpack.decode(sock.recv(), type=PeerReply)
+        assert isinstance(pong, Pong)
+        replies = {}
+        for rid, ids in (("bad", [5, bad_id, 7]), ("good", [5, 6, 7])):
+            sock.send(ENC.encode(PrefillRequest(
+                request_id=rid, key=1, prompt_ids=ids, dst_pages=[0], dst_layout=pong.layout,
+                dst_kv=b"junk", dst_ctx=b"junk", ctx_offset=0, timeout_s=5.0)))
+            assert sock.poll(10_000)
+            replies[rid] = msgspec.msgpack.decode(sock.recv(), type=PeerReply)
+    finally:
+        sock.close()
+        ctx.term()
+    bad, good = replies["bad"], replies["good"]
+    assert isinstance(bad, PrefillFailed) and bad.request_id == "bad" and bad.code == "bad_request"
+    assert bad.message == "token id outside the vocabulary", bad
+    assert isinstance(good, PrefillFailed) and "descriptor" in good.message, good
