@@ -7,7 +7,8 @@ finishes handling) back to the frontend; ``StepPlan`` to the executors through `
 Owns: the page pool, the batch scheduler, every live request and its detokenizer, and the fair
 queue of admitted requests that have not started (round robin over clients, each entry with
 its deadline). Admission is bounded per client and in total (``overloaded``); long prompt texts
-are tokenized off the event loop, after a size check that needs no tokenizing.
+are tokenized off the event loop, after a size check that needs no tokenizing (the client
+frames' part: ``disagg.actors.intake``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.executor_group import ExecutorError, ExecutorGroup
+from disagg.actors.intake import ClientIntake, Live
 from disagg.actors.sides import SchedulerSide
 from disagg.actors.sockets import pending
 from disagg.actors.stepping import Stepper
@@ -34,22 +35,19 @@ from disagg.engine.cache import PagePool
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
 from disagg.engine.speculative import Speculation
 from disagg.model.config import ModelArch
-from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from disagg.model.tokenizer import Tokenizer
 from disagg.protocol import (
-    Abort,
     Error,
     ErrorCode,
     Finished,
     GenerateRequest,
     NodeReply,
     Stats,
-    StatsRequest,
     TokenChunk,
     Usage,
 )
 from disagg.protocol.inproc import (
     ClientGone,
-    FromClient,
     MessengerStats,
     SchedulerInbox,
     ToClient,
@@ -59,23 +57,9 @@ from disagg.serving.admission import (
     Counters,
     FairQueue,
     Limits,
-    RequestRejected,
-    prepare_prompt,
-    prompt_size_problem,
 )
 
 log = logging.getLogger(__name__)
-
-INLINE_TOKENIZE_CHARS = 16 << 10  # longer prompt texts are tokenized on a worker thread
-
-
-@dataclass
-class Live:
-    identity: bytes
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    admitted_at: float = 0.0  # monotonic
-
 
 @dataclass(frozen=True)
 class SchedulerSetup:
@@ -95,7 +79,7 @@ class SchedulerSetup:
     overlap: bool = False  # overlapped decoding (disagg.actors.stepping)
 
 
-class SchedulerActor:
+class SchedulerActor(ClientIntake):
     def __init__(self, role: str, setup: SchedulerSetup, inbox: zmq.asyncio.Socket | None = None,
                  mbox: zmq.asyncio.Socket | None = None,
                  side: Callable[[SchedulerActor], SchedulerSide] | None = None):
@@ -240,24 +224,6 @@ class SchedulerActor:
         """Pages may have returned to the pool (decode: reserve pages for queued prompts)."""
         await self.side.pages_changed()
 
-    async def client_gone(self, msg: ClientGone) -> None:
-        """End a vanished (or no longer reading) client's requests: nobody wants the tokens."""
-        for key in [k for k in self.tokenizing if k[0] == msg.identity]:
-            del self.tokenizing[key]
-            self._forget_client(msg.identity)
-            self.counters.aborted += 1
-        lives = [live for key, live in self.live.items() if key[0] == msg.identity]
-        if lives:
-            log.info("ending %d requests of client %r: %s", len(lives), msg.identity, msg.reason)
-        for live in lives:
-            rid = live.seq.request_id
-            if msg.reason == "stalled":
-                await self._end(live.seq, Error("overloaded", "the client stopped reading its "
-                                                "replies; its requests were ended", rid))
-            else:
-                await self._end(live.seq, Finished(rid, "abort", self._usage(live.seq)))
-        self._acks.pop(msg.identity, None)
-
     async def _flush_acks(self) -> None:
         """Count handled frames that no reply carried (an admitted request, say)."""
         while self._acks:
@@ -273,104 +239,6 @@ class SchedulerActor:
             self.messenger_stats = msg
         else:
             await self.side.handle_messenger(msg)
-
-    async def handle(self, env: FromClient) -> None:
-        match env.msg:
-            case GenerateRequest():
-                try:  # the ids decoded and checked against the vocabulary in one pass
-                    req, in_vocab = env.generate_request(self._in_vocab), env.prompt is not None
-                except msgspec.ValidationError:  # one is not: admission names it
-                    req, in_vocab = env.generate_request(), False
-                await self._admit(env.identity, req, env.prompt, in_vocab)
-            case Abort(request_id=rid):
-                key = (env.identity, rid)
-                live = self.live.get(key)
-                if key in self.tokenizing:  # dropped when its tokens come back
-                    del self.tokenizing[key]
-                    self._forget_client(env.identity)
-                    self.counters.aborted += 1
-                    await self._send(env.identity, Finished(rid, "abort", Usage(0, 0)))
-                    return
-                if live is None:
-                    await self._send(env.identity, Error("unknown_request",
-                                                         f"no live request {rid!r}", rid))
-                    return
-                await self._end(live.seq, Finished(rid, "abort", self._usage(live.seq)))
-            case StatsRequest():
-                await self._send(env.identity, self.stats())
-
-    async def _admit(self, identity: bytes, req: GenerateRequest,
-                     encoded: memoryview | None = None, in_vocab: bool = False) -> None:
-        """Make ``req`` live or refuse it (``encoded``: its prompt ids as they came, msgpack;
-        ``in_vocab``: its prompt ids were checked against the vocabulary as they were decoded)."""
-        key = (identity, req.request_id)
-        if key in self.live or key in self.tokenizing:
-            await self._refuse(identity, req, "duplicate_request",
-                               f"request_id {req.request_id!r} is already live")
-            return
-        why = self.limits.overload(self.per_client[identity], len(self.queue))
-        if why is not None:
-            await self._refuse(identity, req, "overloaded", why)
-            return
-        if req.prompt is not None:
-            why = prompt_size_problem(req.prompt, self.tokenizer, self.max_model_len)
-            if why is not None:
-                await self._refuse(identity, req, "bad_request", why)
-                return
-        if req.prompt is not None and len(req.prompt) > INLINE_TOKENIZE_CHARS:
-            self.tokenizing[key] = req  # counted live for its client from now on
-            self.per_client[identity] += 1
-            self.counters.started += 1
-            self.spawn(self._tokenize_then_admit(identity, req))
-            return
-        try:
-            ids = prepare_prompt(req, self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                 self.raise_hint, ids_in_vocab=in_vocab)
-        except RequestRejected as e:
-            await self._refuse(identity, req, e.code, str(e))
-            return
-        self.counters.started += 1
-        self.per_client[identity] += 1
-        self._accept(identity, req, ids, encoded)
-
-    async def _refuse(self, identity: bytes, req: GenerateRequest, code: ErrorCode,
-                      why: str) -> None:
-        self.counters.rejected += 1
-        await self._send(identity, Error(code, why, req.request_id))
-
-    async def _tokenize_then_admit(self, identity: bytes, req: GenerateRequest) -> None:
-        key = (identity, req.request_id)
-        try:
-            ids = await asyncio.to_thread(prepare_prompt, req, self.tokenizer,
-                                          self.arch.vocab_size, self.max_model_len,
-                                          self.raise_hint)
-        except RequestRejected as e:
-            if self.tokenizing.pop(key, None) is not None:
-                self._forget_client(identity)
-                self.counters.errored += 1
-                await self._send(identity, Error(e.code, str(e), req.request_id))
-            return
-        if self.tokenizing.pop(key, None) is None:
-            return  # aborted (or its client left) meanwhile
-        self._accept(identity, req, ids)  # the loop hands it to batching
-
-    def _forget_client(self, identity: bytes) -> None:
-        self.per_client[identity] -= 1
-        if self.per_client[identity] <= 0:
-            del self.per_client[identity]
-
-    def _accept(self, identity: bytes, req: GenerateRequest, ids: list[int],
-                encoded: memoryview | None = None) -> None:
-        """Make a validated request live and queue it fairly among its client's others."""
-        key = (identity, req.request_id)
-        p = req.sampling
-        seed = p.seed if p.seed is not None else random.getrandbits(63)
-        slot = next(self._slots)
-        seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot, prompt_msgpack=encoded)
-        now = time.monotonic()
-        self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer, ids), now)
-        self.by_slot[slot] = key
-        self.queue.push(identity, seq, now + self.limits.queue_timeout_s)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` as a task of this actor (cancelled when it stops)."""
