@@ -157,9 +157,11 @@ class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=Tr
     The prompt ids travel encoded once (``prompt``, a msgpack array): the messenger puts
     those bytes into the ``PrefillRequest`` as they are (``PrefillRequestOut``) and reads
     only ``num_tokens`` and ``route_keys``, so a long prompt is not decoded and encoded again
-    on its way out (``SendPrefill.of`` builds one). They go as a msgpack bin, not as
-    ``msgspec.Raw`` (a Raw array is walked element by element to find its end: 0.36 ms at 32k
-    ids), decoded as a ``memoryview`` into the received frame (no copy)."""
+    on its way out. The decode side builds one from the client's encoded ids
+    (``DecodeSide._send_prefill``); ``SendPrefill.of`` encodes a list (tests and tools). They
+    go as a msgpack bin, not as ``msgspec.Raw`` (a Raw array is walked element by element to
+    find its end: 0.36 ms at 32k ids), decoded as a ``memoryview`` into the received frame (no
+    copy)."""
 
     request_id: str
     key: int
