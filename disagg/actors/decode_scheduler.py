@@ -81,8 +81,9 @@ class DecodeSide(SchedulerSide):
     async def enqueue(self, seq: Sequence) -> bool:
         """Take ``seq`` for remote prefill when a prefiller is alive and more than
         ``--local-prefill-max-tokens`` of its prompt (all but the last token) is not in this
-        node's prefix cache. Its cached leading pages become its own now (never written by
-        the prefiller: ``skip_pages``); the machine reserves pages for the rest."""
+        node's prefix cache. It holds no page while it waits in the remote queue: its cached
+        leading pages and new ones for the rest are taken together when its turn comes
+        (``_reserve``)."""
         if self.remote.peers_alive == 0:
             return False
         sched, ps = self.port.sched, self.port.page_size
@@ -91,15 +92,10 @@ class DecodeSide(SchedulerSide):
         held = self.port.pool.cached_run(hashes)
         if n - held * ps <= self.local_prefill_max_tokens:
             return False  # the scheduler takes the same cached pages and computes the rest
-        if held:
-            seq.block_table = self.port.pool.match(hashes[:held])
-            seq.hashes = hashes[:held]
-        sched.count_lookup(seq, held * ps)
         seq.status = Status.REMOTE
         self.seqs[seq.slot] = seq
         self.clock[seq.slot] = {"admit": time.monotonic()}
-        self.remote.admit(seq.slot, n, pages_needed(seq.num_tokens, ps) - held,
-                          time.monotonic())
+        self.remote.admit(seq.slot, n, pages_needed(seq.num_tokens, ps), time.monotonic())
         await self._pump()
         if sched.prefix_caching:
             self.port.spawn(self._hash_ahead(seq))
@@ -155,11 +151,30 @@ class DecodeSide(SchedulerSide):
     async def _pump(self) -> None:
         """Reserve pages for queued remote prefills, oldest first, while the pool allows."""
         while (head := self.remote.head()) is not None:
-            slot, n = head
-            pages = self.port.pool.allocate(n)
+            slot, _ = head
+            pages = self._reserve(self.seqs[slot])
             if pages is None:
                 return
             await self._carry_out(self.remote.reserved(slot, pages, time.monotonic()))
+
+    def _reserve(self, seq: Sequence) -> list[int] | None:
+        """All or nothing: the cached leading pages of ``seq``'s prompt (never written by
+        the prefiller: ``skip_pages``) and new pages for the rest, or None, holding nothing.
+        A queued request that held its cached pages while it waited could, with others like
+        it, hold the whole pool: nothing would run and nothing could be freed."""
+        sched, pool = self.port.sched, self.port.pool
+        if sched.prefix_caching and not seq.block_table:  # a fenced retry still holds its own
+            hashes = sched.prefix_hashes(seq)
+            seq.block_table = pool.match(hashes)
+            seq.hashes = hashes[:len(seq.block_table)]
+        pages = pool.allocate(pages_needed(seq.num_tokens, self.port.page_size)
+                              - len(seq.block_table))
+        if pages is None:
+            sched.free_pages(seq.block_table)  # still cached: a later turn matches them again
+            seq.block_table, seq.hashes = [], []
+            return None
+        sched.count_lookup(seq, len(seq.block_table) * self.port.page_size)
+        return pages
 
     async def _carry_out(self, commands: list[Command]) -> None:
         """Do what the remote-prefill machine decided, in its order."""

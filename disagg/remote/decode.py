@@ -134,7 +134,7 @@ class Attempt:
 class Remote:
     slot: int
     tokens: int  # prompt tokens the prefiller computes (all but the last)
-    pages_wanted: int  # pages to reserve (the whole prompt's)
+    pages_wanted: int  # the whole prompt's pages (the side takes cached ones among them)
     queue_until: float  # a request still queued past this ends with ``timeout``
     attempts: int = 0  # started so far
     attempt: Attempt | None = None  # the attempt whose KV is wanted (None: queued)
@@ -173,7 +173,8 @@ class DecodeRemote:
         self.queue.append(slot)
 
     def head(self) -> tuple[int, int] | None:
-        """(slot, pages it needs) of the request that gets pages next, or None."""
+        """(slot, pages its prompt covers) of the request that gets pages next, or None. A
+        queued request holds no page: the caller reserves its cached and new pages at once."""
         if not self.queue:
             return None
         r = self.requests[self.queue[0]]
