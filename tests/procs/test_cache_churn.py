@@ -18,10 +18,10 @@ from tinymodels import make_tiny_model
 
 pytestmark = pytest.mark.fabric
 
-CONVERSATIONS = 24
+CONVERSATIONS = 32
 TURNS = 5
 NEW = 4
-SYSTEMS = [[3 + 17 * s + i for i in range(3 * PAGE)] for s in range(3)]
+SYSTEMS = [[3 + 17 * s + i for i in range(5 * PAGE)] for s in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ async def conversation(client: AsyncClient, c: int, rng: random.Random,
             ids, _, fin = await client.complete(
                 prompt_token_ids=history, sampling=SamplingParams(max_tokens=NEW,
                                                                   ignore_eos=True),
-                timeout=90)
+                timeout=60)
         except TimeoutError:
             outcomes.append("hung")
             return cached
