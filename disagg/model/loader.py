@@ -5,6 +5,9 @@ MoE experts' per-expert tensors (``mlp.experts.E.gate_proj``, ...) are stacked i
 ``[E, ...]`` parameters (the fused ``mlp.experts.gate_up_proj`` form is read too). Layers past
 ``num_hidden_layers`` (DeepSeek's multi-token-prediction layers) are skipped.
 ``random_weights`` fills the same parameters from a seed, so a model shape needs no files.
+FP8 checkpoints (``disagg.model.fp8``: block-scaled, per-tensor, per-channel) are dequantized
+tensor by tensor as they are read (weight-only), before TP sharding; a shard that would split
+a scale block is refused.
 """
 
 from __future__ import annotations
@@ -12,11 +15,20 @@ from __future__ import annotations
 import json
 import logging
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from disagg.model.config import ModelArch
+from disagg.model.fp8 import (
+    FP8_DTYPES,
+    Fp8Error,
+    Fp8Format,
+    check_block_shard,
+    dequantize,
+    scale_names,
+)
 from disagg.model.tp import TensorParallel
 from disagg.model.transformer import Transformer
 
@@ -118,8 +130,13 @@ def load_model(
     expected = {name for name, _ in model.named_parameters()}
     seen: set[str] = set()
     fused_parts: dict[str, int] = {}
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+    fp8 = Fp8Format.from_config(json.loads((path / "config.json").read_text()))
+    dequantized = 0
+    with ExitStack() as stack:
+        files = {file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+                 for file in safetensors_files(path)}
+        where = {name: f for f in files.values() for name in f.keys()}  # noqa: SIM118
+        for file, f in files.items():
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 target = _target(name, arch, mtp)
                 if target is None:
@@ -127,7 +144,11 @@ def load_model(
                     continue
                 param_name, expert, part, kind = target
                 param = model.get_parameter(param_name)
-                tensor = _shard(tp, kind, f.get_tensor(name), full)
+                raw = f.get_tensor(name)
+                if raw.dtype in FP8_DTYPES:
+                    raw = _dequantized(name, raw, where, fp8, tp, kind, full)
+                    dequantized += 1
+                tensor = _shard(tp, kind, raw, full)
                 dst = param.data if expert is None else param.data[expert]
                 if part is not None:
                     lo, hi = slices[param_name.rsplit(".", 1)[-1]][part]
@@ -139,6 +160,10 @@ def load_model(
                     )
                 dst.copy_(tensor.to(dst.dtype))
                 seen.add(param_name)
+    if fp8 is not None:
+        blocks = f"{fp8.block[0]}x{fp8.block[1]} blocks" if fp8.block else "tensor/channel scales"
+        log.info("FP8 checkpoint (%s, %s): %d weights dequantized to %s at load (weight-only)",
+                 fp8.method, blocks, dequantized, str(model.dtype).removeprefix("torch."))
     if model.lm_head is None:
         expected.discard("lm_head")
     missing = sorted(expected - seen)
@@ -151,6 +176,30 @@ def load_model(
         if count != want:
             raise ValueError(f"checkpoint in {path}: {param_name} got {count} of {want} parts")
     return model
+
+
+_ROW_KINDS = ("q", "k", "v", "gate", "up", "rows", "experts_gate_up")  # split the output dim
+_COL_KINDS = ("o", "down", "cols", "experts_down")  # split the input dim
+
+
+def _dequantized(name: str, w: torch.Tensor, where: dict, fp8: Fp8Format | None,
+                 tp: TensorParallel, kind: str, arch: ModelArch) -> torch.Tensor:
+    """The float32 weights of FP8 tensor ``name`` (its scale read from whichever file holds
+    it); under TP, first refuse a shard that would split one of its scale blocks."""
+    if fp8 is None:
+        raise Fp8Error(f"{name} is {str(w.dtype).removeprefix('torch.')} but config.json has "
+                       "no quantization_config: its scales cannot be interpreted")
+    scale_name = next((n for n in scale_names(name) if n in where), None)
+    if scale_name is None:
+        raise Fp8Error(f"{name} is FP8 but the checkpoint has no {scale_names(name)[0]} "
+                       f"(or {scale_names(name)[1]})")
+    if fp8.block is not None and tp.size > 1 and kind in _ROW_KINDS + _COL_KINDS:
+        dim = w.dim() - (2 if kind in _ROW_KINDS else 1)
+        shape = [1] * w.dim()
+        shape[dim] = w.shape[dim]
+        kept = _shard(tp, kind, torch.arange(w.shape[dim]).reshape(shape), arch).flatten()
+        check_block_shard(name, kept, w.shape[dim], fp8.block[dim - w.dim() + 2], tp.size)
+    return dequantize(name, w, where[scale_name].get_tensor(scale_name), fp8.block)
 
 
 _SHARD_KINDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
