@@ -40,9 +40,10 @@ class RequestError(RuntimeError):
 
 
 def _request(prompt: str | None, prompt_token_ids: list[int] | None, sampling: SamplingParams | None,
-             request_id: str | None) -> GenerateRequest:
+             request_id: str | None, cache_salt: str | None = None) -> GenerateRequest:
     return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt,
-                           prompt_token_ids=prompt_token_ids, sampling=sampling or SamplingParams())
+                           prompt_token_ids=prompt_token_ids, sampling=sampling or SamplingParams(),
+                           cache_salt=cache_salt)
 
 
 class AsyncClient:
@@ -92,9 +93,11 @@ class AsyncClient:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         timeout: float = 600.0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[TokenChunk | Finished]:
-        """Stream ``TokenChunk``s, then the ``Finished``. Raises ``RequestError`` on ``Error``."""
-        req = _request(prompt, prompt_token_ids, sampling, request_id)
+        """Stream ``TokenChunk``s, then the ``Finished``. Raises ``RequestError`` on ``Error``.
+        ``cache_salt``: share cached prompt prefixes only with requests of the same salt."""
+        req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt)
         self._ensure_reader()
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[req.request_id] = q
@@ -182,8 +185,9 @@ class Client:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         timeout: float = 600.0,
+        cache_salt: str | None = None,
     ) -> Iterator[TokenChunk | Finished]:
-        req = _request(prompt, prompt_token_ids, sampling, request_id)
+        req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt)
         self.sock.send(self._enc.encode(req))
         done = False
         try:

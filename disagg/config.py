@@ -32,8 +32,14 @@ class CacheConfig(msgspec.Struct, frozen=True):
     num_pages: int = 0  # 0 = size from --kv-cache-mb (CPU) or free memory (CUDA)
     kv_cache_mb: int = 256  # KV budget per executor when num_pages == 0 (--kv-cache-mb)
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (--no-prefix-caching)
+    # salt each client key's requests by that key (disagg.serving.salting): auto = where CURVE
+    # keys authenticate clients (--cache-salt-by-tenant)
+    salt_by_tenant: Literal["auto", "on", "off"] = "auto"
 
     def validate(self) -> None:
+        if self.salt_by_tenant not in ("auto", "on", "off"):
+            raise ConfigError("--cache-salt-by-tenant must be auto, on or off, got "
+                              f"{self.salt_by_tenant!r}")
         if self.page_size < 1 or self.page_size > 1024:
             raise ConfigError(f"--page-size must be in [1, 1024], got {self.page_size}")
         if self.num_pages < 0:
@@ -213,6 +219,9 @@ class NodeConfig(msgspec.Struct, frozen=True):
         self.disagg.validate()
         self.executor.validate()
         self.cache.validate()
+        if self.cache.salt_by_tenant == "on" and not self.curve_keys:
+            raise ConfigError("--cache-salt-by-tenant on needs --curve-keys: the tenants are "
+                              "the CURVE client keys")
         self.scheduler.validate()
         draft = self.scheduler.speculative_method == "draft"
         if draft != (self.executor.draft_model is not None):

@@ -119,7 +119,8 @@ class Node:
             else:
                 self.scheduler = SchedulerActor(cfg.role, setup, sched_sock)
             self.frontend = FrontendActor(cfg.listen, front_sock, self.ctx,
-                                          max_inflight=s.max_frames_per_client)
+                                          max_inflight=s.max_frames_per_client,
+                                          salt_by_tenant=cfg.cache.salt_by_tenant)
             self.address = self.frontend.address
             actors.append(("frontend", self.frontend.run))
         assert self.scheduler is not None

@@ -317,7 +317,8 @@ class DecodeMessenger(MessengerBase):
             dst_ctx=window.descriptors[-1].encode(),
             ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s,
             deadline_unix=time.time() + msg.cap_s, challenge_slot=peer.slot,
-            challenge_key=self._challenge_key(peer), skip_pages=msg.skip_pages)
+            challenge_key=self._challenge_key(peer), skip_pages=msg.skip_pages,
+            cache_salt=msg.cache_salt)
         await peer.sock.send(self._enc.encode(req))
         trace.mark("dm.req_out", msg.request_id)
         trace.mark("link", msg.request_id, "=k", msg.key)

@@ -280,7 +280,8 @@ class DecodeSide(SchedulerSide):
         """The request for the KV of ``seq``'s prompt but its last token. Its ids go as the
         client's frame carried them, less the last id (no id converted); a prompt tokenized
         here is encoded, its last token off the list meanwhile (slicing would copy, and later
-        free, a 32k-element list). The routing keys come from those bytes."""
+        free, a 32k-element list). The routing keys come from those bytes and its cache salt,
+        which the prefiller's page hashes take too."""
         ids, held = seq.prompt_ids, len(seq.block_table)
         n = len(ids) - 1
         prompt = None if seq.prompt_msgpack is None else drop_last_id(seq.prompt_msgpack,
@@ -292,9 +293,9 @@ class DecodeSide(SchedulerSide):
             finally:
                 ids.append(last)
         return SendPrefill(c.request_id, c.key, memoryview(prompt), n,
-                           encoded_prefix_keys(prompt),
+                           encoded_prefix_keys(prompt, seq.cache_salt),
                            list(c.pages[: pages_needed(n, self.port.page_size) - held]),
-                           c.cap_s, held)
+                           c.cap_s, held, seq.cache_salt)
 
     async def before_step(self, plan: StepPlan, batch: Batch) -> None:
         if trace.enabled():  # hop marks: the step that computes a landed prompt's last token

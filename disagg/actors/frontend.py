@@ -14,6 +14,7 @@ its backlog (bounded), and the link to the scheduler never blocks (``Node._pair`
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import msgspec
@@ -27,9 +28,20 @@ from disagg.actors.sockets import (
     pending_frames,
     source_fd,
 )
-from disagg.protocol import Abort, ClientMessage, Error, Finished, GenerateRequest, NodeReply, Stats
+from disagg.protocol import (
+    Abort,
+    ClientMessage,
+    Error,
+    Finished,
+    GenerateRequest,
+    NodeReply,
+    Stats,
+    StatsRequest,
+)
 from disagg.protocol.inproc import ClientGone, FromClient, ToClient
 from disagg.serving.admission import ClientBook, Reply
+from disagg.serving.salting import SaltByTenant, TenantSalting
+from disagg.serving.security import ClientKeyIds
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +65,15 @@ def decode_client_frames(frames: list[bytes]) -> tuple[bytes, ClientMessage | st
 
 class FrontendActor:
     def __init__(self, listen: str, scheduler: zmq.asyncio.Socket, ctx: zmq.asyncio.Context,
-                 max_inflight: int = 8192, max_backlog: int = 4096):
+                 max_inflight: int = 8192, max_backlog: int = 4096,
+                 salt_by_tenant: SaltByTenant = "auto"):
         self.sock, self.monitor = listening(ctx, listen, max_frame=CLIENT_FRAME_BYTES,
                                             mandatory=True)
+        # cache salts by client key (disagg.serving.salting); Stats replies owed to client
+        # keys, whose prefix counters read 0
+        self.key_ids = ClientKeyIds(ctx)
+        self.salting = TenantSalting(salt_by_tenant, self.key_ids.active)
+        self._redact: collections.Counter[bytes] = collections.Counter()
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler = scheduler
         self.book = ClientBook(max_inflight, max_backlog)
@@ -109,6 +127,8 @@ class FrontendActor:
                     f"being handled (at most {self.book.max_inflight} frames, "
                     f"{self.book.max_inflight_bytes >> 20} MiB); retry later", rid))
                 continue
+            if self.salting.enabled:
+                msg = self._salted(identity, msg, self.key_ids.tenant(frames[-1]))
             await self.scheduler.send(self._enc.encode(FromClient.of(identity, msg)))
 
     async def relay_replies(self) -> None:
@@ -125,10 +145,25 @@ class FrontendActor:
                 stats = msgspec.structs.replace(self._stats_dec.decode(payload),
                                                 bad_frames=self.bad_frames,
                                                 replies_dropped=self.book.dropped)
+                if self._redact[out.identity] > 0:
+                    self._redact[out.identity] -= 1
+                    stats = self.salting.stats(stats, tenant=True)
+                if not self._redact[out.identity]:
+                    del self._redact[out.identity]
                 payload = self._enc.encode(stats)
             await self._route(out.identity, payload, out.reply == "terminal")
         if self.book.backlog_size:
             await self.flush()
+
+    def _salted(self, identity: bytes, msg: ClientMessage, tenant: str | None) -> ClientMessage:
+        """A client key's request salted by its key; its Stats request noted for redaction."""
+        if tenant is None:
+            return msg
+        if isinstance(msg, GenerateRequest):
+            return self.salting.request(msg, tenant)
+        if isinstance(msg, StatsRequest):
+            self._redact[identity] += 1
+        return msg
 
     async def _reject(self, identity: bytes, message: str) -> None:
         self.bad_frames += 1

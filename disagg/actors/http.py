@@ -60,7 +60,8 @@ class Backend(Protocol):
 
     def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                  sampling: SamplingParams | None = None, request_id: str | None = None,
-                 timeout: float = 600.0) -> AsyncIterator[TokenChunk | Finished]: ...
+                 timeout: float = 600.0, cache_salt: str | None = None
+                 ) -> AsyncIterator[TokenChunk | Finished]: ...
 
     async def stats(self, timeout: float = 10.0) -> Stats: ...
 
@@ -241,7 +242,7 @@ class Gateway:
         produced = 0
         stream = self.backend.generate(prompt_token_ids=prep.prompt_token_ids,
                                        sampling=prep.sampling, request_id=rid,
-                                       timeout=self.request_timeout)
+                                       timeout=self.request_timeout, cache_salt=prep.cache_salt)
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for msg in stream:

@@ -172,7 +172,8 @@ class ClientIntake:
         p = req.sampling
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         slot = next(self._slots)
-        seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot, prompt_msgpack=encoded)
+        seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot, prompt_msgpack=encoded,
+                       cache_salt=req.cache_salt)
         now = time.monotonic()
         self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer, ids), now)
         self.by_slot[slot] = key

@@ -300,7 +300,8 @@ class PrefillMessenger(MessengerBase):
         for c in commands:
             match c:
                 case Schedule(job=j):
-                    self._send_soon(PrefillJob(j, self.jobs[j].req.prompt_ids))
+                    self._send_soon(PrefillJob(j, self.jobs[j].req.prompt_ids,
+                                                self.jobs[j].req.cache_salt))
                 case Unschedule(job=j):
                     self._send_soon(CancelJob(j))
                 case Settle(job=j):

@@ -43,10 +43,10 @@ class PrefillSide(SchedulerSide):
 
     async def handle_messenger(self, msg: ToScheduler) -> None:
         match msg:
-            case PrefillJob(job=job, prompt_ids=ids):
+            case PrefillJob(job=job, prompt_ids=ids, cache_salt=salt):
                 slot = self.port.next_slot()
                 seq = Sequence(slot, f"job-{job}", list(ids), SamplingParams(max_tokens=1), 0,
-                               arrival=slot, prefill_only=True)
+                               arrival=slot, prefill_only=True, cache_salt=salt)
                 self.jobs[job] = seq
                 self.job_of[slot] = job
                 self.port.counters.started += 1

@@ -6,9 +6,11 @@ replies and Stats from each decode peer on one DEALER socket per peer.
 Sends: each ``GenerateRequest`` to the least loaded live peer (``disagg.serving.routing``) under a
 router-unique request id; ``Abort`` to the peer holding the request; ``StatsRequest`` to every
 peer every ``poll_interval`` seconds; replies back to clients under their own request ids.
-Owns: the in-flight table (router id -> client, peer). A peer silent for ``dead_after`` seconds
-is dead: its requests that have not streamed a token yet are resent to another peer, the others
-end with ``Error`` code ``unavailable``. A dead peer that answers again is used again.
+Owns: the in-flight table (router id -> client, peer); its client-protocol front (the frames
+of ``listen``, salted by client key) is ``disagg.actors.router_front``. A peer silent for
+``dead_after`` seconds is dead: its requests that have not streamed a token yet are resent to
+another peer, the others end with ``Error`` code ``unavailable``. A dead peer that answers
+again is used again.
 ``dns:NAME:PORT`` peers come and go (``disagg.actors.peer_discovery``): one that appears is
 connected, one that vanishes is dead at once (as above), then forgotten.
 """
@@ -21,16 +23,15 @@ import itertools
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg.actors.frontend import decode_client_frames
 from disagg.actors.peer_discovery import PeerDiscovery
+from disagg.actors.router_front import Flight, RouterFront
 from disagg.actors.sockets import CLIENT_FRAME_BYTES
 from disagg.client import RequestError
 from disagg.protocol import (
@@ -46,35 +47,20 @@ from disagg.protocol import (
 )
 from disagg.remote.discovery import split_specs
 from disagg.serving import security
-from disagg.serving.admission import MAX_REQUEST_ID
 from disagg.serving.advice import Advice, LatencyWindow, Slo, advise_from_stats
-from disagg.serving.metrics import Metrics, RequestTimer
+from disagg.serving.metrics import Metrics
 from disagg.serving.routing import LoadBalancer, prefix_keys
+from disagg.serving.salting import SaltByTenant, TenantSalting
 
 log = logging.getLogger(__name__)
 
 
-
-@dataclass
-class Flight:
-    """One request live through the router."""
-
-    key: str  # router-unique request id, used towards the peer
-    client_id: str  # the request id the client chose
-    req: GenerateRequest  # as sent to the peer (kept to resend before the first token)
-    deliver: Callable[[NodeReply], Awaitable[None]]  # replies, under client_id
-    front_key: tuple[bytes, str] | None = None  # (identity, client_id) on the ROUTER socket
-    timer: RequestTimer | None = None
-    peer: str | None = None
-    streamed: bool = False
-    tried: set[str] = field(default_factory=set)
-
-
-class Router:
+class Router(RouterFront):
     def __init__(self, decode_peers: list[str], listen: str | None = None,
                  ctx: zmq.asyncio.Context | None = None, metrics: Metrics | None = None,
                  poll_interval: float = 0.5, dead_after: float = 3.0,
-                 resolve_interval: float = 10.0, slo: Slo | None = None):
+                 resolve_interval: float = 10.0, slo: Slo | None = None,
+                 salt_by_tenant: SaltByTenant = "auto"):
         static, names = split_specs(decode_peers, "--decode-peer")
         self.balancer = LoadBalancer(static, dead_after, dynamic=bool(names))
         self.discovery = PeerDiscovery(names, static, self._peers_changed, resolve_interval)
@@ -82,6 +68,8 @@ class Router:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         security.install(self.ctx, security.keys_from_env())
+        self.key_ids = security.ClientKeyIds(self.ctx)  # client keys: salted, Stats redacted
+        self.salting = TenantSalting(salt_by_tenant, self.key_ids.active)
         self.metrics = metrics or Metrics()
         self.poll_interval = poll_interval
         self.listen = listen
@@ -245,7 +233,7 @@ class Router:
 
     async def _place(self, f: Flight) -> None:
         """Send ``f`` to the least loaded live peer it has not tried, or end it."""
-        keys = prefix_keys(f.req.prompt_token_ids, f.req.prompt)
+        keys = prefix_keys(f.req.prompt_token_ids, f.req.prompt, f.req.cache_salt)
         peer = self.balancer.pick(f.tried, keys) or self.balancer.pick(frozenset(), keys)
         if peer is None:
             await self._end(f, Error("unavailable", "no decode node is available", f.client_id))
@@ -294,7 +282,8 @@ class Router:
 
     async def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                        sampling: SamplingParams | None = None, request_id: str | None = None,
-                       timeout: float = 600.0) -> AsyncIterator[TokenChunk | Finished]:
+                       timeout: float = 600.0, cache_salt: str | None = None
+                       ) -> AsyncIterator[TokenChunk | Finished]:
         """As ``AsyncClient.generate``: stream ``TokenChunk``s, then the ``Finished``; raise
         ``RequestError`` on ``Error``. Closing the stream early aborts the request."""
         key = self._new_key()
@@ -304,7 +293,7 @@ class Router:
             q.put_nowait(msg)
 
         req = GenerateRequest(request_id=key, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                              sampling=sampling or SamplingParams())
+                              sampling=sampling or SamplingParams(), cache_salt=cache_salt)
         f = Flight(key, request_id or key, req, deliver)
         await self._submit(f)
         try:
@@ -347,65 +336,6 @@ class Router:
         sums["bad_frames"] += self.bad_frames
         return Stats(role="router", page_size=live[0].page_size if live else 0, **sums)
 
-    # ------------------------------------------------------------------ client-protocol front
-
-    async def _from_clients(self) -> None:
-        """Loop: 1. receive a client frame; 2. place, abort or answer it. Bad input gets an
-        ``Error`` and never stops the loop."""
-        assert self.front is not None
-        while True:
-            identity, msg = decode_client_frames(await self.front.recv_multipart())
-            if isinstance(msg, str):
-                await self._reject(identity, msg)
-                continue
-            match msg:
-                case GenerateRequest() as req:
-                    await self._front_generate(identity, req)
-                case Abort(request_id=rid):
-                    f = self.by_client.get((identity, rid))
-                    if f is None:
-                        await self._to_client(identity, Error("unknown_request",
-                                                              f"no live request {rid!r}", rid))
-                    else:
-                        await self._abort(f)
-                case StatsRequest():
-                    live = [self.peer_stats[a] for a in self.balancer.alive()
-                            if a in self.peer_stats]
-                    await self._to_client(identity, self._aggregate(live))
-
-    async def _front_generate(self, identity: bytes, req: GenerateRequest) -> None:
-        rid = req.request_id
-        problem = None
-        if not 1 <= len(rid) <= MAX_REQUEST_ID:
-            problem = Error("bad_request", f"request_id must have 1-{MAX_REQUEST_ID} characters",
-                            rid)
-        elif (identity, rid) in self.by_client:
-            problem = Error("duplicate_request", f"request_id {rid!r} is already live", rid)
-        if problem is not None:
-            self.rejected += 1
-            self.metrics.observe_error(problem.code)
-            await self._to_client(identity, problem)
-            return
-
-        async def deliver(msg: NodeReply) -> None:
-            await self._to_client(identity, msg)
-
-        key = self._new_key()
-        f = Flight(key, rid, msgspec.structs.replace(req, request_id=key), deliver,
-                   front_key=(identity, rid), timer=self.metrics.start_request())
-        await self._submit(f)
-
-    async def _reject(self, identity: bytes, message: str) -> None:
-        self.bad_frames += 1
-        await self._to_client(identity, Error("bad_frame", message))
-
-    async def _to_client(self, identity: bytes, msg: Any) -> None:
-        assert self.front is not None
-        try:
-            await self.front.send_multipart([identity, self._enc.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            log.debug("could not reply to %r: %s", identity, e)
-
 
 def _peer_gauge(metrics: Metrics) -> Any:
     from prometheus_client import Gauge
@@ -421,14 +351,14 @@ async def start_router(listen: str | None, decode_peers: list[str], http_listen:
                        model_dir: str | None = None, model_name: str | None = None,
                        max_model_len: int | None = None, poll_interval: float = 0.5,
                        dead_after: float = 3.0, wait_for_peer: float = 60.0,
-                       resolve_interval: float = 10.0, slo: Slo | None = None
-                       ) -> tuple[Router, Any]:
+                       resolve_interval: float = 10.0, slo: Slo | None = None,
+                       salt_by_tenant: SaltByTenant = "auto") -> tuple[Router, Any]:
     """Start a router (and its HTTP gateway when ``http_listen`` is set). Returns
     ``(router, gateway or None)``; stop the gateway first, then the router."""
     from disagg.actors.http import Gateway
 
     router = Router(decode_peers, listen, poll_interval=poll_interval, dead_after=dead_after,
-                    resolve_interval=resolve_interval, slo=slo)
+                    resolve_interval=resolve_interval, slo=slo, salt_by_tenant=salt_by_tenant)
     await router.start(wait_for_peer)
     gateway = None
     if http_listen is not None:
@@ -457,7 +387,7 @@ async def run_router(listen: str, decode_peers: list[str], http_listen: str | No
                      model_dir: str | None = None, model_name: str | None = None,
                      max_model_len: int | None = None, poll_interval: float = 0.5,
                      dead_after: float = 3.0, resolve_interval: float = 10.0,
-                     slo: Slo | None = None) -> int:
+                     slo: Slo | None = None, salt_by_tenant: SaltByTenant = "auto") -> int:
     """``disagg-node --role router``: serve until SIGINT/SIGTERM. Returns an exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -466,7 +396,8 @@ async def run_router(listen: str, decode_peers: list[str], http_listen: str | No
     try:
         router, gateway = await start_router(listen, decode_peers, http_listen, model_dir,
                                              model_name, max_model_len, poll_interval, dead_after,
-                                             resolve_interval=resolve_interval, slo=slo)
+                                             resolve_interval=resolve_interval, slo=slo,
+                                             salt_by_tenant=salt_by_tenant)
     except Exception as e:
         log.error("could not start: %s", e)
         return 1

@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                     default=c.prefix_caching,
                     help="do not reuse the KV of cached prompt prefixes (on by default)")
+    ap.add_argument("--cache-salt-by-tenant", choices=("auto", "on", "off"),
+                    default=c.salt_by_tenant, dest="salt_by_tenant",
+                    help="salt each CURVE client key's requests by that key, so clients never "
+                         "share cached prefixes nor see the prefix counters in Stats (auto: "
+                         "on with --curve-keys; also the router's)")
     ap.add_argument("--num-pages", type=int, default=c.num_pages)
     ap.add_argument("--kv-cache-mb", type=int, default=c.kv_cache_mb)
     ap.add_argument("--max-batch-tokens", type=int, default=s.max_batch_tokens)
@@ -198,7 +203,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                 cuda_graphs=not args.enforce_eager,
                                 draft_model=args.draft_model),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
-                          kv_cache_mb=args.kv_cache_mb, prefix_caching=args.prefix_caching),
+                          kv_cache_mb=args.kv_cache_mb, prefix_caching=args.prefix_caching,
+                          salt_by_tenant=args.salt_by_tenant),
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens,
                                   max_running=args.max_running, max_model_len=args.max_model_len,
                                   max_requests_per_client=args.max_requests_per_client,
@@ -366,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
                                         args.model, args.served_model_name,
                                         args.max_model_len or None,
                                         resolve_interval=args.peer_resolve_interval,
-                                        slo=slo)))
+                                        slo=slo, salt_by_tenant=args.salt_by_tenant)))
     if args.http_listen and args.role == "prefill":
         print("disagg-node: --http-listen needs --role mixed, decode or router", file=sys.stderr)
         sys.exit(2)

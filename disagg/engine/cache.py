@@ -155,6 +155,16 @@ def slot_mapping(block_table: list[int], start: int, count: int, page_size: int)
     return [block_table[p // page_size] * page_size + p % page_size for p in range(start, start + count)]
 
 
+def page_root(model_root: bytes, salt: str | None) -> bytes:
+    """The parent hash of a sequence's first page: the model's identity, keyed by the
+    request's cache salt (``disagg.serving.salting``; None: unsalted, as before). 32 bytes
+    when salted (page hashes are 16), so a salted root is never an unsalted chain's hash."""
+    if salt is None:
+        return model_root
+    return hashlib.blake2b(model_root + b"\0" + salt.encode(), digest_size=32,
+                           person=b"disagg.page.salt").digest()
+
+
 def page_hashes(tokens: list[int], page_size: int, parent: bytes, count: int) -> list[bytes]:
     """The chained hashes of the first ``count`` full pages of ``tokens``: each covers its
     page's token ids and its parent's hash (``parent`` for the first: the model's identity)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from disagg.engine.cache import PagePool, page_hashes, pages_needed
+from disagg.engine.cache import PagePool, page_hashes, page_root, pages_needed
 from disagg.engine.sequence import Batch, ScheduledChunk, Sequence, SeqUpdate, Status
 
 __all__ = ["Batch", "BatchScheduler", "ScheduledChunk", "SeqUpdate", "Sequence", "Status"]
@@ -233,12 +233,13 @@ class BatchScheduler:
 
     def page_hashes(self, seq: Sequence, pages: int) -> list[bytes]:
         """The chained hashes of ``seq``'s first ``pages`` full pages, hashing only those not
-        hashed before (kept in ``seq.known_hashes``)."""
+        hashed before (kept in ``seq.known_hashes``); its first page's parent is the model's
+        identity keyed by its cache salt (``page_root``)."""
         known = seq.known_hashes
         if len(known) < pages:
             ps, n = self.page_size, len(known)
-            known.extend(page_hashes(seq.tokens(n * ps, pages * ps), ps,
-                                     known[-1] if known else self.cache_root, pages - n))
+            root = known[-1] if known else page_root(self.cache_root, seq.cache_salt)
+            known.extend(page_hashes(seq.tokens(n * ps, pages * ps), ps, root, pages - n))
         return known[:pages]
 
     def _match(self, seq: Sequence) -> None:

@@ -47,6 +47,9 @@ class Sequence:
     # prompt_ids as its client's frame carried them (msgpack), None when tokenized here: a
     # decoder sends these bytes on to its prefiller (disagg.protocol.inproc.drop_last_id)
     prompt_msgpack: memoryview | None = None
+    # the request's cache salt (disagg.serving.salting): only sequences of the same salt share
+    # cached pages; None = unsalted
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,8 +10,8 @@ every reply from a node as ``v``.
 Client protocol (client DEALER -> node ROUTER, one msgpack map per frame):
 
 - ``{"type": "generate", "request_id": str, "prompt": str | null, "prompt_token_ids":
-  [int] | null, "sampling": {...}}`` -> a stream of ``token`` chunks then one ``finished``
-  (or one ``error``);
+  [int] | null, "sampling": {...}, "cache_salt": str | null}`` -> a stream of ``token``
+  chunks then one ``finished`` (or one ``error``);
 - ``{"type": "abort", "request_id": str}`` -> ``finished`` with reason ``abort`` (if running);
 - ``{"type": "stats"}`` -> one ``stats``.
 
@@ -34,6 +34,7 @@ PROTOCOL_VERSION = 1
 MAX_TOKENS_LIMIT = 2**31 - 1  # sanity bound on max_tokens (the context limit stops earlier)
 MIN_TEMPERATURE = 1e-5  # below this (except 0) float32 logits / temperature overflow
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT = 256  # characters of a request's cache_salt
 
 
 def as_float32(x: float) -> float:
@@ -91,12 +92,19 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     prompt_token_ids: list[int] | None = None  # token ids, each in [0, vocab_size)
     sampling: SamplingParams = SamplingParams()
     v: int = PROTOCOL_VERSION  # must be PROTOCOL_VERSION
+    # only requests of the same salt share cached prompt prefixes (disagg.serving.salting);
+    # 1-MAX_CACHE_SALT characters, None = unsalted; a node salting by tenant replaces it
+    cache_salt: str | None = None
 
     def validate(self) -> str | None:
-        """The protocol version, then the sampling parameters: a message naming the first bad
-        field, or None (the prompt is checked by the node, which knows the vocabulary)."""
+        """The protocol version, the cache salt, then the sampling parameters: a message naming
+        the first bad field, or None (the prompt is checked by the node, which knows the
+        vocabulary)."""
         if self.v != PROTOCOL_VERSION:
             return f"v must be {PROTOCOL_VERSION} (the protocol version of this node), got {self.v}"
+        if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT:
+            return (f"cache_salt must have 1-{MAX_CACHE_SALT} characters, "
+                    f"got {len(self.cache_salt)}")
         return self.sampling.validate()
 
 
@@ -197,6 +205,7 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     pages_cached: int = 0  # free pages holding a cached prefix (evictable; in pages_free)
     prefix_query_tokens: int = 0  # prompt tokens of requests that looked the prefix cache up
     prefix_hit_tokens: int = 0  # ... of which served from this node's prefix cache
+    # (both prefix counters read 0 for a client key salted by tenant: disagg.serving.salting)
     spec_draft_tokens: int = 0  # speculative decoding: drafted tokens verified (cumulative)
     spec_accepted_tokens: int = 0  # ... of which accepted (emitted without their own step)
     steps_overlapped: int = 0  # decode steps sent before their predecessor's tokens were back

@@ -130,6 +130,7 @@ class PrefillJob(msgspec.Struct, tag="job", array_like=True, frozen=True):
 
     job: int
     prompt_ids: list[int]
+    cache_salt: str | None = None  # its PrefillRequest's: the root of its page hashes
 
 
 class CancelJob(msgspec.Struct, tag="cancel_job", array_like=True, frozen=True):
@@ -171,13 +172,14 @@ class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=Tr
     dst_pages: list[int]  # pages covering the prompt after the first skip_pages
     cap_s: float  # the attempt's absolute budget (sent as deadline_unix)
     skip_pages: int = 0  # leading prompt pages the decoder holds (prefix cache): not written
+    cache_salt: str | None = None  # the request's (``PrefillRequest.cache_salt``)
 
     @classmethod
     def of(cls, request_id: str, key: int, prompt_ids: list[int], dst_pages: list[int],
-           cap_s: float, skip_pages: int = 0, route_keys: list[bytes] | None = None
-           ) -> SendPrefill:
+           cap_s: float, skip_pages: int = 0, route_keys: list[bytes] | None = None,
+           cache_salt: str | None = None) -> SendPrefill:
         return cls(request_id, key, memoryview(_ENC.encode(prompt_ids)), len(prompt_ids),
-                   route_keys or [], dst_pages, cap_s, skip_pages)
+                   route_keys or [], dst_pages, cap_s, skip_pages, cache_salt)
 
     def prompt_ids(self) -> list[int]:
         """The ids, decoded (tests and tools; the messenger never needs them)."""

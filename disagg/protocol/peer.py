@@ -118,6 +118,9 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     # nonces into (disagg.remote.ownership), in [0, CHALLENGE_SLOTS)
     challenge_key: int = 0  # the immediate key the decoder expects a challenge's writes under
     skip_pages: int = 0  # leading prompt pages the decoder has in its prefix cache
+    # the client request's cache salt (disagg.serving.salting), for the prefiller's own prefix
+    # cache: its pages are shared only with requests of the same salt
+    cache_salt: str | None = None
     v: int = PROTOCOL_VERSION
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import msgspec
 
 from disagg.model.tokenizer import too_long_to_fit
-from disagg.protocol import SamplingParams, Usage
+from disagg.protocol import MAX_CACHE_SALT, SamplingParams, Usage
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -95,6 +95,7 @@ class _Common(msgspec.Struct):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # extension (vLLM): share cached prefixes only within a salt
 
 
 class CompletionBody(_Common):
@@ -172,6 +173,7 @@ class Prepared:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    cache_salt: str | None = None
 
 
 def prepare_completion(body: CompletionBody, tok: TokenizerLike | None, model_name: str,
@@ -342,8 +344,12 @@ def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
     problem = sampling.validate()
     if problem is not None:
         raise ApiError(400, problem, param=problem.split()[0])
+    if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= MAX_CACHE_SALT:
+        raise ApiError(400, f"cache_salt must be a string of 1-{MAX_CACHE_SALT} characters",
+                       param="cache_salt")
     return Prepared(ids, sampling, stop, bool(body.stream),
-                    body.stream_options is not None and body.stream_options.include_usage)
+                    body.stream_options is not None and body.stream_options.include_usage,
+                    body.cache_salt)
 
 
 # ------------------------------------------------------------------ stop strings

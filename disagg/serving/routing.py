@@ -8,7 +8,8 @@ answered is not live.
 
 Prefix-aware: the router remembers (``PrefixIndex``, bounded, least recently used forgotten
 first) which peer it last sent each prompt prefix to, in blocks of ``ROUTE_BLOCK`` tokens (or
-``ROUTE_BLOCK_CHARS`` characters of a text prompt), chained like the nodes' page hashes. A
+``ROUTE_BLOCK_CHARS`` characters of a text prompt), chained like the nodes' page hashes from
+a root keyed by the request's cache salt (``route_root``). A
 request goes to the live peer that got its longest known prefix, that peer's prefix cache
 being the likeliest to hold it, unless that peer's load exceeds the least loaded one's by more
 than ``max(SLACK_REQUESTS, SLACK_RATIO x least)``: then, as without a known prefix, the least
@@ -32,34 +33,46 @@ SLACK_REQUESTS = 4
 SLACK_RATIO = 0.5
 
 
-def prefix_keys(token_ids: list[int] | None, text: str | None) -> list[bytes]:
-    """Chained keys of the request's leading full blocks (token ids, else text)."""
+def route_root(salt: str | None) -> bytes:
+    """The seed of a request's chained keys: empty unsalted (the keys as before), else 16
+    bytes of its cache salt's digest (keys are 12), so that a salted prefix's keys never
+    match an unsalted or differently salted one's (``disagg.serving.salting``)."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"disagg.route").digest()
+
+
+def prefix_keys(token_ids: list[int] | None, text: str | None,
+                salt: str | None = None) -> list[bytes]:
+    """Chained keys of the request's leading full blocks (token ids, else text), seeded by
+    its cache ``salt``."""
     if token_ids is not None:
         n = min(len(token_ids) // ROUTE_BLOCK, MAX_BLOCKS)
         ids = memoryview(array("q", token_ids[:n * ROUTE_BLOCK])).cast("B")  # one conversion
-        return _chain(ids, ROUTE_BLOCK * 8)
+        return _chain(ids, ROUTE_BLOCK * 8, root=route_root(salt))
     if text is not None:
-        return _chain(memoryview(text.encode()), ROUTE_BLOCK_CHARS)
+        return _chain(memoryview(text.encode()), ROUTE_BLOCK_CHARS, root=route_root(salt))
     return []
 
 
-def encoded_prefix_keys(encoded: bytes | memoryview) -> list[bytes]:
+def encoded_prefix_keys(encoded: bytes | memoryview, salt: str | None = None) -> list[bytes]:
     """Chained keys of the leading full ``ROUTE_BLOCK_BYTES`` blocks of a msgpack array of
     token ids past its header: a decoder's keys for its prefillers, from the bytes it sends them
     (converting the ids to hash them costs a 4k-token prefix ~0.12 ms more on the 2-core box).
     Equal id prefixes give equal bytes, so equal keys; a block may end inside an id (a hint then
-    claims part of one id too many)."""
+    claims part of one id too many). Seeded by the request's cache ``salt``, like
+    ``prefix_keys``."""
     data = memoryview(encoded)
     if not data:
         return []
     first = data[0]
     head = 1 if first < 0xdc else 3 if first == 0xdc else 5  # fixarray, array16, array32
-    return _chain(data[head:], ROUTE_BLOCK_BYTES, MAX_ENCODED_BLOCKS)
+    return _chain(data[head:], ROUTE_BLOCK_BYTES, MAX_ENCODED_BLOCKS, route_root(salt))
 
 
-def _chain(data: memoryview, block: int, most: int = MAX_BLOCKS) -> list[bytes]:
+def _chain(data: memoryview, block: int, most: int = MAX_BLOCKS, root: bytes = b"") -> list[bytes]:
     keys: list[bytes] = []
-    h = b""
+    h = root
     for i in range(min(len(data) // block, most)):
         h = hashlib.blake2b(h + data[i * block:(i + 1) * block], digest_size=12).digest()
         keys.append(h)

@@ -264,6 +264,34 @@ class AuthorizedKeys:
         return any(key in self.keys(d) for d in self.directories)
 
 
+class ClientKeyIds:
+    """Which client key sent a frame on a client-protocol socket of ``ctx`` (its ZAP
+    ``User-Id``: the z85 public key): the tenant a request is salted by
+    (``disagg.serving.salting``). None for a node key (the router, a node's HTTP gateway:
+    they salt their own clients' requests) and on a context without a node's keys."""
+
+    def __init__(self, ctx: zmq.Context):
+        keys = _KEYS.get(id(ctx), (None, None))[0]
+        self.nodes = AuthorizedKeys(keys.nodes) if keys is not None and keys.is_node else None
+        self.directory = keys.nodes if keys is not None else None
+
+    @property
+    def active(self) -> bool:
+        """CURVE authenticates this context's clients."""
+        return self.nodes is not None
+
+    def tenant(self, frame: zmq.Frame) -> str | None:
+        if self.nodes is None or self.directory is None:
+            return None
+        try:
+            user = frame.get("User-Id")
+        except zmq.ZMQError:  # not a CURVE connection
+            return None
+        if not isinstance(user, str) or not user:
+            return None
+        return None if user.encode() in self.nodes.keys(self.directory) else user
+
+
 def install(ctx: zmq.Context, keys: CurveKeys | None) -> None:
     """Secure every socket later passed to ``server``/``client`` on this context. With a node's
     keys, start the ZAP authenticator: domain ``client`` admits client and node keys, domain
