@@ -76,7 +76,9 @@ class AsyncClient:
                 continue
             q = self._queues.get(msg.request_id)
             if q is None and isinstance(msg, Error) and msg.request_id is None:
-                if msg.code == "overloaded":  # a Stats or Abort frame of ours was refused
+                # a Stats or Abort frame of ours was refused (too many frames in flight, or
+                # the node restarts)
+                if msg.code in ("overloaded", "unavailable"):
                     if self._stats_waiting:
                         self._stats.put_nowait(msg)
                     continue

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.executor_group import ExecutorGroup
+from disagg.actors.front_door import FrontDoor
 from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
 from disagg.actors.transfer import TransferEngine
@@ -45,9 +46,6 @@ from disagg.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-FLUSH_MS = 1000  # at most this long on stop for the last replies to reach connected clients
-
-
 def resolve_model(cfg: NodeConfig) -> NodeConfig:
     """Fill in the model directory: the given one, or the embedded default (converted once)."""
     if cfg.executor.model is not None:
@@ -61,10 +59,14 @@ def resolve_model(cfg: NodeConfig) -> NodeConfig:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None):
+    def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None,
+                 door: FrontDoor | None = None):
         cfg.validate()
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
+        # the client socket of --listen: the supervisor's (kept across restarts), else our own
+        self.door = door if door is not None else FrontDoor(cfg.listen, cfg.curve_keys)
+        self._own_door = door is None
         self.executors: ExecutorGroup | None = None
         self.scheduler: SchedulerActor | None = None
         self.frontend: FrontendActor | None = None
@@ -76,7 +78,7 @@ class Node:
         self.address: str | None = None
         self.summary = ""  # what serves where, once started
         self.failure: str | None = None  # which actor failed and why
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._run_dir: str | None = None
         self._done = asyncio.Event()
         self._error: BaseException | None = None
@@ -118,14 +120,17 @@ class Node:
                 await self._start_decode(cfg, arch, sched_sock, setup, actors)
             else:
                 self.scheduler = SchedulerActor(cfg.role, setup, sched_sock)
-            self.frontend = FrontendActor(cfg.listen, front_sock, self.ctx,
+            lent = await self.door.lend()  # binds --listen the first time
+            assert self.door.ctx is not None
+            self.frontend = FrontendActor(cfg.listen, front_sock, self.door.ctx,
                                           max_inflight=s.max_frames_per_client,
-                                          salt_by_tenant=cfg.cache.salt_by_tenant)
+                                          salt_by_tenant=cfg.cache.salt_by_tenant,
+                                          lent=lent)
             self.address = self.frontend.address
             actors.append(("frontend", self.frontend.run))
         assert self.scheduler is not None
         actors.append(("scheduler", self.scheduler.run))
-        self._tasks = [asyncio.create_task(self._guard(run(), name)) for name, run in actors]
+        self._tasks = {name: asyncio.create_task(self._guard(run(), name)) for name, run in actors}
         freeze_startup_objects(f"{cfg.role} node")
         keep_large_buffers(f"{cfg.role} node")
         self.summary = (f"{cfg.role} node serving {arch.architecture} on {self.address} "
@@ -249,28 +254,39 @@ class Node:
 
     async def stop(self) -> None:
         """Fail every live request (``internal`` naming the failure after one, else
-        ``shutting_down``), stop the actors and every executor process, release the KV
-        memory, its registrations, the sockets and the run directory."""
+        ``shutting_down``) and answer every client frame not taken yet (``unavailable``
+        after a failure, else ``shutting_down``); stop the actors and every executor
+        process, release the KV memory, its registrations, the sockets (the door's stays
+        bound while a supervisor keeps it) and the run directory."""
         code: ErrorCode = "internal" if self.failure is not None else "shutting_down"
         message = self.failure or "the node is shutting down"
+        refused: ErrorCode
+        why, refused = ((f"the node is stopping after {self.failure}", "unavailable")
+                        if self.failure is not None else (message, "shutting_down"))
+        frontend = self._tasks.pop("frontend", None)
+        if frontend is not None:  # first: frames from now on wait in the door's socket
+            frontend.cancel()
+            with contextlib.suppress(BaseException):
+                await frontend
         if self.scheduler is not None:
             self.scheduler.stop()
             with contextlib.suppress(Exception):
                 await self.scheduler.fail_all(code, message)
+                await self.scheduler.refuse_inbox(
+                    functools.partial(self.door.refusal, why=why, code=refused))
                 if self.frontend is not None:  # flush the final replies to clients
                     await asyncio.wait_for(self.frontend.relay_replies(), 1.0)
-        for t in self._tasks:
+        for t in self._tasks.values():
             t.cancel()
-        for t in self._tasks:
+        for t in self._tasks.values():
             with contextlib.suppress(BaseException):
                 await t
         await self._cleanup()
         self._done.set()
 
     async def _cleanup(self) -> None:
-        if self.frontend is not None:  # the final replies go out before the socket goes
-            self.frontend.sock.setsockopt(zmq.LINGER, FLUSH_MS)  # (ctx.destroy waits for it)
-            self.frontend.close()
+        if self._own_door:  # the final replies go out before the socket goes
+            await self.door.close()
         if self.messenger is not None:
             self.messenger.close()
         if self.transfer is not None:
@@ -284,3 +300,10 @@ class Node:
         self.ctx.destroy(linger=0)
         if self._run_dir and self.cfg.run_dir is None:
             shutil.rmtree(self._run_dir, ignore_errors=True)
+        # a stopped node holds nothing of what it ran (whoever still holds the node: the
+        # launcher does): the actors and through them the KV mappings and registrations
+        self.frontend = self.scheduler = self.messenger = self.transfer = None
+        self.counter = self.executors = None
+        self._tasks = {}
+        if self._error is not None:  # its traceback holds the frames that failed
+            self._error = self._error.with_traceback(None)

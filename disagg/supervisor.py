@@ -2,9 +2,11 @@
 on the same addresses, a bounded number of times.
 
 ``RestartPolicy`` is the rule (at most N restarts within any window), ``Supervisor`` runs one
-``Node`` after another under it. Clients keep their sockets: ZeroMQ DEALERs reconnect to the
-re-bound ``--listen`` by themselves (decoders' links to a prefiller too), and the HTTP gateway
-and metrics endpoint, clients of that address, stay up throughout.
+``Node`` after another under it. A mixed or decode node's client socket stays bound throughout
+(``actors/front_door.py``): while no node serves, every client frame is answered ``unavailable``
+with a retry-after hint (about as long as the last start took), none is lost to a closed port.
+A prefill node's peer socket is re-bound: decoders' DEALERs reconnect by themselves. The HTTP
+gateway and metrics endpoint, clients of ``--listen``, stay up throughout.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from disagg.actors.front_door import FrontDoor
 from disagg.config import ConfigError, NodeConfig
 from disagg.node import Node
 from disagg.serving.metrics import Metrics
@@ -73,11 +76,13 @@ class Supervisor:
         self.metrics = Metrics()
         self.node: Node | None = None
         self.restarts = 0
+        self.door = FrontDoor(cfg.listen, cfg.curve_keys)  # bound by the first node's frontend
 
     async def start(self, stop: asyncio.Event) -> Node | None:
         """Start a node (raises as ``Node.start`` does, the node stopped); None if ``stop``
         was set first."""
-        node = Node(self.cfg, self.metrics)
+        node = Node(self.cfg, self.metrics, self.door)
+        t0 = time.monotonic()
         starting = asyncio.ensure_future(node.start())
         stopping = asyncio.ensure_future(stop.wait())
         try:
@@ -95,6 +100,7 @@ class Supervisor:
             raise
         self.node = node
         self.cfg = pin_listen(self.cfg, node.address)
+        self.door.retry_after_s = time.monotonic() - t0
         return node
 
     async def run(self, stop: asyncio.Event,
@@ -106,8 +112,9 @@ class Supervisor:
             failure = await self._failure(self.node, stop)
             if failure is None:
                 return 0
-            await self.stop()
+            await self._stop_node()
             while self.node is None:
+                self.door.refuse(f"the node is restarting after {failure}")
                 if stop.is_set():
                     return 0
                 if not self.policy.allow(time.monotonic()):
@@ -141,8 +148,12 @@ class Supervisor:
         e = failed.exception()
         return None if e is None else node.failure or repr(e)
 
-    async def stop(self) -> None:
-        """Stop the running node, if any."""
+    async def _stop_node(self) -> None:
         node, self.node = self.node, None
         if node is not None:
             await node.stop()
+
+    async def stop(self) -> None:
+        """Stop the running node, if any, and close the client socket."""
+        await self._stop_node()
+        await self.door.close()

@@ -66,9 +66,13 @@ def decode_client_frames(frames: list[bytes]) -> tuple[bytes, ClientMessage | st
 class FrontendActor:
     def __init__(self, listen: str, scheduler: zmq.asyncio.Socket, ctx: zmq.asyncio.Context,
                  max_inflight: int = 8192, max_backlog: int = 4096,
-                 salt_by_tenant: SaltByTenant = "auto"):
-        self.sock, self.monitor = listening(ctx, listen, max_frame=CLIENT_FRAME_BYTES,
-                                            mandatory=True)
+                 salt_by_tenant: SaltByTenant = "auto",
+                 lent: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None):
+        # ``lent``: the bound ROUTER of ``listen`` and its monitor on ``ctx``, lent by a
+        # FrontDoor (actors/front_door.py) that keeps them across restarts and closes them
+        self.lent = lent is not None
+        self.sock, self.monitor = lent or listening(ctx, listen, max_frame=CLIENT_FRAME_BYTES,
+                                                    mandatory=True)
         # cache salts by client key (disagg.serving.salting); Stats replies owed to client
         # keys, whose prefix counters read 0
         self.key_ids = ClientKeyIds(ctx)
@@ -223,6 +227,8 @@ class FrontendActor:
         await self.scheduler.send(self._enc.encode(msg))
 
     def close(self) -> None:
+        if self.lent:  # the door's
+            return
         self.sock.disable_monitor()
         self.monitor.close()
         self.sock.close()

@@ -13,7 +13,7 @@ import logging
 
 from aiohttp import web
 
-from disagg.client import AsyncClient
+from disagg.client import AsyncClient, RequestError
 from disagg.serving.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,10 @@ class MetricsServer:
         log.info("metrics on http://%s:%d/metrics", self.host, self.port)
 
     async def _poll_stats(self) -> None:
-        """Loop: ask the node for Stats (bounded wait), record them, sleep one interval."""
+        """Loop: ask the node for Stats (bounded wait), record them, sleep one interval. No
+        answer, or an Error (``unavailable`` while the node restarts), skips one interval."""
         while True:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, RequestError):
                 self.metrics.update_stats(await self.client.stats(timeout=5.0), self.node_address)
             await asyncio.sleep(self.interval_s)
 

@@ -37,6 +37,7 @@ from disagg.engine.speculative import Speculation
 from disagg.model.config import ModelArch
 from disagg.model.tokenizer import Tokenizer
 from disagg.protocol import (
+    ClientMessage,
     Error,
     ErrorCode,
     Finished,
@@ -317,6 +318,17 @@ class SchedulerActor(ClientIntake):
         self._stopping = True
         for t in self._tasks:
             t.cancel()
+
+    async def refuse_inbox(self, refuse: Callable[[ClientMessage], Error]) -> None:
+        """Once stopped: answer every client frame still queued here with ``refuse``'s Error
+        (a stopping node takes no more work, and leaves no frame it was sent unanswered)."""
+        if self.inbox is None:
+            return
+        async for data in pending(self.inbox):
+            msg = self._dec.decode(data)
+            if not isinstance(msg, ClientGone):
+                self._acks[msg.identity] = self._acks.get(msg.identity, 0) + 1
+                await self._send(msg.identity, refuse(msg.msg))
 
     # ------------------------------------------------------------------ replies
 

@@ -11,16 +11,20 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 import zmq.asyncio
 
 import nodes
 from disagg.actors.executor_group import ExecutorError, ExecutorGroup, exit_reason
+from disagg.actors.front_door import FrontDoor, refusal
 from disagg.client import Client, RequestError
 from disagg.config import ConfigError, NodeConfig
-from disagg.protocol import TokenChunk
+from disagg.protocol import Abort, Error, GenerateRequest, NodeReply, StatsRequest, TokenChunk
 from disagg.supervisor import RestartPolicy, pin_listen
 from nodes import greedy, node, pools_full, prompt, running, stats, wait_for
 from tinymodels import NodeProcess, make_tiny_model
@@ -51,6 +55,83 @@ def test_pin_listen_keeps_the_port_a_node_got():
 def test_exit_reason_names_the_signal():
     assert exit_reason(-signal.SIGKILL) == "was killed by SIGKILL"
     assert exit_reason(3) == "exited with code 3"
+
+
+def test_refusal_answers_every_kind_of_frame_with_when_to_retry():
+    gen = GenerateRequest("r1", prompt_token_ids=[5, 6])
+    e = refusal(gen, "the node is restarting", 2.2)
+    assert (e.code, e.request_id) == ("unavailable", "r1")  # terminal for the request
+    assert e.message == "the node is restarting; retry after 3 s"
+    assert refusal(gen, "x", 0.01).message == "x; retry after 1 s"
+    e = refusal(Abort("r1"), "x", 2.0)
+    assert (e.code, e.request_id) == ("unavailable", None)  # frame-level: nothing to end
+    assert e.message == "abort of 'r1' not taken: x; retry after 2 s"
+    assert refusal(StatsRequest(), "x", 2.0) == Error("unavailable", "x; retry after 2 s")
+    assert refusal("could not decode", "x", 2.0) == Error("bad_frame", "could not decode")
+    assert refusal(gen, "stopping", 2.0, "shutting_down") == Error("shutting_down", "stopping",
+                                                                   "r1")
+
+
+def test_a_front_door_answers_while_no_node_serves_and_hands_its_socket_on():
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(NodeReply)
+
+    async def main() -> None:
+        door = FrontDoor("tcp://127.0.0.1:0")
+        sock, monitor = await door.lend()
+        ctx = zmq.asyncio.Context()
+        client = ctx.socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        try:
+            door.retry_after_s = 4.5
+            door.refuse("the node is restarting")
+            door.refuse("twice is once")
+            await client.send(enc.encode(GenerateRequest("r1", prompt_token_ids=[1])))
+            await client.send(enc.encode(StatsRequest()))
+            await client.send(b"\xc1")
+            replies = [dec.decode(await asyncio.wait_for(client.recv(), 10)) for _ in range(3)]
+            assert replies == [
+                Error("unavailable", "the node is restarting; retry after 5 s", "r1"),
+                Error("unavailable", "the node is restarting; retry after 5 s"),
+                Error("bad_frame", replies[2].message)]  # type: ignore[union-attr]
+            assert door.refused == 3
+            # the next node's frontend gets the same socket and is its one reader
+            assert await door.lend() == (sock, monitor)
+            await client.send(enc.encode(StatsRequest()))
+            assert await sock.poll(10_000) and len(await sock.recv_multipart()) == 2
+            assert not await client.poll(300), "answered by the door after it was lent"
+        finally:
+            client.close()
+            ctx.term()
+            await door.close()
+        assert door.sock is None and door.ctx is None
+
+    asyncio.run(main())
+
+
+def test_the_metrics_endpoint_keeps_polling_a_node_that_answers_with_errors():
+    # a restarting node answers Stats with `unavailable`: the poller skips, it must not stop
+    from disagg.actors.metrics_server import MetricsServer
+    from disagg.serving.metrics import Metrics
+
+    async def main() -> None:
+        door = FrontDoor("tcp://127.0.0.1:0")
+        sock, _ = await door.lend()
+        door.refuse("the node is restarting")
+        server = MetricsServer(sock.getsockopt_string(zmq.LAST_ENDPOINT), "127.0.0.1:0",
+                               Metrics(), interval_s=0.05)
+        await server.start()
+        try:
+            for _ in range(200):
+                if door.refused >= 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert door.refused >= 3, "the poller stopped at the first Error"
+        finally:
+            await server.stop()
+            await door.close()
+
+    asyncio.run(main())
 
 
 def test_watch_raises_when_an_executor_dies(tmp_path):
@@ -220,3 +301,170 @@ def test_prefill_and_decode_nodes_serve_remote_prefills_again_after_executor_kil
         assert stats(d_addr).kv_units_received > 0, "expected a remote prefill"
         for addr in (p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"every page free on {addr}")
+
+
+# ---- requests across restarts -------------------------------------------------------------------
+
+
+def threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+class Retrier:
+    """A long-lived client (one socket) sending greedy requests back to back while ``go`` is
+    set, as a client that retries does: at once after ``error internal``, after a short pause
+    after ``unavailable`` (which says when to retry). Every outcome is kept: ``finished``, the
+    error code, or ``unanswered`` (no terminal message within the deadline)."""
+
+    def __init__(self, addr: str, ids: list[int], max_tokens: int, go: threading.Event,
+                 timeout: float = 30.0):
+        self.ids, self.max_tokens, self.go, self.timeout = ids, max_tokens, go, timeout
+        self.outcomes: list[str] = []
+        self.hints: list[str] = []  # the messages of the unavailable errors
+        self.busy = threading.Event()  # a request of it is in flight
+        self.closing = False
+        self.client = Client(addr)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.closing:
+                if not self.go.wait(0.1):
+                    continue
+                self.busy.set()
+                self.outcomes.append(self._one())
+                self.busy.clear()
+                if self.outcomes[-1] == "unavailable":
+                    time.sleep(0.2)
+        finally:
+            self.busy.clear()
+            self.client.close()
+
+    def _one(self) -> str:
+        try:
+            for _ in self.client.generate(prompt_token_ids=self.ids, timeout=self.timeout,
+                                          sampling=greedy(self.max_tokens)):
+                pass
+        except RequestError as e:
+            if e.error.code == "unavailable":
+                self.hints.append(e.error.message)
+            return e.error.code
+        except TimeoutError:
+            return "unanswered"
+        return "finished"
+
+    def close(self) -> None:
+        self.closing = True
+        self.thread.join(timeout=self.timeout + 10)
+        assert not self.thread.is_alive(), "a request never ended"
+
+
+def idle(clients: list[Retrier], go: threading.Event) -> None:
+    go.clear()
+    wait_for(lambda: not any(c.busy.is_set() for c in clients), timeout=60,
+             what="every client's last request ended")
+
+
+def footprint(pid: int) -> tuple[int, int, int]:
+    """(open fds, threads, KV mappings) of the node process."""
+    return fds(pid), threads(pid), kv_mappings(pid)
+
+
+def serve_across_kills(proc: NodeProcess, addr: str, clients: list[Retrier],
+                       go: threading.Event, kills: int) -> list[tuple[int, int, int]]:
+    """Kill the executor ``kills`` times while every client has a request in flight; after each
+    restart let each client finish one request again, then measure the node idle. Returns
+    the footprint before the first kill and after each restart."""
+    go.set()
+    wait_for(lambda: all("finished" in c.outcomes for c in clients), timeout=60,
+             what="each client served once")
+    idle(clients, go)
+    seen = [footprint(proc.proc.pid)]
+    for k in range(kills):
+        done = [len(c.outcomes) for c in clients]
+        go.set()
+        wait_for(lambda: all(c.busy.is_set() for c in clients), what="every client busy")
+        kill_executor(proc)
+        wait_restarted(proc, k + 2)
+        wait_for(lambda d=done: all("finished" in c.outcomes[n + 1:]  # type: ignore[misc]
+                                    for c, n in zip(clients, d, strict=True)),
+                 timeout=60, what=f"each client served again after restart {k + 1}")
+        idle(clients, go)
+        wait_for(lambda: pools_full(addr), what="every page free")
+        seen.append(settled(proc.proc.pid, seen[0]))
+    return seen
+
+
+def settled(pid: int, before: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The footprint once it is back within ``before`` (a closed connection's fd goes a little
+    after its client), or as it is after 10 s."""
+    deadline = time.monotonic() + 10
+    now = footprint(pid)
+    while any(a > b for a, b in zip(now, before, strict=True)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = footprint(pid)
+    return now
+
+
+def assert_every_request_answered(clients: list[Retrier], kills: int) -> None:
+    outcomes = [o for c in clients for o in c.outcomes]
+    assert outcomes.count("unanswered") == 0, outcomes
+    assert set(outcomes) <= {"finished", "internal", "unavailable"}, outcomes
+    assert outcomes.count("internal") >= kills, "the kills ended no request"
+    for hint in (h for c in clients for h in c.hints):
+        assert re.search(r"(restarting|stopping) after executor failure: .*; retry after \d+ s",
+                         hint), hint
+
+
+def assert_flat(seen: list[tuple[int, int, int]]) -> None:
+    fd0, threads0, maps0 = seen[0]
+    assert maps0 >= 1
+    for fd, n, maps in seen[1:]:
+        assert maps == maps0, f"KV mappings {maps0} -> {maps} across restarts: {seen}"
+        assert n <= threads0, f"threads {threads0} -> {n} across restarts: {seen}"
+        assert fd <= fd0, f"open fds {fd0} -> {fd} across restarts: {seen}"
+
+
+@pytest.mark.parametrize("kills", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_clients_that_retry_at_once_are_answered_across_restarts_of_a_mixed_node(model_dir,
+                                                                                 tmp_path, kills):
+    # requests sent while the node restarts are answered (unavailable, retry-after) or served:
+    # none is lost to a socket that closes; the node's fds, threads and mappings stay flat
+    addr, proc = node("mixed", model_dir, tmp_path, "--num-pages", "128", "--max-model-len",
+                      "200", "--overlap-schedule", "on")
+    go = threading.Event()
+    with running([proc]):
+        clients = [Retrier(addr, prompt(8, i), 120, go) for i in range(8)]
+        try:
+            seen = serve_across_kills(proc, addr, clients, go, kills)
+        finally:
+            go.clear()
+            for c in clients:
+                c.close()
+        assert_every_request_answered(clients, kills)
+        assert_flat(seen)
+
+
+@pytest.mark.fabric
+@pytest.mark.parametrize("kills", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_steady_load_on_a_decode_node_across_executor_kills_leaves_nothing_hung(model_dir,
+                                                                                tmp_path, kills):
+    # a decoder's restarts: every request in flight or arriving reaches a terminal message;
+    # the dead executor's KV mapping and fabric registrations are released before the new one's
+    fast = ["--heartbeat", "0.2", "--peer-timeout", "1", "--prefill-timeout", "10",
+            "--no-prefix-caching"]
+    p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "96", "--no-prefix-caching")
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "96", "--prefill-peer", p_addr,
+                     "--max-model-len", "200", "--on-prefill-failure", "error", *fast)
+    go = threading.Event()
+    with running([p, d], decoders=[d_addr]):
+        clients = [Retrier(d_addr, prompt(12 + 8 * i, i), 60, go) for i in range(4)]
+        try:
+            seen = serve_across_kills(d, d_addr, clients, go, kills)
+        finally:
+            go.clear()
+            for c in clients:
+                c.close()
+        assert_every_request_answered(clients, kills)
+        assert_flat(seen)
