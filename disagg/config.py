@@ -52,10 +52,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     max_batch_tokens: int = 2048  # tokens per step, decode + prefill chunks (--max-batch-tokens)
     max_running: int = 256  # sequences per step (--max-running)
     max_model_len: int = 0  # 0 = the model's max_position_embeddings (--max-model-len)
-    max_requests_per_client: int = 4096  # live requests per client connection (--max-requests-per-client)
+    max_requests_per_client: int = 4096  # live requests per client: its key, else its connection (--max-requests-per-client)
     max_queued_requests: int = 16384  # admitted, not started, all clients (--max-queued-requests)
     queue_timeout_s: float = 600.0  # a request not started within this ends with timeout (--queue-timeout)
     max_frames_per_client: int = 8192  # client frames being handled at once (--max-frames-per-client)
+    max_connections_per_address: int = 1024  # client connections carrying frames, per peer address (--max-connections-per-address)
     # speculative decoding on decode and mixed nodes: ngram (prompt lookup); None = off
     speculative_method: str | None = None  # (--speculative-method)
     num_speculative_tokens: int = 3  # drafted tokens per step and sequence (--num-speculative-tokens)
@@ -83,7 +84,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.max_running < 1:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
-        for name in ("max_requests_per_client", "max_queued_requests", "max_frames_per_client"):
+        for name in ("max_requests_per_client", "max_queued_requests", "max_frames_per_client",
+                     "max_connections_per_address"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
         if not self.queue_timeout_s > 0:

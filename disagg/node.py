@@ -124,6 +124,7 @@ class Node:
             assert self.door.ctx is not None
             self.frontend = FrontendActor(cfg.listen, front_sock, self.door.ctx,
                                           max_inflight=s.max_frames_per_client,
+                                          max_conns_per_address=s.max_connections_per_address,
                                           salt_by_tenant=cfg.cache.salt_by_tenant,
                                           lent=lent)
             self.address = self.frontend.address

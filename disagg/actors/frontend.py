@@ -25,6 +25,7 @@ from disagg.actors.sockets import (
     CLIENT_FRAME_BYTES,
     disconnected_fds,
     listening,
+    peer_address,
     pending_frames,
     source_fd,
 )
@@ -66,6 +67,7 @@ def decode_client_frames(frames: list[bytes]) -> tuple[bytes, ClientMessage | st
 class FrontendActor:
     def __init__(self, listen: str, scheduler: zmq.asyncio.Socket, ctx: zmq.asyncio.Context,
                  max_inflight: int = 8192, max_backlog: int = 4096,
+                 max_conns_per_address: int = 1024,
                  salt_by_tenant: SaltByTenant = "auto",
                  lent: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None):
         # ``lent``: the bound ROUTER of ``listen`` and its monitor on ``ctx``, lent by a
@@ -80,7 +82,8 @@ class FrontendActor:
         self._redact: collections.Counter[bytes] = collections.Counter()
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.scheduler = scheduler
-        self.book = ClientBook(max_inflight, max_backlog)
+        self.book = ClientBook(max_inflight, max_backlog,
+                               max_conns_per_address=max_conns_per_address)
         self.bad_frames = 0
         self.overloaded_frames = 0
         self._enc = msgspec.msgpack.Encoder()
@@ -122,6 +125,14 @@ class FrontendActor:
                 # a new connection may reuse a closed one's fd: the monitor reported that
                 # close before this frame could arrive, so take it in first
                 await self._connection_events()
+            if not self.book.connection_allowed(fd, peer_address(frames[-1])):
+                self.overloaded_frames += 1
+                await self._deliver(identity, Error(
+                    "overloaded", f"too many connections from this address (at most "
+                    f"{self.book.max_conns_per_address}, --max-connections-per-address); "
+                    "send on one already open",
+                    msg.request_id if isinstance(msg, GenerateRequest) else None))
+                continue
             if not self.book.arrived(identity, fd, nbytes):
                 self.overloaded_frames += 1
                 rid = msg.request_id if isinstance(msg, GenerateRequest) else None
@@ -131,9 +142,11 @@ class FrontendActor:
                     f"being handled (at most {self.book.max_inflight} frames, "
                     f"{self.book.max_inflight_bytes >> 20} MiB); retry later", rid))
                 continue
+            key = self.key_ids.tenant(frames[-1])  # a client key: the unit of fairness
             if self.salting.enabled:
-                msg = self._salted(identity, msg, self.key_ids.tenant(frames[-1]))
-            await self.scheduler.send(self._enc.encode(FromClient.of(identity, msg)))
+                msg = self._salted(identity, msg, key)
+            await self.scheduler.send(self._enc.encode(
+                FromClient.of(identity, msg, None if key is None else key.encode())))
 
     async def relay_replies(self) -> None:
         """Route every reply the scheduler has queued (the reply bytes as they are), then

@@ -65,7 +65,8 @@ class ClientIntake:
     raise_hint: str
     live: dict[tuple[bytes, str], Live]
     by_slot: dict[int, tuple[bytes, str]]
-    per_client: collections.Counter[bytes]  # live + tokenizing
+    per_client: collections.Counter[bytes]  # live + tokenizing, per tenant
+    tenant_of: dict[bytes, bytes]  # identity -> its tenant (a client key), as first seen
     queue: FairQueue[Sequence]  # admitted, not handed to batching yet
     tokenizing: dict[tuple[bytes, str], GenerateRequest]
     counters: Counters
@@ -80,7 +81,14 @@ class ClientIntake:
         async def _send(self, identity: bytes, msg: NodeReply) -> None: ...
         async def _end(self, seq: Sequence, terminal: Finished | Error) -> None: ...
 
+    def _tenant(self, identity: bytes) -> bytes:
+        """The unit of fairness of ``identity``'s requests: its client key, else itself."""
+        return self.tenant_of.get(identity, identity)
+
     async def handle(self, env: FromClient) -> None:
+        if env.tenant is not None and env.identity not in self.tenant_of:
+            # a NUL first byte: no routing id a client may choose (libzmq reserves those)
+            self.tenant_of[env.identity] = b"\0" + env.tenant
         match env.msg:
             case GenerateRequest():
                 try:  # the ids decoded and checked against the vocabulary in one pass
@@ -114,7 +122,10 @@ class ClientIntake:
             await self._refuse(identity, req, "duplicate_request",
                                f"request_id {req.request_id!r} is already live")
             return
-        why = self.limits.overload(self.per_client[identity], len(self.queue))
+        tenant = self._tenant(identity)
+        why, make_room = self.limits.admission(
+            self.per_client[tenant], len(self.queue), self.queue.count(tenant),
+            self.queue.clients(tenant), self.queue.largest())
         if why is not None:
             await self._refuse(identity, req, "overloaded", why)
             return
@@ -124,8 +135,10 @@ class ClientIntake:
                 await self._refuse(identity, req, "bad_request", why)
                 return
         if req.prompt is not None and len(req.prompt) > INLINE_TOKENIZE_CHARS:
+            if make_room:
+                await self._give_way()
             self.tokenizing[key] = req  # counted live for its client from now on
-            self.per_client[identity] += 1
+            self.per_client[tenant] += 1
             self.counters.started += 1
             self.spawn(self._tokenize_then_admit(identity, req))
             return
@@ -135,9 +148,23 @@ class ClientIntake:
         except RequestRejected as e:
             await self._refuse(identity, req, e.code, str(e))
             return
+        if make_room:
+            await self._give_way()
         self.counters.started += 1
-        self.per_client[identity] += 1
+        self.per_client[tenant] += 1
         self._accept(identity, req, ids, encoded)
+
+    async def _give_way(self) -> None:
+        """The queue is full and a client below its share came: the newest queued request
+        of the client holding the most ends ``overloaded`` to make room."""
+        seq = self.queue.newest_of_largest()
+        key = self.by_slot.get(seq.slot) if seq is not None else None
+        if seq is None or key is None:
+            return
+        await self._end(seq, Error(
+            "overloaded", f"{self.limits.queued} requests are queued (--max-queued-requests) "
+            "and this client holds more than its share: its newest queued request gave way "
+            "to another client's; retry later", seq.request_id))
 
     async def _refuse(self, identity: bytes, req: GenerateRequest, code: ErrorCode,
                       why: str) -> None:
@@ -161,9 +188,10 @@ class ClientIntake:
         self._accept(identity, req, ids)  # the loop hands it to batching
 
     def _forget_client(self, identity: bytes) -> None:
-        self.per_client[identity] -= 1
-        if self.per_client[identity] <= 0:
-            del self.per_client[identity]
+        tenant = self._tenant(identity)
+        self.per_client[tenant] -= 1
+        if self.per_client[tenant] <= 0:
+            del self.per_client[tenant]
 
     def _accept(self, identity: bytes, req: GenerateRequest, ids: list[int],
                 encoded: memoryview | None = None) -> None:
@@ -177,7 +205,7 @@ class ClientIntake:
         now = time.monotonic()
         self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer, ids), now)
         self.by_slot[slot] = key
-        self.queue.push(identity, seq, now + self.limits.queue_timeout_s)
+        self.queue.push(self._tenant(identity), seq, now + self.limits.queue_timeout_s)
 
     async def client_gone(self, msg: ClientGone) -> None:
         """End a vanished (or no longer reading) client's requests: nobody wants the tokens."""
@@ -196,3 +224,4 @@ class ClientIntake:
             else:
                 await self._end(live.seq, Finished(rid, "abort", self._usage(live.seq)))
         self._acks.pop(msg.identity, None)
+        self.tenant_of.pop(msg.identity, None)

@@ -114,6 +114,7 @@ class SchedulerActor(ClientIntake):
         self.live: dict[tuple[bytes, str], Live] = {}
         self.by_slot: dict[int, tuple[bytes, str]] = {}
         self.per_client: collections.Counter[bytes] = collections.Counter()  # live + tokenizing
+        self.tenant_of: dict[bytes, bytes] = {}  # identity -> its tenant (intake.py)
         self.queue: FairQueue[Sequence] = FairQueue()  # admitted, not handed to batching yet
         self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}
         self._acks: dict[bytes, int] = {}  # client frames handled, not yet counted in a reply
@@ -284,7 +285,7 @@ class SchedulerActor(ClientIntake):
             return
         live = self.live.pop(key)
         self._forget_client(live.identity)
-        self.queue.remove(live.identity, seq)
+        self.queue.remove(self._tenant(live.identity), seq)
         await self.release(seq)
         if isinstance(terminal, Error):
             self.counters.errored += 1

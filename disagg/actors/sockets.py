@@ -86,6 +86,26 @@ def source_fd(frame: zmq.Frame) -> int | None:
         return None
 
 
+def peer_address(frame: zmq.Frame) -> str | None:
+    """The address of the peer a received frame came from (libzmq's ``Peer-Address``
+    property: the IP of a tcp peer), or None when unknown (ipc, inproc)."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
+    return address if isinstance(address, str) and address else None
+
+
+def peer_key(frame: zmq.Frame) -> bytes | None:
+    """The CURVE public key (z85, as the ZAP handler names it: ``User-Id``) of the peer a
+    received frame came from, or None without CURVE."""
+    try:
+        user = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
+    return user.encode() if isinstance(user, str) and user else None
+
+
 async def monitor_events(monitor: zmq.asyncio.Socket) -> list[tuple[int, int]]:
     """Drain a monitor socket (without waiting): (event, value) of each connection event."""
     from zmq.utils.monitor import parse_monitor_message

@@ -77,12 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "host's work behind the device's (auto: on CUDA devices)")
     ap.add_argument("--max-model-len", type=int, default=s.max_model_len)
     ap.add_argument("--max-requests-per-client", type=int, default=s.max_requests_per_client,
-                    help="live requests one client connection may have; more get 'overloaded'")
+                    help="live requests one client may have (its CURVE client key however many "
+                         "connections it opens; without keys its connection); more get "
+                         "'overloaded'")
     ap.add_argument("--max-queued-requests", type=int, default=s.max_queued_requests,
                     help="requests admitted but not started, all clients together; more get "
                          "'overloaded'")
     ap.add_argument("--max-frames-per-client", type=int, default=s.max_frames_per_client,
                     help="frames of one client being handled at once; more get 'overloaded'")
+    ap.add_argument("--max-connections-per-address", type=int,
+                    default=s.max_connections_per_address,
+                    help="client connections one peer address may send frames on (without keys "
+                         "each connection is a client of its own); frames on more get "
+                         "'overloaded'")
     ap.add_argument("--speculative-method", default=s.speculative_method,
                     choices=list(SPECULATIVE_METHODS),
                     help="speculative decoding on decode and mixed nodes: ngram (prompt lookup: "
@@ -210,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                   max_requests_per_client=args.max_requests_per_client,
                                   max_queued_requests=args.max_queued_requests,
                                   max_frames_per_client=args.max_frames_per_client,
+                                  max_connections_per_address=args.max_connections_per_address,
                                   queue_timeout_s=args.queue_timeout,
                                   speculative_method=args.speculative_method,
                                   num_speculative_tokens=args.num_speculative_tokens,

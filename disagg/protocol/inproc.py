@@ -47,13 +47,15 @@ class FromClient(msgspec.Struct, tag="from_client", array_like=True, frozen=True
     identity: bytes
     msg: ClientMessage
     prompt: memoryview | None = None  # msgpack of the request's prompt_token_ids, taken out
+    # the client's unit of fairness (its CURVE client key); None: the connection, identity
+    tenant: bytes | None = None
 
     @classmethod
-    def of(cls, identity: bytes, msg: ClientMessage) -> FromClient:
+    def of(cls, identity: bytes, msg: ClientMessage, tenant: bytes | None = None) -> FromClient:
         if isinstance(msg, GenerateRequest) and msg.prompt_token_ids is not None:
             return cls(identity, msgspec.structs.replace(msg, prompt_token_ids=None),
-                       memoryview(_ENC.encode(msg.prompt_token_ids)))
-        return cls(identity, msg)
+                       memoryview(_ENC.encode(msg.prompt_token_ids)), tenant)
+        return cls(identity, msg, None, tenant)
 
     def generate_request(self, ids: msgspec.msgpack.Decoder[list[int]] = _IDS
                          ) -> GenerateRequest:

@@ -5,12 +5,16 @@ the validation of a client's request into prompt token ids (``prepare_prompt``).
 scheduler has not finished handling (bounded in count and bytes: past either bound a frame is
 answered ``overloaded`` at once), replies a slow reader has not taken yet (bounded: past
 ``max_backlog`` the client counts as stalled, its requests are ended and only terminal replies
-are kept for it), and the connection (file descriptor) each client's frames arrived on, so a
-disconnect names the clients to forget.
+are kept for it), the connection (file descriptor) each client's frames arrived on, so a
+disconnect names the clients to forget, and the connections open per peer address (at most
+``max_conns_per_address`` carry frames: a client without a key is one connection, so more
+connections would be more shares).
 
 ``FairQueue`` is the scheduler's queue of admitted requests that have not started: one FIFO
 per client, served round robin, so one client's 20,000 queued requests do not delay another
-client's one; every entry carries its deadline.
+client's one; every entry carries its deadline. A *client* here is the scheduler's unit of
+fairness, its tenant: the CURVE client key when keys are in use (however many connections it
+opens), else the connection (``Limits`` bounds both).
 """
 
 from __future__ import annotations
@@ -44,14 +48,19 @@ class ClientState:
 
 class ClientBook:
     def __init__(self, max_inflight: int = 8192, max_backlog: int = 4096,
-                 max_inflight_bytes: int = 64 << 20):
-        if max_inflight < 1 or max_backlog < 1 or max_inflight_bytes < 1:
-            raise ValueError("max_inflight, max_backlog and max_inflight_bytes must be >= 1")
+                 max_inflight_bytes: int = 64 << 20, max_conns_per_address: int = 1024):
+        if (max_inflight < 1 or max_backlog < 1 or max_inflight_bytes < 1
+                or max_conns_per_address < 1):
+            raise ValueError("max_inflight, max_backlog, max_inflight_bytes and "
+                             "max_conns_per_address must be >= 1")
         self.max_inflight = max_inflight
         self.max_inflight_bytes = max_inflight_bytes
         self.max_backlog = max_backlog
+        self.max_conns_per_address = max_conns_per_address
         self.clients: dict[bytes, ClientState] = {}
         self.by_fd: dict[int, set[bytes]] = {}
+        self.address_of: dict[int, str] = {}  # connection (fd) -> its peer's address
+        self.conns_of: dict[str, set[int]] = {}  # peer address -> its connections admitted
         self.dropped = 0  # replies dropped for stalled or vanished clients
 
     def _get(self, identity: bytes) -> ClientState:
@@ -79,6 +88,31 @@ class ClientBook:
         state.inflight_bytes += nbytes
         state.sizes.append(nbytes)
         return True
+
+    def connection_allowed(self, fd: int | None, address: str | None) -> bool:
+        """Whether frames on connection ``fd`` from peer ``address`` may be handled: its
+        address has fewer than ``max_conns_per_address`` connections carrying frames, or this
+        is one of them (no fd or no address known: always)."""
+        if fd is None or not address:
+            return True
+        if fd in self.address_of:
+            if self.address_of[fd] == address:
+                return True
+            self._drop_conn(fd)  # a reused fd: the monitor's close came first (frontend)
+        conns = self.conns_of.setdefault(address, set())
+        if len(conns) >= self.max_conns_per_address:
+            return False
+        conns.add(fd)
+        self.address_of[fd] = address
+        return True
+
+    def _drop_conn(self, fd: int) -> None:
+        address = self.address_of.pop(fd, None)
+        if address is not None:
+            conns = self.conns_of.get(address, set())
+            conns.discard(fd)
+            if not conns:
+                self.conns_of.pop(address, None)
 
     def fd_of(self, identity: bytes) -> int | None:
         """The connection ``identity``'s frames came on so far (None: none yet)."""
@@ -141,6 +175,7 @@ class ClientBook:
     def disconnected(self, fd: int) -> list[bytes]:
         """Connection ``fd`` went down: the clients whose frames came on it, forgotten."""
         gone = sorted(self.by_fd.pop(fd, set()))
+        self._drop_conn(fd)
         for identity in gone:
             state = self.clients.pop(identity, None)
             if state is not None:
@@ -243,6 +278,25 @@ class FairQueue(Generic[T]):
     def count(self, client: Hashable) -> int:
         return self.counts.get(client, 0)
 
+    def clients(self, also: Hashable | None = None) -> int:
+        """Clients with queued work, ``also`` counted as one of them."""
+        return len(self.counts) + (also is not None and also not in self.counts)
+
+    def largest(self) -> int:
+        """How many the client with the most queued holds."""
+        return max(self.counts.values(), default=0)
+
+    def newest_of_largest(self) -> T | None:
+        """The entry pushed last by the client with the most queued (the one to give way
+        when the queue is full: ``Limits.admission``), or None when empty."""
+        if not self.counts:
+            return None
+        client = max(self.counts, key=self.counts.__getitem__)
+        q = self.queues[client]
+        while q[-1].removed:  # a live entry exists: counts says so
+            q.pop()
+        return q[-1].item
+
 
 MAX_REQUEST_ID = 256
 
@@ -250,22 +304,39 @@ MAX_REQUEST_ID = 256
 @dataclass(frozen=True)
 class Limits:
     """Admission bounds (``--max-requests-per-client``, ``--max-queued-requests``,
-    ``--queue-timeout``): live requests per client connection, requests admitted but not
-    started, and how long one may wait to start."""
+    ``--queue-timeout``): live requests per client (its key, or its connection without keys),
+    requests admitted but not started, and how long one may wait to start.
+
+    The queue bound is shared fairly: with ``n`` clients queueing each one's share is
+    ``queued // n``. A full queue still admits a client below its share: the newest request
+    of the client holding the most gives way (``overloaded``), never the newcomer."""
 
     per_client: int = 4096
     queued: int = 16384
     queue_timeout_s: float = 600.0
 
-    def overload(self, client_live: int, queued: int) -> str | None:
-        """Why admitting one more request of a client with ``client_live`` live requests,
-        with ``queued`` requests queued, would pass a bound; or None."""
+    def share(self, clients: int) -> int:
+        return max(1, self.queued // max(1, clients))
+
+    def admission(self, client_live: int, queued: int, client_queued: int = 0,
+                  clients: int = 1, largest: int = 0) -> tuple[str | None, bool]:
+        """(why one more request of a client is refused or None, whether the newest request
+        of the largest client must give way first), for a client with ``client_live`` live
+        requests of which ``client_queued`` are queued, ``queued`` queued in all by
+        ``clients`` clients (this one included), the largest of them holding ``largest``."""
         if client_live >= self.per_client:
             return (f"this client has {self.per_client} live requests "
-                    "(--max-requests-per-client); wait for some to finish")
-        if queued >= self.queued:
-            return f"{self.queued} requests are queued (--max-queued-requests); retry later"
-        return None
+                    "(--max-requests-per-client); wait for some to finish"), False
+        if queued < self.queued:
+            return None, False
+        share = self.share(clients)
+        # below its share: another client holds more (unless the queue is smaller than the
+        # clients; then only one holding two more than this one gives way, no ping-pong)
+        if client_queued < share and largest > client_queued + 1:
+            return None, True
+        return (f"{self.queued} requests are queued (--max-queued-requests) and this client "
+                f"holds {client_queued}, its share of {share} among {clients} clients; "
+                "retry later"), False
 
 
 @dataclass
