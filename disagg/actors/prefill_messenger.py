@@ -39,6 +39,8 @@ from disagg.actors.sockets import (
     PEER_FRAME_BYTES,
     disconnected_fds,
     listening,
+    peer_address,
+    peer_key,
     pending_frames,
     source_fd,
 )
@@ -162,6 +164,7 @@ class PrefillMessenger(MessengerBase):
                 if self.sched in events:
                     await self._from_scheduler()
                 self._carry_out(self.life.expire(time.monotonic()))
+                await self.gate.tick(time.monotonic())
         finally:
             self.poller.stop()
 
@@ -178,6 +181,7 @@ class PrefillMessenger(MessengerBase):
                 if len(self.conns) >= 1 << 16:  # fds never reported (None): start over
                     self.conns.clear()
                 self.conns.add(conn)
+                self.gate.seen(conn, peer_key(zframes[-1]), peer_address(zframes[-1]))
             try:
                 if len(frames) != 2:
                     raise msgspec.ValidationError("expected one message frame")

@@ -38,7 +38,7 @@ import torch
 from disagg.fabric import decode_descriptor, make_backend
 from disagg.fabric.backend import FabricBackend, TransferBackend
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
-from disagg.fabric.expectations import TransferTimeout
+from disagg.fabric.expectations import NotPosted
 from disagg.protocol.peer import KVLayoutDesc
 from disagg.remote.transfer_plan import UNIT_BITS, Runs, make_imm, page_runs
 
@@ -237,7 +237,7 @@ class TransferEngine:
         await src.mirror.out(runs.src_offset.tolist(), runs.length.tolist())
         left = deadline - time.monotonic()  # the copy took some of it
         if left <= 0:
-            raise TransferTimeout("write passed its deadline while staged (not posted)")
+            raise NotPosted("write passed its deadline while staged (not posted)")
         await asyncio.gather(*[self.engine.submit(
             src.region, dst, runs.src_offset[m], runs.dst_offset[m], runs.length[m],
             make_imm(key, units), timeout=left) for units, m in groups])

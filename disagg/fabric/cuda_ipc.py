@@ -49,7 +49,7 @@ from disagg import trace
 from disagg.fabric.cuda_copy import CopyIssuer
 from disagg.fabric.cuda_mem import CUMEM_HANDLE, PeerMappings, check_target, driver, serve_fds
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
-from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
+from disagg.fabric.expectations import Expectation, ExpectationTable, NotPosted, TransferTimeout
 from disagg.fabric.regions import EngineClosed, LocalRegion, Window, settle_futures
 
 log = logging.getLogger("disagg.fabric")
@@ -281,7 +281,7 @@ class CudaIpcEngine:
                     job = self._inbox.popleft()
                     work = True
                     if job.deadline <= time.monotonic():  # never issue a copy past it
-                        events.append((job.future, TransferTimeout(
+                        events.append((job.future, NotPosted(
                             "cuda-ipc batch still queued at its deadline, not issued")))
                         continue
                     try:

@@ -26,6 +26,11 @@ class TransferTimeout(TimeoutError):
     """A batch or an expectation passed its deadline (a peer may have died)."""
 
 
+class NotPosted(TransferTimeout):
+    """A batch that passed its deadline before any of its writes was posted: nothing of it
+    can still read its source or land (a provider still connecting, say to a closed port)."""
+
+
 @dataclass(eq=False)
 class Expectation:
     """A pending ``expect``: await it, or ``cancel()`` it to free the immediate value."""

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from disagg.fabric import lib as fl
-from disagg.fabric.expectations import ExpectationTable, TransferTimeout
+from disagg.fabric.expectations import ExpectationTable, NotPosted, TransferTimeout
 from disagg.fabric.regions import EngineClosed, settle_futures
 from disagg.fabric.slots import Batch, CQReader, WriteSlots
 
@@ -136,7 +136,7 @@ class ProgressThread:
         while self._sending and free:
             b = self._sending[0]
             if not b.finished and b.deadline <= time.monotonic():  # never post past it
-                self._finish(b, TransferTimeout(
+                self._finish(b, (NotPosted if b.posted == 0 else TransferTimeout)(
                     f"write batch (imm {b.imm:#x}): {b.src.shape[0] - b.posted} writes still "
                     f"queued at the deadline, not posted"), events)
             if b.finished:
