@@ -48,6 +48,7 @@ from disagg.actors.prefill_peers import (
     Wire,
     close_offer,
     make_offer,
+    new_epoch,
     offer_due,
 )
 from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending, pending_frames
@@ -161,10 +162,10 @@ class DecodeMessenger(MessengerBase):
             if self.sched in events:
                 await self._from_scheduler()
             for p in self.peers:
+                if p.monitor in events:  # first: a new process's Pong finds the epoch moved
+                    await self._connection_events(p)
                 if p.sock in events:
                     await self._from_peer(p)
-                if p.monitor in events:
-                    await self._connection_events(p)
 
     async def _from_scheduler(self) -> None:
         async for frames in pending_frames(self.sched):  # uncopied: SendPrefill.prompt
@@ -286,7 +287,13 @@ class DecodeMessenger(MessengerBase):
                 await asyncio.wait_for(asyncio.shield(peer.challenge[1].future), CHALLENGE_WAIT_S)
         n = NONCE_BYTES * max(1, min(ch.lanes, MAX_LANES))
         start = nonce_offset(self.ctx_buf.numel(), peer.slot, 0)
-        nonce = bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes())
+        deadline = time.monotonic() + CHALLENGE_WAIT_S
+        # the slot still holds the last nonce answered: this check's writes carry a key whose
+        # expectation an earlier check completed, and may not have landed yet
+        while (nonce := bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes())
+               ) == peer.answered_nonce and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        peer.answered_nonce = nonce
         with contextlib.suppress(zmq.ZMQError):
             await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
         if not ch.request_id:  # the check of our offer: its window is done with
@@ -453,6 +460,7 @@ class DecodeMessenger(MessengerBase):
             if event == zmq.EVENT_DISCONNECTED:
                 peer.epoch += 1
                 peer.down_at = time.monotonic()
+                new_epoch(peer)  # its next Pong gets a fresh offer under a fresh key
             elif event & HANDSHAKE_FAILED:
                 peer.redial = True
 

@@ -45,6 +45,7 @@ class Peer:
     offered_epoch: int = -1  # the connection epoch its last OwnershipOffer went out on
     offered_at: float = 0.0  # when (monotonic)
     offer_window: Any = None  # that offer's registrations, until the check is answered
+    answered_nonce: bytes = b""  # the nonce its last challenge was answered with
 
 
 @dataclass
@@ -140,6 +141,18 @@ def make_offer(peer: Peer, transfer: Any, kv_regions: list[Any], ctx_region: Any
     peer.offer_window, peer.offered_epoch, peer.offered_at = window, peer.epoch, now
     return OwnershipOffer(window.descriptors[-1].encode(), peer.slot, key,
                           [d.encode() for d in window.descriptors[:-1]])
+
+
+def new_epoch(peer: Peer) -> None:
+    """Its connection went down (the process behind it may be a new one next time): the
+    challenge key its requests and offer carried so far is retired with its expectation
+    (requests queued meanwhile, read by a new process, name that key: their checks must not
+    complete the next one's expectation), and the offer's window closed, so that its next
+    Pong gets a fresh offer under a fresh key at once (``offer_due``)."""
+    if peer.challenge is not None:
+        peer.challenge[1].cancel()
+        peer.challenge = None
+    close_offer(peer)
 
 
 def close_offer(peer: Peer) -> None:
