@@ -14,9 +14,10 @@ ids, so the scheduler's block tables serve both. For a step whose chunks ask for
 3. returns the plan with each drafting chunk's ``token_ids`` extended by its drafts
    (``num_draft``), for the target to verify (``disagg.engine.speculative``).
 
-Drafts are the draft model's greedy choices: a one-hot proposal, which rejection sampling
-handles exactly. The draft's KV past the accepted tokens is overwritten later, never read.
-Its steps replay the draft runner's decode CUDA graphs when they are plain decodes.
+Drafts are the draft model's greedy choices, verified by comparing each with the target's
+own token there (its seeded draw for a sampled request). The draft's KV past the accepted
+tokens is overwritten later, never read. Its steps replay the draft runner's decode CUDA
+graphs when they are plain decodes.
 
 Across the split (SEED.md 25) a prefill node given the same draft model prefills it too
 (``DraftModel.prefill``: the draft over every chunk of the step, before the model, sampling

@@ -5,15 +5,17 @@ scheduler appends up to K drafted tokens to that chunk (``SeqChunk.num_draft``);
 computes all K+1 positions at once (causal, like a prefill chunk), and the runner verifies the
 drafts against the target's own distributions at those positions (``verify``):
 
-- greedy requests accept drafts while each equals the target's argmax, then add the target's
-  own token (the correction, or a bonus after a fully accepted run): the output is token for
-  token what decoding without speculation gives;
-- sampled requests use rejection sampling. Drafts here are deterministic (prompt lookup, or a
-  draft model's greedy choice), i.e. a one-hot proposal q, so a draft x is accepted with
-  probability p(x) and a rejection draws from p with x removed (``max(p - q, 0)``,
-  renormalised): every emitted token follows the target distribution p exactly. Each output
-  index draws from its own generator seeded by ``(request seed, output index)``, so a seed
-  still reproduces a run.
+- every request keeps drafts while each equals the token the target itself emits at that
+  position, then adds that token (the correction at the first mismatch, or a bonus after a
+  fully accepted run). For greedy requests that token is the argmax; for sampled ones it is
+  the draw ``disagg.engine.sampling.draw`` makes for that output index from the request's seed,
+  exactly the draw a step without drafts makes ("sample and compare"). So the output is token
+  for token what decoding without speculation gives, greedy or seeded, whichever positions a
+  step happened to draft (up to the float noise of computing a position in a longer chunk,
+  as between batch sizes). It is exact for any draft source (every emitted token is a plain
+  draw of the target), and with deterministic drafts (prompt lookup, a draft model's or the
+  MTP layer's greedy choice: a one-hot proposal q) it accepts a draft x with probability
+  p(x), as rejection sampling would.
 
 The KV the step wrote at rejected positions lies past the sequence's computed length: never
 read, overwritten by the next step.
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from disagg.engine.sampling import draw_seed, filter_logits, sample, usable_or_greedy
+from disagg.engine.sampling import Draw, draw_into
 from disagg.protocol.executor import SeqChunk
 
 if TYPE_CHECKING:
@@ -111,60 +113,64 @@ def propose_ngram(tokens: list[int] | np.ndarray, k: int, n_max: int = 4,
     return arr[best_j + 1:best_j + 1 + k].tolist()
 
 
+def target_tokens(logits: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+    """The target's own token at every row of ``logits`` (float32, ``1 + num_draft`` rows per
+    chunk in order), on the device, not waited for: the argmax for greedy chunks; for sampled
+    ones the draw of output index ``output_index + j`` at the chunk's row j, the very draw a
+    step without drafts would make for that index."""
+    at: list[int] = []
+    rows: list[Draw] = []
+    row = 0
+    for c in chunks:
+        n = c.num_draft + 1
+        if c.temperature > 0.0:
+            at += range(row, row + n)
+            rows += [(c.temperature, c.top_k, c.top_p, c.seed, c.output_index + j)
+                     for j in range(n)]
+        row += n
+    if row != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows for chunks needing {row}")
+    out = logits.argmax(dim=-1)
+    return draw_into(out, logits, at, rows) if at else out
+
+
+def accept(targets: list[int], drafts: list[int]) -> list[int]:
+    """The tokens a chunk emits given the target's token at each of its ``len(drafts) + 1``
+    positions: the drafts while each equals the target's token, then the target's token (the
+    correction at the first mismatch, or the bonus after the last draft)."""
+    out: list[int] = []
+    for t, d in zip(targets, drafts, strict=False):
+        out.append(int(t))
+        if t != d:
+            return out
+    out.append(int(targets[len(drafts)]))
+    return out
+
+
+def drafts_of(chunk: SeqChunk) -> list[int]:
+    k = chunk.num_draft
+    return chunk.token_ids[len(chunk.token_ids) - k:] if k else []
+
+
 def verify(logits: torch.Tensor, chunk: SeqChunk, argmax: list[int] | None = None) -> list[int]:
     """The tokens a chunk with ``chunk.num_draft`` = k drafts emits, given the target's float32
     ``logits [k + 1, V]`` at its last k + 1 positions (``argmax``: their argmax, if already
     on the host). Returns the accepted drafts plus one target token (1 to k + 1 tokens)."""
-    k = chunk.num_draft
-    drafts = chunk.token_ids[len(chunk.token_ids) - k:] if k else []
-    if chunk.temperature <= 0.0:
-        best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for j, d in enumerate(drafts):
-            out.append(int(best[j]))
-            if best[j] != d:
-                return out
-        out.append(int(best[k]))
-        return out
-    out = []
-    for j in range(k + 1):
-        row = filter_logits(logits[j] / chunk.temperature, chunk.top_k, chunk.top_p)
-        probs = usable_or_greedy(torch.softmax(row, dim=-1), logits[j])
-        gen = torch.Generator(device=logits.device).manual_seed(
-            draw_seed(chunk.seed, chunk.output_index + j))
-        if j == k:  # every draft accepted: the bonus token, as a plain decode would draw it
-            out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-            return out
-        d = drafts[j]
-        u = float(torch.rand(1, generator=gen, device=logits.device).item())
-        if u < float(probs[d].item()):
-            out.append(d)
-            continue
-        residual = probs.clone()
-        residual[d] = 0.0
-        if float(residual.sum().item()) <= 0.0:  # p was one-hot on d: it cannot be rejected
-            out.append(d)
-            continue
-        out.append(int(torch.multinomial(residual, 1, generator=gen).item()))
-        return out
-    return out
+    if chunk.temperature <= 0.0 and argmax is not None:
+        return accept(argmax, drafts_of(chunk))
+    return accept(target_tokens(logits, [chunk]).tolist(), drafts_of(chunk))
 
 
 def verify_all(logits: torch.Tensor, chunks: list[SeqChunk]) -> tuple[list[int], list[int]]:
     """Tokens of every sampled chunk of a step (``logits``: their rows in order, 1 +
-    ``num_draft`` each) and how many each emitted. One device-to-host copy for the argmax."""
-    greedy = logits.argmax(dim=-1).tolist()
+    ``num_draft`` each) and how many each emitted. One device-to-host copy for the step."""
+    targets = target_tokens(logits, chunks).tolist()
     tokens: list[int] = []
     counts: list[int] = []
     row = 0
     for c in chunks:
         n = c.num_draft + 1
-        if c.num_draft == 0 and c.temperature <= 0.0:
-            out = [int(greedy[row])]
-        elif c.num_draft == 0:
-            out = sample(logits[row:row + 1], [c])
-        else:
-            out = verify(logits[row:row + n], c, greedy[row:row + n])
+        out = accept(targets[row:row + n], drafts_of(c))
         tokens += out
         counts.append(len(out))
         row += n

@@ -119,3 +119,22 @@ def test_across_the_split_the_decoder_has_the_layers_kv_of_one_pass(v3, cut):
     torch.testing.assert_close(rows(dec.mtp_drafter.cache), rows(cache))
     assert dec.next_drafts is not None
     assert dec.next_drafts[0][0] == int(model.logits(y[-1:]).argmax(dim=-1).item())
+
+
+def test_seeded_sampling_is_the_same_with_mtp_drafts(v3):
+    """A seeded request draws the same tokens whether or not (and wherever) the MTP layer's
+    drafts ride along: each emitted token is the plain draw of its output index."""
+    _, model = v3
+    params = [SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=t, seed=50 + i)
+              for i, t in enumerate((0.02, 1.0))]
+    prompts = [p for p in PROMPTS for _ in params]
+    params = params * len(PROMPTS)
+    alone = [LLM(model, num_pages=64, page_size=PAGE).generate([pr], [p])[0].token_ids
+             for pr, p in zip(prompts, params, strict=True)]
+    for budget in (64, 5):
+        llm = LLM(model, num_pages=96, page_size=PAGE, max_batch_tokens=budget,
+                  speculative=Speculation("mtp", 2))
+        assert [o.token_ids for o in llm.generate(prompts, params)] == alone, budget
+        s = llm.scheduler
+        assert s.spec_draft_tokens > 0  # (the tiny random MTP layer's drafts are rejected)
+        assert llm.pool.num_free == llm.pool.num_pages

@@ -3,7 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.engine.sampling import draw_seed, filter_logits, sample, usable_or_greedy
+from disagg.engine.sampling import (
+    draw_seed,
+    filter_logits,
+    sample,
+    sample_device,
+    usable_or_greedy,
+)
 from disagg.protocol import (
     MAX_STOP_TOKEN_IDS,
     MIN_TEMPERATURE,
@@ -58,6 +64,47 @@ def test_sampling_distribution_follows_temperature():
     frac = sum(draws) / len(draws)
     expected = torch.softmax(torch.tensor([0.0, 1.0]), 0)[1].item()  # ~0.73
     assert abs(frac - expected) < 0.08
+
+
+MIXED = [dict(temperature=0.7, seed=1), dict(), dict(temperature=1.3, top_k=20, seed=2),
+         dict(temperature=1.0, top_p=0.8, seed=3, output_index=5), dict(temperature=0.05, seed=4),
+         dict(temperature=2.0, top_k=3, top_p=0.9, seed=1, output_index=1)]
+
+
+def test_a_rows_draw_does_not_depend_on_the_rest_of_the_batch():
+    """Each row draws what it draws alone, in any order and beside any other rows."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        logits = torch.randn(len(MIXED), 200, generator=gen) * (1 + trial % 5)
+        rows = [chunk(**kw) for kw in MIXED]
+        alone = [sample(logits[i:i + 1], [c])[0] for i, c in enumerate(rows)]
+        assert sample(logits, rows) == alone
+        order = torch.randperm(len(rows), generator=gen).tolist()
+        assert sample(logits[order], [rows[i] for i in order]) == [alone[i] for i in order]
+        assert sample(logits[2:4], rows[2:4]) == alone[2:4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_and_verifying_on_cuda_never_wait_for_the_device():
+    from disagg.engine.speculative import target_tokens
+
+    logits = torch.randn(len(MIXED), 5000, device="cuda") * 3
+    rows = [chunk(**kw) for kw in MIXED]
+    drafted = SeqChunk(slot=1, token_ids=[1, 2, 3], start_pos=0, block_table=[0], sample=True,
+                       temperature=0.8, seed=5, output_index=2, num_draft=2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+    try:
+        out = sample_device(logits, rows)
+        targets = target_tokens(torch.cat([logits, logits[:3]]), rows + [drafted])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    alone = [sample(logits[i:i + 1], [c])[0] for i, c in enumerate(rows)]
+    assert out.tolist() == alone == targets[:len(rows)].tolist()
+    plain = [sample(logits[j:j + 1], [chunk(temperature=0.8, seed=5, output_index=2 + j)])[0]
+             for j in range(3)]
+    assert targets[len(rows):].tolist() == plain
 
 
 POISONS = [  # rows torch.multinomial refuses: probabilities not finite, or nothing kept

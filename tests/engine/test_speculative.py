@@ -1,5 +1,6 @@
-"""Speculative decoding: prompt-lookup drafting, verification (greedy and rejection sampling),
-the scheduler's accounting, and greedy output unchanged end to end (in-process engine)."""
+"""Speculative decoding: prompt-lookup drafting, verification (greedy, and sampled by comparing
+each draft with the plain seeded draw), the scheduler's accounting, and greedy and seeded output
+unchanged end to end (in-process engine)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from disagg.engine.cache import PagePool
+from disagg.engine.sampling import sample
 from disagg.engine.scheduling import BatchScheduler, Sequence, Status
 from disagg.engine.speculative import Speculation, propose_ngram, verify, verify_all
 from disagg.llm import LLM
@@ -52,9 +54,9 @@ def test_prompt_lookup_equals_its_definition_on_random_sequences():
                 tokens, 3, n_max, n_min), (tokens, n_max, n_min)
 
 
-def chunk(tokens, k, temperature=0.0, seed=0, index=0):
+def chunk(tokens, k, temperature=0.0, seed=0, index=0, top_k=0, top_p=1.0):
     return SeqChunk(0, list(tokens), 10, [0, 1, 2, 3], True, temperature=temperature, seed=seed,
-                    output_index=index, num_draft=k)
+                    output_index=index, num_draft=k, top_k=top_k, top_p=top_p)
 
 
 def onehot_logits(ids, vocab=8):
@@ -75,7 +77,30 @@ def test_greedy_verification_keeps_the_targets_tokens():
     assert tokens == [3, 4, 5, 2] and counts == [3, 1]
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
+def test_sampled_verification_emits_the_plain_seeded_draws():
+    """At each drafted position a sampled chunk emits exactly the token a step without drafts
+    draws for that output index from the request's seed: drafts equal to those draws are kept,
+    the first other one is replaced by the draw, and the step ends there."""
+    g = torch.Generator().manual_seed(11)
+    k = 4
+    for trial in range(60):
+        logits = torch.randn(k + 1, 12, generator=g) * (1 + trial % 4)  # flat to peaked
+        kw = dict(temperature=(0.3, 0.7, 1.0, 1.5)[trial % 4], top_k=(0, 5)[trial % 2],
+                  top_p=(1.0, 0.8, 1.0)[trial % 3])
+        seed, index = 1000 + trial, trial % 7
+        plain = [sample(logits[j:j + 1], [chunk([1], 0, seed=seed, index=index + j, **kw)])[0]
+                 for j in range(k + 1)]
+        assert verify(logits, chunk([1] + plain[:k], k, seed=seed, index=index, **kw)) == plain
+        for m in range(k):  # the first m drafts right, the next one wrong
+            drafts = plain[:m] + [(plain[m] + 1) % 12] + plain[m + 1:k]
+            c = chunk([1] + drafts, k, seed=seed, index=index, **kw)
+            assert verify(logits, c) == plain[:m + 1], (trial, m)
+            tokens, counts = verify_all(torch.cat([logits, logits[:1]]),
+                                        [c, chunk([1], 0, seed=seed, index=index, **kw)])
+            assert tokens == plain[:m + 1] + plain[:1] and counts == [m + 1, 1]
+
+
+def test_sampled_verification_keeps_the_target_distribution():
     """The first token emitted after drafting d follows p whether d is likely or not."""
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = torch.log(p).repeat(2, 1)
@@ -207,6 +232,63 @@ def test_stops_inside_accepted_runs_and_seeded_sampling_reproduces(llama):
                 speculative=spec).generate(PROMPTS, sampled)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert llm.pool.num_free == llm.pool.num_pages
+
+
+def seeded_requests():
+    """Each prompt with near-greedy draws (drafts often accepted) and flatter ones (mostly
+    rejected), top-k and top-p among them; a seed per request."""
+    kinds = [(0.02, 0, 1.0), (0.1, 0, 1.0), (1.0, 20, 0.9), (0.3, 5, 1.0)]
+    prompts = [p for p in PROMPTS for _ in kinds]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=t, top_k=k, top_p=p,
+                             seed=100 + i) for i, (t, k, p) in enumerate(kinds * len(PROMPTS))]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def seeded_alone(llama):
+    """Every seeded request's tokens run alone, without speculation."""
+    _, model = llama
+    prompts, params = seeded_requests()
+    return [LLM(model, num_pages=64, page_size=PAGE).generate([pr], [p])[0].token_ids
+            for pr, p in zip(prompts, params, strict=True)]
+
+
+def test_seeded_sampling_is_the_same_alone_batched_and_with_prompt_lookup(llama, seeded_alone):
+    """Which output indices a step drafts depends on the batch (its token budget, the other
+    sequences); a seeded request's tokens do not: several K, budgets that cut the drafts."""
+    _, model = llama
+    prompts, params = seeded_requests()
+    batched = LLM(model, num_pages=96, page_size=PAGE).generate(prompts, params)
+    assert [o.token_ids for o in batched] == seeded_alone
+    accepted = rejected = 0
+    for k in (1, 3, 8):
+        for budget in (64, 5, 9):
+            llm = LLM(model, num_pages=96, page_size=PAGE, max_batch_tokens=budget,
+                      speculative=Speculation("ngram", k))
+            outs = llm.generate(prompts, params)
+            assert [o.token_ids for o in outs] == seeded_alone, (k, budget)
+            s = llm.scheduler
+            accepted += s.spec_accepted_tokens
+            rejected += s.spec_draft_tokens - s.spec_accepted_tokens
+            assert llm.pool.num_free == llm.pool.num_pages
+    assert accepted > 0 and rejected > 0  # both branches of the verification ran
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "other"])
+def test_seeded_sampling_is_the_same_with_a_draft_model(llama, tiny_models, seeded_alone,
+                                                         draft_kind):
+    path, model = llama
+    draft = model if draft_kind == "same" else load_model(tiny_models["qwen2"], "float32")
+    prompts, params = seeded_requests()
+    for budget in (64, 6):
+        llm = LLM(model, num_pages=96, page_size=PAGE, max_batch_tokens=budget,
+                  speculative=Speculation("draft", 3), draft_model=draft)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == seeded_alone, budget
+        s = llm.scheduler
+        assert s.spec_accepted_tokens < s.spec_draft_tokens
+        if draft_kind == "same":  # its greedy drafts match the near-greedy draws
+            assert s.spec_accepted_tokens > 0
+        assert llm.pool.num_free == llm.pool.num_pages
 
 
 @pytest.mark.parametrize("draft_kind", ["same", "other"])
