@@ -50,7 +50,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     temperature: float = 0.0  # 0 = greedy, else in [MIN_TEMPERATURE, 100]
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0  # 1 = disabled; > 0 in float32
-    seed: int | None = None  # per-request seed; same seed -> same tokens, alone or batched
+    # per-request seed; same seed -> same tokens, alone or batched, with or without speculative
+    # decoding (where the logits are the same: README, sampling fields)
+    seed: int | None = None
     stop_token_ids: list[int] = []  # finish (reason "stop") when one of these is sampled
     ignore_eos: bool = False  # keep going past the model's EOS tokens
     min_tokens: int = 0  # EOS/stop tokens are ignored before this many outputs
