@@ -8,6 +8,8 @@ Sends: client-protocol ``GenerateRequest`` / ``Abort`` / ``StatsRequest`` throug
 ``Abort`` whenever an HTTP client goes away or a stop string matches.
 Owns: the HTTP listener, the tokenizer (chat templates, prompt token counts), the process's
 ``Metrics`` (latency histograms from the streams it relays; gauges from Stats it polls).
+What HTTP clients can hold of it (connections, header/body/write time, body bytes) is bounded
+by ``HttpLimits`` (``disagg.actors.http_guard``).
 
 Validation and response shapes are pure functions in ``disagg.serving.openai_api``.
 """
@@ -25,8 +27,24 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
+from disagg.actors.http_guard import (
+    LINGER_S,
+    BodyError,
+    ConnectionGate,
+    GatedSite,
+    deliver,
+    read_body,
+    send,
+)
 from disagg.client import AsyncClient, RequestError
 from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, Usage
+from disagg.serving.http_limits import (
+    BodyBudget,
+    HttpLimits,
+    connection_cap,
+    nofile_limit,
+    open_fds,
+)
 from disagg.serving.metrics import CONTENT_TYPE, Metrics, RequestTimer
 from disagg.serving.openai_api import (
     SSE_DONE,
@@ -50,7 +68,7 @@ from disagg.serving.openai_api import (
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
+MAX_BODY_BYTES = HttpLimits().max_body_bytes
 INLINE_BODY_BYTES = 64 << 10  # larger bodies are prepared on a worker thread
 SHUTDOWN_S = 5.0  # stopping the gateway waits this long for running handlers, then cancels
 
@@ -88,8 +106,13 @@ class Gateway:
     def __init__(self, backend: Backend, http_listen: str, model_name: str, tokenizer: Any,
                  max_model_len: int, metrics: Metrics | None = None, stats_interval: float = 1.0,
                  request_timeout: float = 600.0, stats_label: str | None = "node",
-                 on_stop: Callable[[], Awaitable[None]] | None = None):
+                 on_stop: Callable[[], Awaitable[None]] | None = None,
+                 limits: HttpLimits | None = None):
         self.backend = backend
+        self.limits = (limits or HttpLimits()).validate()
+        self._bodies = BodyBudget(self.limits.body_buffer_bytes)
+        self._busy: set[Any] = set()  # connections with a request in progress
+        self.gate: ConnectionGate | None = None
         self.host, self.port = parse_listen(http_listen)
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -104,7 +127,8 @@ class Gateway:
         self._last_stats: float | None = None
         self._runner: web.AppRunner | None = None
         self._poller: asyncio.Task[None] | None = None
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
+        self.app = web.Application(client_max_size=self.limits.max_body_bytes,
+                                   middlewares=[self._guard, _errors])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -127,10 +151,19 @@ class Gateway:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts
         # the request on the node; stopping waits at most SHUTDOWN_S for handlers still running
         # (aiohttp's default is 60 s), then cancels them
+        # keepalive_timeout: armed at connect and after each response, it closes a connection
+        # without a complete request head by then (idle, or a slowloris)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=SHUTDOWN_S)
+                                     shutdown_timeout=SHUTDOWN_S, lingering_time=LINGER_S,
+                                     keepalive_timeout=self.limits.header_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        assert self._runner.server is not None
+        cap = connection_cap(self.limits.max_connections, nofile_limit(), open_fds())
+        if cap < self.limits.max_connections:
+            log.warning("HTTP connections capped at %d (not %d): the fd limit is %d",
+                        cap, self.limits.max_connections, nofile_limit())
+        self.gate = ConnectionGate(self._runner.server, cap, self._busy)
+        site = GatedSite(self._runner, self.host, self.port, self.gate)
         await site.start()
         if self.port == 0:
             self.port = int(self._runner.addresses[0][1])
@@ -173,6 +206,21 @@ class Gateway:
         limit = max(5.0, 3 * self.stats_interval)
         return self._last_stats is not None and time.monotonic() - self._last_stats < limit
 
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:
+        """Mark the connection busy (not closed to make room) while its request runs, and
+        send the response within the write timeout."""
+        proto = request.protocol
+        self._busy.add(proto)
+        try:
+            resp = await handler(request)
+            await deliver(request, resp, self.limits.write_timeout_s)
+            return resp
+        finally:
+            self._busy.discard(proto)
+
     # ------------------------------------------------------------------ simple routes
 
     async def models(self, request: web.Request) -> web.Response:
@@ -203,7 +251,7 @@ class Gateway:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.read()
+            body = await read_body(request, self.limits, self._bodies)
             if len(body) > INLINE_BODY_BYTES:  # parse, template, tokenize off the event loop
                 prep = await asyncio.to_thread(self._prepare, body, chat)
             else:
@@ -288,6 +336,9 @@ class Gateway:
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
+        async def put(data: bytes | None) -> None:  # None: the end; Stalled past the timeout
+            await send(request, resp, data, self.limits.write_timeout_s)
+
         def chunk(text: str | None, reason: str | None = None) -> bytes:
             if chat:
                 delta = {} if text is None else {"content": text}
@@ -296,31 +347,31 @@ class Gateway:
 
         try:
             if chat:
-                await resp.write(sse(chat_chunk(rid, model, created,
-                                                {"role": "assistant", "content": ""},
-                                                None, usage_on)))
+                await put(sse(chat_chunk(rid, model, created,
+                                         {"role": "assistant", "content": ""}, None,
+                                         usage_on)))
             ev: Event | None = first
             while ev is not None:
                 if ev.finish_reason is not None:
                     assert ev.usage is not None
                     if ev.text:
-                        await resp.write(chunk(ev.text))
-                    await resp.write(chunk(None, ev.finish_reason))
+                        await put(chunk(ev.text))
+                    await put(chunk(None, ev.finish_reason))
                     if usage_on:
                         obj = "chat.completion.chunk" if chat else "text_completion"
-                        await resp.write(sse(usage_chunk(rid, model, created, obj, ev.usage)))
-                    await resp.write(SSE_DONE)
-                    await resp.write_eof()
+                        await put(sse(usage_chunk(rid, model, created, obj, ev.usage)))
+                    await put(SSE_DONE)
+                    await put(None)
                     return resp, ev.finish_reason
                 if ev.text:
-                    await resp.write(chunk(ev.text))
+                    await put(chunk(ev.text))
                 ev = await anext(events, None)
         except ApiError as e:  # after the 200: report in-band, then end the stream
             with contextlib.suppress(ConnectionError):
-                await resp.write(sse(e.body()))
-                await resp.write(SSE_DONE)
+                await put(sse(e.body()))
+                await put(SSE_DONE)
             raise _Reported(resp, e) from None
-        except ConnectionError:  # client gone: closing the events aborts the request
+        except ConnectionError:  # client gone or Stalled: closing the events aborts it
             return resp, "abort"
         return resp, "error"
 
@@ -343,7 +394,10 @@ def _json(body: dict[str, Any], status: int = 200) -> web.Response:
 def _error(e: ApiError) -> web.StreamResponse:
     if isinstance(e, _Reported):
         return e.resp
-    return _json(e.body(), e.status)
+    resp = _json(e.body(), e.status)
+    if isinstance(e, BodyError):  # the rest of the body is not read: end the connection
+        resp.force_close()
+    return resp
 
 
 @web.middleware
@@ -377,7 +431,8 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
 async def start_http_gateway(node_client_address: str, http_listen: str, model_dir: str,
                              model_name: str | None = None, max_model_len: int | None = None,
                              metrics: Metrics | None = None, stats_interval: float = 1.0,
-                             request_timeout: float = 600.0) -> Gateway:
+                             request_timeout: float = 600.0,
+                             limits: HttpLimits | None = None) -> Gateway:
     """Serve the OpenAI API on ``http_listen`` for the node at ``node_client_address``.
 
     ``model_dir`` gives the tokenizer (chat template, prompt lengths) and, unless
@@ -392,7 +447,7 @@ async def start_http_gateway(node_client_address: str, http_listen: str, model_d
     client = AsyncClient(node_client_address)
     gateway = Gateway(client, http_listen, model_name or Path(model_dir).name, tokenizer,
                       max_model_len, metrics, stats_interval, request_timeout,
-                      stats_label=node_client_address, on_stop=client.close)
+                      stats_label=node_client_address, on_stop=client.close, limits=limits)
     try:
         await gateway.start()
     except BaseException:

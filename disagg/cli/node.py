@@ -22,6 +22,7 @@ from disagg.config import (
     SchedulerConfig,
     check_devices,
 )
+from disagg.serving.http_limits import HttpLimits, raise_nofile_limit
 
 if TYPE_CHECKING:
     from disagg.node import Node
@@ -159,6 +160,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "memory its requests name within this (challenge), else they are refused")
     ap.add_argument("--http-listen", default=None,
                     help="HOST:PORT for the OpenAI-compatible HTTP API (mixed, decode, router)")
+    h = HttpLimits()
+    ap.add_argument("--http-max-connections", type=int, default=h.max_connections, metavar="N",
+                    help="HTTP connections kept open at most (lowered so that half the fd "
+                         "limit stays free); past it the oldest idle one is closed, or with "
+                         "none idle the new one gets a 503")
+    ap.add_argument("--http-header-timeout", type=float, default=h.header_timeout_s,
+                    metavar="SECONDS", help="a connection without a complete request head this "
+                    "long after it opened or after its last response is closed (idle "
+                    "keep-alive included)")
+    ap.add_argument("--http-body-timeout", type=float, default=h.body_timeout_s,
+                    metavar="SECONDS", help="a request body not complete this long after its "
+                    "head gets a 408")
+    ap.add_argument("--http-write-timeout", type=float, default=h.write_timeout_s,
+                    metavar="SECONDS", help="a response (an SSE stream) whose client takes no "
+                    "bytes this long is dropped and its request aborted on the node")
+    ap.add_argument("--http-body-buffer-mb", type=int, default=h.body_buffer_bytes >> 20,
+                    metavar="MB", help="request body bytes all HTTP connections may buffer "
+                    "together; past it a body gets a 503")
     ap.add_argument("--metrics-listen", default=None,
                     help="HOST:PORT serving Prometheus /metrics (any role)")
     ap.add_argument("--served-model-name", default=None,
@@ -176,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "node's CURVE keys in DIR (DIR/node of `disagg-node keygen DIR`)")
     ap.add_argument("--log-level", default=None)
     return ap
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    """The gateway's bounds from the ``--http-*`` flags (ValueError when one is out of range)."""
+    return HttpLimits(max_connections=args.http_max_connections,
+                      header_timeout_s=args.http_header_timeout,
+                      body_timeout_s=args.http_body_timeout,
+                      write_timeout_s=args.http_write_timeout,
+                      body_buffer_bytes=args.http_body_buffer_mb << 20).validate()
 
 
 def tp_devices(devices: str, tp: int) -> list[str]:
@@ -246,7 +274,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
 
 async def launch(cfg: NodeConfig, http_listen: str | None = None,
                  served_model_name: str | None = None, metrics_listen: str | None = None,
-                 policy: RestartPolicy | None = None) -> int:
+                 policy: RestartPolicy | None = None,
+                 http_limits: HttpLimits | None = None) -> int:
     """Start a node (restarted in place when it fails, see ``Supervisor``), then the metrics
     endpoint and the HTTP gateway; log ``ready`` once all of them listen; serve until
     SIGINT/SIGTERM, stop every child. Returns an exit code."""
@@ -287,7 +316,7 @@ async def launch(cfg: NodeConfig, http_listen: str | None = None,
             what = "the HTTP gateway"
             servers.append(await start_http_gateway(
                 address, http_listen, node.cfg.executor.model or "", served_model_name,
-                cfg.scheduler.max_model_len or None, metrics=sup.metrics))
+                cfg.scheduler.max_model_len or None, metrics=sup.metrics, limits=http_limits))
     except Exception as e:
         log.error("could not start %s: %s", what, e)
         code = 1
@@ -360,6 +389,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_level:  # executors read it from the environment they inherit
         os.environ[ENV_PREFIX + "LOG_LEVEL"] = args.log_level
     setup_logging(args.role, level=args.log_level)
+    try:
+        http_limits = http_limits_from_args(args)
+    except ValueError as e:
+        print(f"disagg-node: {e}", file=sys.stderr)
+        sys.exit(2)
+    # the fd table's room: HTTP connections take at most half of it (http_limits.fd_reserve),
+    # the rest stays for ZeroMQ clients, peers and executor restarts
+    soft, hard = raise_nofile_limit()
+    log.debug("fd limit %d (hard %d)", soft, hard)
     if args.role == "router":
         from disagg.actors.router import run_router
         from disagg.remote.discovery import split_specs
@@ -380,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
                                         args.model, args.served_model_name,
                                         args.max_model_len or None,
                                         resolve_interval=args.peer_resolve_interval,
-                                        slo=slo, salt_by_tenant=args.salt_by_tenant)))
+                                        slo=slo, salt_by_tenant=args.salt_by_tenant,
+                                        http_limits=http_limits)))
     if args.http_listen and args.role == "prefill":
         print("disagg-node: --http-listen needs --role mixed, decode or router", file=sys.stderr)
         sys.exit(2)
@@ -393,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"disagg-node: {e}", file=sys.stderr)
         sys.exit(2)
-    main_coro = launch(cfg, args.http_listen, args.served_model_name, args.metrics_listen, policy)
+    main_coro = launch(cfg, args.http_listen, args.served_model_name, args.metrics_listen, policy,
+                       http_limits)
     try:
         import uvloop
     except ImportError:
