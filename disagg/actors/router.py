@@ -10,7 +10,8 @@ Owns: the in-flight table (router id -> client, peer); its client-protocol front
 of ``listen``, salted by client key) is ``disagg.actors.router_front``. A peer silent for
 ``dead_after`` seconds is dead: its requests that have not streamed a token yet are resent to
 another peer, the others end with ``Error`` code ``unavailable``. A dead peer that answers
-again is used again.
+again is used again. A request a peer refuses with ``unavailable`` (it is restarting after an
+executor death) before any token goes to a peer it has not tried, if one is live.
 ``dns:NAME:PORT`` peers come and go (``disagg.actors.peer_discovery``): one that appears is
 connected, one that vanishes is dead at once (as above), then forgotten.
 """
@@ -200,8 +201,9 @@ class Router(RouterFront):
                     self.peer_up.labels(addr).set(1)
                 self._any_alive.set()
                 continue
-            if msg.request_id is None:
-                log.warning("frame-level error from %s: %s", addr, msg)
+            if msg.request_id is None:  # a Stats poll refused: restarting, or overloaded
+                (log.debug if msg.code == "unavailable" else log.warning)(
+                    "frame-level error from %s: %s", addr, msg)
                 continue
             f = self.flights.get(msg.request_id)
             if f is None or f.peer != addr:
@@ -212,8 +214,23 @@ class Router(RouterFront):
                 if f.timer is not None:
                     f.timer.on_tokens(len(msg.token_ids))
                 await f.deliver(msgspec.structs.replace(msg, request_id=f.client_id))
-            else:
+            elif not (isinstance(msg, Error) and msg.code == "unavailable"
+                      and await self._elsewhere(f, addr)):
                 await self._end(f, msgspec.structs.replace(msg, request_id=f.client_id))
+
+    async def _elsewhere(self, f: Flight, addr: str) -> bool:
+        """``addr`` answered ``f`` with ``unavailable`` (restarting after an executor death, or
+        draining): resend it to a live peer it has not tried, unless it has streamed a token.
+        False (the client gets the error) when there is none."""
+        keys = prefix_keys(f.req.prompt_token_ids, f.req.prompt, f.req.cache_salt)
+        peer = None if f.streamed else self.balancer.pick(f.tried, keys)
+        if peer is None:
+            return False
+        log.info("request %s: %s is unavailable, resent to %s", f.client_id, addr, peer)
+        self.balancer.on_end(addr)
+        f.peer = None
+        await self._send_to(f, peer)
+        return True
 
     async def _peer_died(self, addr: str, why: str = "") -> None:
         log.warning("decode peer %s %s: marked dead", addr,
@@ -239,6 +256,9 @@ class Router(RouterFront):
         if peer is None:
             await self._end(f, Error("unavailable", "no decode node is available", f.client_id))
             return
+        await self._send_to(f, peer)
+
+    async def _send_to(self, f: Flight, peer: str) -> None:
         f.peer = peer
         f.tried.add(peer)
         self.balancer.on_start(peer)

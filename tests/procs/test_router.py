@@ -11,9 +11,9 @@ import pytest
 import zmq
 
 from disagg.actors.router import start_router
-from disagg.client import Client
+from disagg.client import Client, RequestError
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
-from nodes import LoopThread, chat_model, node, openai_client, running, stats
+from nodes import LoopThread, chat_model, node, openai_client, running, stats, wait_for
 from tinymodels import free_port, make_tiny_model
 
 MODEL = "tiny-llama"
@@ -133,6 +133,40 @@ def test_http_through_the_router(oai):
                                          stream_options={"include_usage": True},
                                          extra_body={"ignore_eos": True}))
     assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_requests_refused_by_a_restarting_node_go_to_the_other(router, nodes, caplog):
+    """An executor of one node dies: while that node restarts it answers every request with
+    ``unavailable``; the router sends those requests to the other node, so clients see none of
+    it (they used to get the node's ``unavailable``). The request the executor died under ends
+    with ``internal`` (it may have run on it: not resent)."""
+    restarting, _ = list(nodes)
+    proc = nodes[restarting]
+
+    def starts() -> int:
+        return sum("ready:" in line for line in proc.log_path.read_text().splitlines())
+
+    before = starts()
+    [executor] = proc.children()
+    os.kill(executor, signal.SIGKILL)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    outcomes = []
+    deadline = time.monotonic() + 60
+    with caplog.at_level("INFO", logger="disagg.actors.router"):
+        while starts() == before and time.monotonic() < deadline:  # until it serves again
+            c = Client(router[0].address)
+            try:
+                outcomes.append(list(c.generate(prompt_token_ids=[5 + len(outcomes) % 50],
+                                                sampling=sp, timeout=30))[-1])
+            except RequestError as e:
+                outcomes.append(e.error)
+            finally:
+                c.close()
+    refused = [m for m in outcomes if isinstance(m, Error) and m.code != "internal"]
+    assert not refused, refused[:3]
+    assert sum(isinstance(m, Finished) for m in outcomes) >= 3
+    assert "is unavailable, resent to" in caplog.text  # the restarting node was asked
+    wait_for(lambda: len(router[0].balancer.alive()) == 2, what="both nodes live again")
 
 
 def test_router_survives_a_killed_node(router, nodes, oai):
