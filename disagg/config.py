@@ -27,6 +27,9 @@ class ConfigError(ValueError):
     """A configuration value is out of range; the message names the flag."""
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # --kv-cache-dtype
+
+
 class CacheConfig(msgspec.Struct, frozen=True):
     page_size: int = 16  # tokens per page (--page-size)
     num_pages: int = 0  # 0 = size from --kv-cache-mb (CPU) or free memory (CUDA)
@@ -35,8 +38,14 @@ class CacheConfig(msgspec.Struct, frozen=True):
     # salt each client key's requests by that key (disagg.serving.salting): auto = where CURVE
     # keys authenticate clients (--cache-salt-by-tenant)
     salt_by_tenant: Literal["auto", "on", "off"] = "auto"
+    # what a KV page holds (--kv-cache-dtype): auto = the model's dtype; fp8_e4m3 = float8
+    # e4m3 with scales per layer and kv head (disagg.kernels.kv_quant)
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.salt_by_tenant not in ("auto", "on", "off"):
             raise ConfigError("--cache-salt-by-tenant must be auto, on or off, got "
                               f"{self.salt_by_tenant!r}")

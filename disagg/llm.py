@@ -18,6 +18,7 @@ from disagg.engine.kv_memory import KVLayout
 from disagg.engine.runner import Launched, ModelRunner
 from disagg.engine.scheduling import Batch, BatchScheduler, Sequence
 from disagg.engine.speculative import Speculation
+from disagg.kernels.kv_quant import kv_dtype
 from disagg.model.transformer import Transformer
 from disagg.protocol import SamplingParams
 from disagg.protocol.executor import StepPlan
@@ -43,15 +44,18 @@ class LLM:
         speculative: Speculation | None = None,
         draft_model: Transformer | None = None,
         overlap: bool = False,
+        kv_cache_dtype: str = "auto",
     ):
         """``speculative``: drafting (``Speculation``); with method ``draft``, ``draft_model``
         is the draft (same vocabulary, on the same device); ``overlap``: launch each decode step
-        before the previous one's tokens are taken (``disagg.actors.stepping``)."""
+        before the previous one's tokens are taken (``disagg.actors.stepping``);
+        ``kv_cache_dtype``: ``--kv-cache-dtype`` (``fp8_e4m3``: FP8 pages, ``kv_quant``)."""
         self.overlap = overlap
         arch = model.arch
+        kv_dt = kv_dtype(kv_cache_dtype, model.dtype)
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
-                          model.dtype, arch.kv_parts)
-        kv = torch.zeros(layout.shape, dtype=model.dtype, device=model.device)
+                          kv_dt, arch.kv_parts)
+        kv = torch.zeros(layout.shape, dtype=kv_dt, device=model.device)
         self.runner = ModelRunner(model, kv, get_backend(attention_backend, model.device))
         if speculative is not None and speculative.method == "mtp":
             from disagg.engine.mtp_drafting import MTPDrafter
@@ -69,7 +73,7 @@ class LLM:
         self.scheduler = BatchScheduler(
             self.pool, page_size, max_batch_tokens, max_running,
             max_model_len or arch.max_position_embeddings, arch.eos_token_ids,
-            prefix_caching=prefix_caching, cache_salt=arch.identity(str(model.dtype)),
+            prefix_caching=prefix_caching, cache_salt=arch.identity(str(kv_dt)),
             **(speculative.scheduler_args() if speculative else {}),
         )
         self._slots = itertools.count()

@@ -160,19 +160,22 @@ class Node:
         tp = len(self.cfg.devices)
         per_rank, replicas = shard_kv_heads(arch.num_kv_heads, tp)
         size = torch.empty((), dtype=dtype).element_size()
+        model_dtype = info.model_dtype or info.dtype  # the spec region's, the hidden rows'
+        model_size = torch.empty((), dtype=getattr(torch, model_dtype)).element_size()
         spec = None
         if info.spec_shape:  # a draft model's / the MTP layers' KV after the model's
             layers, pages, parts, heads, page, dim = info.spec_shape
             spec = KVLayoutDesc(num_layers=layers, num_pages=pages, num_kv_heads=heads,
-                                page_size=page, head_dim=dim, dtype=info.dtype,
-                                element_size=size, hidden_size=0,
+                                page_size=page, head_dim=dim, dtype=model_dtype,
+                                element_size=model_size, hidden_size=0,
                                 kind="gqa" if parts == 2 else "mla", kv_parts=parts)
         return KVLayoutDesc(
             num_layers=arch.num_layers, num_pages=self.executors.num_pages,
             num_kv_heads=per_rank, page_size=self.cfg.cache.page_size,
             head_dim=arch.head_dim, dtype=info.dtype, element_size=size,
             hidden_size=arch.hidden_size, tp_size=tp, kv_replicas=replicas,
-            kind=arch.layout_kind, kv_parts=arch.kv_parts,
+            kind=arch.layout_kind, kv_parts=arch.kv_parts, kv_scales=info.kv_scales,
+            context_element_size=model_size if model_size != size else 0,
             spec_method=(self.cfg.scheduler.speculative_method or "") if spec is not None else "",
             spec=spec)
 

@@ -58,6 +58,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     from disagg.engine.attention import get_backend
     from disagg.engine.kv_memory import KVAllocation, KVLayout
     from disagg.engine.runner import ModelRunner
+    from disagg.kernels import kv_quant
 
     parent = os.getppid()
     ecfg = cfg.executor
@@ -78,6 +79,11 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     if arch.mla is not None and backend_name == "flashinfer":  # auto: triton on CUDA, else torch
         raise ExecutorError("--attention-backend flashinfer: MLA models run on the triton (CUDA) "
                             "or torch backend (auto picks one)")
+    kv_dtype = kv_quant.kv_dtype(cfg.cache.kv_cache_dtype, model.dtype)
+    fp8_kv = kv_dtype == kv_quant.FP8_KV
+    if fp8_kv and backend_name == "flashinfer":
+        raise ExecutorError("--kv-cache-dtype fp8_e4m3 runs on the triton or torch attention "
+                            "backend (flashinfer does not read its scales)")
     backend = get_backend(backend_name, device)
     max_model_len = cfg.scheduler.max_model_len or arch.max_position_embeddings
     log.info("model %s on %s in %.1f s (%s weights)", arch.architecture, device,
@@ -86,15 +92,17 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         num_pages = cfg.cache.num_pages
     elif device.type == "cuda":
         num_pages = drafting.share_with_draft(
-            pages_from_free_memory(cfg, model, backend, max_model_len), arch, draft)
+            pages_from_free_memory(cfg, model, backend, max_model_len, kv_dtype), arch, draft)
     else:
         num_pages = drafting.share_with_draft(KVLayout.pages_for_budget(
             cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads, cfg.cache.page_size,
-            arch.head_dim, model.dtype, kv_parts=arch.kv_parts), arch, draft)
+            arch.head_dim, kv_dtype, kv_parts=arch.kv_parts), arch, draft)
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
-                      arch.head_dim, model.dtype, arch.kv_parts)
+                      arch.head_dim, kv_dtype, arch.kv_parts)
     alloc = KVAllocation.create(layout, device,
-                                drafting.spec_layout(layout, draft, model if mtp else None))
+                                drafting.spec_layout(layout, draft, model if mtp else None),
+                                kv_scales=model.kv_scales_id if fp8_kv else "",
+                                model_dtype=model.dtype)
     if alloc.fd is not None:
         socket.send_fds(fd_sock, [b"kv"], [alloc.fd])
     else:
@@ -281,7 +289,8 @@ def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None
     return load_model(path, ecfg.dtype, device, tp, mtp)
 
 
-def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_len: int) -> int:
+def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_len: int,
+                           kv_dtype: torch.dtype | None = None) -> int:
     """KV pages that fit in ``gpu_memory_utilization`` of the GPU after a profiling step.
 
     The profiling step is the largest the scheduler can send (``max_batch_tokens`` tokens of
@@ -303,8 +312,8 @@ def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_
     graphs = (peak - weights) + (256 << 20) if cfg.executor.cuda_graphs else 0
     budget = int(total * cfg.executor.gpu_memory_utilization) - non_torch - peak - graphs
     pages = KVLayout.pages_for_budget(max(budget, 0), arch.num_layers, arch.num_kv_heads,
-                                      cfg.cache.page_size, arch.head_dim, model.dtype,
-                                      kv_parts=arch.kv_parts)
+                                      cfg.cache.page_size, arch.head_dim,
+                                      kv_dtype or model.dtype, kv_parts=arch.kv_parts)
     log.info("memory: total %.1f GiB, weights %.1f GiB, profile peak %.1f GiB, outside torch "
              "%.1f GiB, graph headroom %.1f GiB -> KV %.1f GiB (%d pages)", total / 2**30,
              weights / 2**30, peak / 2**30, non_torch / 2**30, graphs / 2**30, budget / 2**30,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from disagg.config import (
     ENV_PREFIX,
+    KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
     CacheConfig,
     ConfigError,
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="salt each CURVE client key's requests by that key, so clients never "
                          "share cached prefixes nor see the prefix counters in Stats (auto: "
                          "on with --curve-keys; also the router's)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=c.kv_cache_dtype,
+                    help="what KV pages hold: auto = the model's dtype; fp8_e4m3 = float8 with "
+                         "scales per layer and kv head (the checkpoint's k_scale/v_scale, else "
+                         "1.0): half the bytes of bf16, shipped as such to a decoder")
     ap.add_argument("--num-pages", type=int, default=c.num_pages)
     ap.add_argument("--kv-cache-mb", type=int, default=c.kv_cache_mb)
     ap.add_argument("--max-batch-tokens", type=int, default=s.max_batch_tokens)
@@ -239,7 +244,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                 draft_model=args.draft_model),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_mb=args.kv_cache_mb, prefix_caching=args.prefix_caching,
-                          salt_by_tenant=args.salt_by_tenant),
+                          salt_by_tenant=args.salt_by_tenant,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens,
                                   max_running=args.max_running, max_model_len=args.max_model_len,
                                   max_requests_per_client=args.max_requests_per_client,

@@ -77,7 +77,12 @@ class KVAllocation:
 
     @classmethod
     def create(cls, layout: KVLayout, device: torch.device,
-               spec: KVLayout | None = None) -> KVAllocation:
+               spec: KVLayout | None = None, kv_scales: str = "",
+               model_dtype: torch.dtype | None = None) -> KVAllocation:
+        """``kv_scales``, ``model_dtype``: FP8 pages' scales identity and the model's dtype
+        (``KVMemoryInfo``)."""
+        model_name = "" if model_dtype in (None, layout.dtype) else str(model_dtype)
+        model_name = model_name.removeprefix("torch.")
         dtype_name = str(layout.dtype).removeprefix("torch.")
         nbytes = layout.nbytes + (spec.nbytes if spec is not None else 0)
         spec_shape = list(spec.shape) if spec is not None else []
@@ -87,7 +92,7 @@ class KVAllocation:
             mm = mmap.mmap(fd, nbytes)
             raw = torch.frombuffer(mm, dtype=torch.uint8)
             info = KVMemoryInfo("memfd", nbytes, dtype_name, list(layout.shape), "cpu",
-                                spec_shape)
+                                spec_shape, kv_scales, model_name)
             main, extra = _views(raw, layout, spec)
             return cls(main, info, fd, mm, extra)
         if device.type == "cuda":
@@ -96,7 +101,7 @@ class KVAllocation:
             alloc = CuMemAllocation.create(nbytes, device)
             raw = alloc.as_tensor(torch.uint8, (nbytes,))
             info = KVMemoryInfo("cuda", nbytes, dtype_name, list(layout.shape), str(device),
-                                spec_shape)
+                                spec_shape, kv_scales, model_name)
             main, extra = _views(raw, layout, spec)
             return cls(main, info, alloc.export_fd(), alloc, extra)
         raise ValueError(f"unsupported KV device {device}")

@@ -209,7 +209,8 @@ class ModelRunner:
             from disagg.model.mla import MLAAttention
 
             layer = next(m for m in self.model.modules() if isinstance(m, MLAAttention))
-            return mla.warm(self.kv[0, :, 0], layer.num_heads, arch.mla.kv_lora_rank)
+            return mla.warm(self.kv[0, :, 0], layer.num_heads, arch.mla.kv_lora_rank,
+                            self.model.dtype)
         seen: set[int] = set()
         k, v = self.kv[0, :, 0], self.kv[0, :, -1]
         width = -(-max_model_len // self.page_size)
@@ -227,7 +228,8 @@ class ModelRunner:
                 max_q_len=1, max_seq_len=self.split_bound)
             q = torch.zeros((b, arch.num_heads, arch.head_dim), dtype=self.model.dtype,
                             device=dev)
-            self.backend.attend(q, k, v, meta, arch.head_dim**-0.5)
+            self.backend.attend(q, k, v, meta, arch.head_dim**-0.5,
+                                getattr(self.model.layers[0], "kv_scales", None))
         torch.cuda.synchronize(self.device)
         log.info("compiled %d eager decode launch shapes in %.1f s", len(seen),
                  time.perf_counter() - t0)

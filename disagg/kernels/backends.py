@@ -18,6 +18,7 @@ import torch
 
 from disagg.kernels import reference
 from disagg.kernels.interface import AttentionMetadata
+from disagg.kernels.kv_quant import KVScales, is_fp8
 
 
 class TorchBackend:
@@ -26,12 +27,13 @@ class TorchBackend:
     name = "torch"
     triton_append = False  # see TritonBackend
 
-    def append_kv(self, k, v, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
-        reference.append_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def append_kv(self, k, v, k_cache, v_cache, meta, kv_scales=None):  # type: ignore[no-untyped-def]
+        reference.append_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
 
-    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+    def attend(self, q, k_cache, v_cache, meta, scale, kv_scales=None):  # type: ignore[no-untyped-def]
         return reference.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale,
+            kv_scales,
         )
 
 
@@ -50,10 +52,11 @@ class TritonBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: KVScales | None = None,
     ) -> None:
         from disagg.kernels.append import append_kv
 
-        append_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        append_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
 
     def attend(
         self,
@@ -62,6 +65,7 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         from disagg.kernels.decode import paged_decode_attention
         from disagg.kernels.prefill import paged_prefill_attention
@@ -71,12 +75,12 @@ class TritonBackend:
         if nd > 0:
             paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                max_seq_len=meta.max_seq_len, out=out[:nd],
+                max_seq_len=meta.max_seq_len, out=out[:nd], kv_scales=kv_scales,
             )  # fmt: skip
         if nd < ns:
             paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale,
-                max_q_len=meta.max_q_len, out=out, seq_base=nd,
+                max_q_len=meta.max_q_len, out=out, seq_base=nd, kv_scales=kv_scales,
             )  # fmt: skip
         return out
 
@@ -150,7 +154,11 @@ class FlashInferBackend(TritonBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
+        if is_fp8(k_cache):
+            raise ValueError("attention backend 'flashinfer' does not read FP8 KV pages; "
+                             "choose --attention-backend triton with --kv-cache-dtype fp8_e4m3")
         self._plan(q, k_cache, meta, scale)
         nd = meta.num_decodes
         parts = []

@@ -13,6 +13,7 @@ import os
 import torch
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES = (*ATTN_DTYPES, torch.float8_e4m3fn)  # FP8 pages: disagg.kernels.kv_quant
 
 
 def interpreting() -> bool:
@@ -33,8 +34,8 @@ def check_cache(name: str, cache: torch.Tensor) -> None:
         raise ValueError(
             f"{name} must be HND inside a page (head, token, dim strides {want}), got strides {got}"
         )
-    if cache.dtype not in ATTN_DTYPES:
-        raise ValueError(f"{name} dtype {cache.dtype} not supported; use one of {ATTN_DTYPES}")
+    if cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"{name} dtype {cache.dtype} not supported; use one of {CACHE_DTYPES}")
     if head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"{name} head_dim {head_dim} must be a power of two >= 16")
 
@@ -88,8 +89,7 @@ def check_attention_inputs(
         )
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"q heads {q.shape[1]} must be a multiple of kv heads {num_kv_heads}")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
+    check_query_dtype(q, k_cache)
     if q.device != k_cache.device:
         raise ValueError(f"q on {q.device} but the cache is on {k_cache.device}")
     check_index("block_tables", block_tables, 2, torch.int32, k_cache.device)
@@ -99,3 +99,29 @@ def check_attention_inputs(
             f"block_tables has {block_tables.shape[0]} rows but seq_lens has {seq_lens.shape[0]}"
         )
     return q.shape[1] // num_kv_heads
+
+
+def check_query_dtype(q: torch.Tensor, cache: torch.Tensor) -> None:
+    """``q`` is in the cache's dtype, or in any attention dtype over FP8 pages."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    if (fp8 and q.dtype not in ATTN_DTYPES) or (not fp8 and q.dtype != cache.dtype):
+        raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {cache.dtype}"
+                         + (f" (or be one of {ATTN_DTYPES} over FP8 pages)" if fp8 else ""))
+
+
+def launch_scales(kv_scales: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.Tensor,
+                  heads: int, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (K, V) scale tensors a kernel launch takes: over FP8 pages the layer's, checked
+    (float32 ``[heads]`` on the cache's device; required); otherwise ``placeholder`` twice
+    (never read)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return placeholder, placeholder
+    if kv_scales is None:
+        raise ValueError("FP8 KV pages need kv_scales (the layer's K and V scales)")
+    for name, s in zip(("k_scale", "v_scale"), kv_scales, strict=True):
+        if s.dtype != torch.float32 or tuple(s.shape) != (heads,) or s.device != cache.device:
+            raise ValueError(f"{name} must be a float32 [{heads}] tensor on {cache.device}, "
+                             f"got {s.dtype} {tuple(s.shape)} on {s.device}")
+        if s.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+    return kv_scales[0], kv_scales[1]

@@ -41,6 +41,8 @@ def _decode_split_kernel(
     stride_bt,
     stride_ob,
     stride_oh,
+    k_scale_ptr,  # [Hkv] float32, read only with FP8 pages
+    v_scale_ptr,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -49,9 +51,12 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     F32_DOT: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the K/V loop
+    FP8: tl.constexpr,  # FP8 pages: K's scale folds into the scores, V's into the output
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kvh)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     num_blocks = tl.cdiv(seq_len, BLOCK_N)
@@ -90,6 +95,9 @@ def _decode_split_kernel(
         if F32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -98,6 +106,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kvh)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -164,8 +174,11 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per sequence: ``q`` ``[B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
+
+    FP8 pages (``disagg.kernels.kv_quant``) need ``kv_scales``: float32 ``[Hkv]`` K and V scales.
 
     ``seq_lens`` must be >= 1 for every row. ``num_splits`` (or ``max_seq_len``, an upper bound
     used to choose it; defaults to the cache capacity of a block-table row) fixes the launch shape:
@@ -174,6 +187,7 @@ def paged_decode_attention(
     group = checks.check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_cache.shape
+    ks, vs = checks.launch_scales(kv_scales, k_cache, num_kv_heads, seq_lens)
     if seq_lens.shape[0] != batch:
         raise ValueError(
             f"decode needs one query per sequence: {batch} rows, {seq_lens.shape[0]} seqs"
@@ -202,6 +216,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         F32_DOT=f32_dot,
         STAGES=num_stages,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
     launch = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
     grid = (batch, num_kv_heads, num_splits)
@@ -209,7 +224,7 @@ def paged_decode_attention(
     if num_splits == 1:
         _decode_split_kernel[grid](
             q, k_cache, v_cache, block_tables, seq_lens, out, out, *common,
-            block_tables.stride(0), out.stride(0), out.stride(1), **meta, **launch,
+            block_tables.stride(0), out.stride(0), out.stride(1), ks, vs, **meta, **launch,
         )  # fmt: skip
         return out
     part = torch.empty(
@@ -218,7 +233,7 @@ def paged_decode_attention(
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, part, lse, *common,
-        block_tables.stride(0), part.stride(0), part.stride(1), **meta, **launch,
+        block_tables.stride(0), part.stride(0), part.stride(1), ks, vs, **meta, **launch,
     )  # fmt: skip
     _decode_merge_kernel[(batch, num_heads)](
         part,

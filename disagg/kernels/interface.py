@@ -1,5 +1,6 @@
 """The attention interface every backend implements, over the HND paged cache: per-step
-metadata and the two calls a layer makes (``append_kv``, ``attend``). Backends live in
+metadata and the two calls a layer makes (``append_kv``, ``attend``); with FP8 pages both
+take the layer's ``kv_scales`` (``disagg.kernels.kv_quant``). Backends live in
 ``disagg.kernels.backends``; ``disagg.engine.attention`` picks one by name."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from disagg.kernels.kv_quant import KVScales
 
 
 @dataclass
@@ -42,6 +45,7 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: KVScales | None = None,
     ) -> None: ...
 
     def attend(
@@ -51,4 +55,5 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor: ...

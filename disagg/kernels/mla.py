@@ -33,17 +33,19 @@ import torch
 import triton
 import triton.language as tl
 
-from disagg.kernels import checks, reference
+from disagg.kernels import checks
 from disagg.kernels.interface import AttentionMetadata
-from disagg.kernels.mla_tiles import (  # noqa: F401 - tiles_used, check_latent_cache: API
+from disagg.kernels.mla_tiles import (  # noqa: F401 - tiles_used, check_latent_cache, reference_attention: API
     _FITTED,
     _check_attention,
     _check_out,
     _step_down,
     check_latent_cache,
     decode_tiles,
+    latent_scale,
     num_decode_splits,
     prefill_tiles,
+    reference_attention,
     tiles_used,
 )
 
@@ -59,7 +61,7 @@ def _attend_rows(
     acc, l_i, m_i, q_lat, q_pe, cache_ptr, bt_row, stride_cp, lo, hi, last, q_pos, scale_log2,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGE: tl.constexpr, LAT: tl.constexpr,
     LAT_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32_DOT: tl.constexpr, STAGES: tl.constexpr,
+    F32_DOT: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the query rows over cache rows ``lo:hi`` (``MASKED``: the last block
     may pass ``hi``; ``CAUSAL``: row i sees keys ``<= q_pos[i]``). ``last``: the sequence's
@@ -98,6 +100,9 @@ def _attend_rows(
         if F32_DOT:
             kl = kl.to(tl.float32)
             kr = kr.to(tl.float32)
+        elif FP8:
+            kl = kl.to(q_lat.dtype)
+            kr = kr.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(kl))
         s = tl.dot(q_pe, tl.trans(kr), acc=s) * scale_log2
         if MASKED:
@@ -138,9 +143,10 @@ def _mla_decode_kernel(
     part_ptr,  # [B, H, num_splits, LAT] float32 partial outputs (num_splits > 1)
     lse_ptr,  # [B, H, num_splits] float32, log2 domain (num_splits > 1)
     scale_log2, num_splits, stride_qb, stride_qh, stride_cp, stride_bt, stride_ob, stride_oh,
+    scale_ptr,  # [1] float32: the latent's scale, read only with FP8 pages
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, LAT: tl.constexpr,
     LAT_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32_DOT: tl.constexpr, STAGES: tl.constexpr,
+    F32_DOT: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     hb = tl.program_id(0)  # fastest: the head blocks of one split share its rows in L2
     split = tl.program_id(1)
@@ -151,6 +157,8 @@ def _mla_decode_kernel(
     end = tl.maximum(tl.minimum(start + per_split, seq_len), start)
     full_end = end - (end - start) % BLOCK_N  # whole blocks unmasked, then the tail
     last = tl.maximum(seq_len - 1, 0)
+    if FP8:  # the scale folds into the scores and the output
+        scale_log2 = scale_log2 * tl.load(scale_ptr)
 
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < HEADS
@@ -163,16 +171,18 @@ def _mla_decode_kernel(
     acc, l_i, m_i = _attend_rows(
         acc, l_i, m_i, q_lat, q_pe, cache_ptr, bt_row, stride_cp, start, full_end, last,
         h, scale_log2, False, False, PAGE, LAT, LAT_PAD, ROPE, ROPE_PAD, BLOCK_N, F32_DOT,
-        STAGES,
+        STAGES, FP8,
     )  # fmt: skip
     acc, l_i, m_i = _attend_rows(
         acc, l_i, m_i, q_lat, q_pe, cache_ptr, bt_row, stride_cp, full_end, end, last,
         h, scale_log2, True, False, PAGE, LAT, LAT_PAD, ROPE, ROPE_PAD, BLOCK_N, F32_DOT,
-        STAGES,
+        STAGES, FP8,
     )  # fmt: skip
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if FP8:
+        out = out * tl.load(scale_ptr)
     d = tl.arange(0, LAT_PAD)
     mask = h_ok[:, None] & (d < LAT)[None, :]
     if num_splits == 1:
@@ -217,9 +227,10 @@ def _mla_prefill_kernel(
     q_ptr, cache_ptr, out_ptr, bt_ptr, seq_lens_ptr, cu_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_bt,
     seq_base,  # this launch's first sequence in bt/seq_lens/cu (whole arrays passed)
+    scale_ptr,  # [1] float32: the latent's scale, read only with FP8 pages
     HEADS: tl.constexpr, PAGE: tl.constexpr, LAT: tl.constexpr, LAT_PAD: tl.constexpr,
     ROPE: tl.constexpr, ROPE_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32_DOT: tl.constexpr, STAGES: tl.constexpr,
+    F32_DOT: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(1) + seq_base
     q_start = tl.load(cu_ptr + b)
@@ -243,17 +254,21 @@ def _mla_prefill_kernel(
         first_pos = ctx + (mb * BLOCK_M) // HEADS
         last_pos = ctx + tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // HEADS, q_len - 1)
         full_end = (first_pos // BLOCK_N) * BLOCK_N  # keys every row of the block sees
+        if FP8:  # the scale folds into the scores and the output
+            scale_log2 = scale_log2 * tl.load(scale_ptr)
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q_lat, q_pe, cache_ptr, bt_row, stride_cp, 0, full_end, kv_len - 1,
             ctx + tok, scale_log2, False, True, PAGE, LAT, LAT_PAD, ROPE, ROPE_PAD, BLOCK_N,
-            F32_DOT, STAGES,
+            F32_DOT, STAGES, FP8,
         )  # fmt: skip
         acc, l_i, m_i = _attend_rows(
             acc, l_i, m_i, q_lat, q_pe, cache_ptr, bt_row, stride_cp, full_end, last_pos + 1,
             kv_len - 1, ctx + tok, scale_log2, True, True, PAGE, LAT, LAT_PAD, ROPE, ROPE_PAD,
-            BLOCK_N, F32_DOT, STAGES,
+            BLOCK_N, F32_DOT, STAGES, FP8,
         )  # fmt: skip
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        if FP8:
+            out = out * tl.load(scale_ptr)
         d = tl.arange(0, LAT_PAD)
         tl.store(out_ptr + rows[:, None] * stride_ot + (h * stride_oh)[:, None] + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < LAT)[None, :])
@@ -261,8 +276,8 @@ def _mla_prefill_kernel(
 
 @triton.jit
 def _append_latent_kernel(
-    x_ptr, cache_ptr, slot_ptr, stride_xt, stride_cp,
-    PAGE: tl.constexpr, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr,
+    x_ptr, cache_ptr, slot_ptr, stride_xt, stride_cp, scale_ptr,
+    PAGE: tl.constexpr, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
@@ -271,6 +286,8 @@ def _append_latent_kernel(
     mask = d < tl.where(slot >= 0, WIDTH, 0)
     slot = tl.maximum(slot, 0)
     x = tl.load(x_ptr + t * stride_xt + d, mask=mask, other=0.0)
+    if FP8:  # sat(x / scale), kv_quant.FP8_MAX
+        x = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
     dst = cache_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * WIDTH + d
     tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -290,8 +307,10 @@ def mla_decode(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence: ``q [B, H, W]`` -> ``[B, H, latent_dim]`` in ``q.dtype``.
+    """One query per sequence: ``q [B, H, W]`` -> ``[B, H, latent_dim]`` in ``q.dtype``
+    (FP8 pages: ``kv_scale``, the latent's float32 ``[1]`` scale, required).
 
     ``seq_lens`` >= 1 for every row. ``num_splits`` (or ``max_seq_len``, a host bound it is
     chosen for; default the capacity of a block-table row) fixes the launch shape: give a fixed
@@ -302,6 +321,7 @@ def mla_decode(
         raise ValueError(f"decode needs one query per sequence: {batch} rows, "
                          f"{seq_lens.shape[0]} seqs")
     out = _check_out(out, q, latent_dim)
+    scale_t = latent_scale(kv_scale, cache, seq_lens)
     if batch == 0:
         return out
     interp = checks.interpreting()
@@ -324,9 +344,10 @@ def mla_decode(
             _mla_decode_kernel[(head_blocks, splits, batch)](
                 q, cache, block_tables, seq_lens, out, part, lse, scale * LOG2E, splits,
                 q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
-                out.stride(0), out.stride(1), HEADS=heads, BLOCK_H=block_h, PAGE=page,
+                out.stride(0), out.stride(1), scale_t, HEADS=heads, BLOCK_H=block_h, PAGE=page,
                 LAT=latent_dim, LAT_PAD=_pad(latent_dim), ROPE=rope, ROPE_PAD=_pad(rope),
                 BLOCK_N=block_n, F32_DOT=interp or q.dtype == torch.float32, STAGES=stages,
+                FP8=cache.dtype == torch.float8_e4m3fn,
                 **({} if interp else dict(num_warps=warps, num_stages=stages)),
             )  # fmt: skip
             break
@@ -355,8 +376,10 @@ def mla_prefill(
     out: torch.Tensor | None = None,
     seq_base: int = 0,
     tiles: tuple[int, int, int, int] | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal chunks ``q [T, H, W]`` (rows ``cu[b]:cu[b+1]``) -> ``[T, H, latent_dim]``.
+    """Causal chunks ``q [T, H, W]`` (rows ``cu[b]:cu[b+1]``) -> ``[T, H, latent_dim]``
+    (FP8 pages: ``kv_scale``, the latent's float32 ``[1]`` scale, required).
 
     Rows are absolute indices into ``q`` and ``out``; rows outside every chunk are left
     untouched. ``max_q_len`` (a host bound on chunk lengths) sizes the grid; without it the
@@ -370,6 +393,7 @@ def mla_prefill(
     if not 0 <= seq_base <= seq_lens.shape[0]:
         raise ValueError(f"seq_base {seq_base} outside [0, {seq_lens.shape[0]}]")
     out = _check_out(out, q, latent_dim)
+    scale_t = latent_scale(kv_scale, cache, seq_lens)
     num_seqs = seq_lens.shape[0] - seq_base
     if num_seqs == 0 or q.shape[0] == 0:
         return out
@@ -387,9 +411,11 @@ def mla_prefill(
             _mla_prefill_kernel[grid](
                 q, cache, out, block_tables, seq_lens, cu_seqlens_q, scale * LOG2E,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0),
-                block_tables.stride(0), seq_base, HEADS=heads, PAGE=page, LAT=latent_dim,
+                block_tables.stride(0), seq_base, scale_t, HEADS=heads, PAGE=page,
+                LAT=latent_dim,
                 LAT_PAD=_pad(latent_dim), ROPE=rope, ROPE_PAD=_pad(rope), BLOCK_M=block_m,
                 BLOCK_N=block_n, F32_DOT=interp or q.dtype == torch.float32, STAGES=stages,
+                FP8=cache.dtype == torch.float8_e4m3fn,
                 **({} if interp else dict(num_warps=warps, num_stages=stages)),
             )  # fmt: skip
             break
@@ -399,9 +425,11 @@ def mla_prefill(
     return out
 
 
-def append_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def append_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  kv_scale: torch.Tensor | None = None) -> None:
     """Write ``rows [T, W]`` (or ``[T, 1, W]``) into ``cache [P, 1, S, W]`` at
-    ``slot_mapping [T]`` (int64 ``page * S + offset``; negative: skipped)."""
+    ``slot_mapping [T]`` (int64 ``page * S + offset``; negative: skipped); FP8 pages:
+    quantized by ``kv_scale`` (float32 ``[1]``)."""
     page, width, _ = check_latent_cache(cache, None)
     x = rows.reshape(rows.shape[0], -1) if rows.dim() == 3 else rows
     if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1 or x.device != cache.device:
@@ -410,17 +438,20 @@ def append_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.T
     checks.check_index("slot_mapping", slot_mapping, 1, torch.int64, cache.device)
     if slot_mapping.shape[0] != x.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {x.shape[0]} rows")
+    scale_t = latent_scale(kv_scale, cache, slot_mapping)
     if x.shape[0] == 0:
         return
     interp = checks.interpreting()
     _append_latent_kernel[(x.shape[0],)](
-        x, cache, slot_mapping, x.stride(0), cache.stride(0), PAGE=page, WIDTH=width,
-        WIDTH_PAD=triton.next_power_of_2(width), **({} if interp else dict(num_warps=2)),
+        x, cache, slot_mapping, x.stride(0), cache.stride(0), scale_t, PAGE=page, WIDTH=width,
+        WIDTH_PAD=triton.next_power_of_2(width), FP8=cache.dtype == torch.float8_e4m3fn,
+        **({} if interp else dict(num_warps=2)),
     )  # fmt: skip
 
 
-def mla_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, latent_dim: int) -> torch.Tensor:
+
+def mla_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  latent_dim: int, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A step's attention, ``query [T, H, W]`` -> ``[T, H, latent_dim]``: the decode kernel on
     rows ``0:num_decodes``, the prefill kernel on the chunks after them (speculative steps,
     chunks of K+1, included)."""
@@ -429,36 +460,31 @@ def mla_attention(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetad
     nd, ns = meta.num_decodes, meta.num_seqs
     if nd > 0:
         mla_decode(query[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                   latent_dim, max_seq_len=meta.max_seq_len, out=out[:nd])
+                   latent_dim, max_seq_len=meta.max_seq_len, out=out[:nd], kv_scale=kv_scale)
     if nd < ns:
         mla_prefill(query, cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale,
-                    latent_dim, max_q_len=meta.max_q_len, out=out, seq_base=nd)
+                    latent_dim, max_q_len=meta.max_q_len, out=out, seq_base=nd,
+                    kv_scale=kv_scale)
     return out
 
 
-def warm(cache: torch.Tensor, num_heads: int, latent_dim: int) -> int:
+def warm(cache: torch.Tensor, num_heads: int, latent_dim: int,
+         q_dtype: torch.dtype | None = None) -> int:
     """Compile every kernel variant serving can launch on this layer cache (the latent
     append, decode with one and with several splits plus the merge, prefill): the variants
     depend on dims, dtype and page size only. Writes nothing to the cache. Returns the
     launches run."""
     dev, i32 = cache.device, torch.int32
     page, width, _ = check_latent_cache(cache, latent_dim)
-    q = torch.zeros((2, num_heads, width), dtype=cache.dtype, device=dev)
+    dtype = q_dtype or cache.dtype  # the model's: FP8 pages are read by queries of another
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    q = torch.zeros((2, num_heads, width), dtype=dtype, device=dev)
     tables = torch.zeros((2, 4), dtype=i32, device=dev)
     lens = torch.full((2,), page, dtype=i32, device=dev)
-    rows = torch.zeros((2, width), dtype=cache.dtype, device=dev)  # strided as a step's rows
-    append_latent(rows, cache, torch.full((2,), -1, dtype=torch.int64, device=dev))
+    rows = torch.zeros((2, width), dtype=dtype, device=dev)  # strided as a step's rows
+    append_latent(rows, cache, torch.full((2,), -1, dtype=torch.int64, device=dev), one)
     for splits in (1, 2):
-        mla_decode(q, cache, tables, lens, 1.0, latent_dim, num_splits=splits)
+        mla_decode(q, cache, tables, lens, 1.0, latent_dim, num_splits=splits, kv_scale=one)
     cu = torch.arange(3, dtype=i32, device=dev)
-    mla_prefill(q, cache, tables, lens, cu, 1.0, latent_dim, max_q_len=1, seq_base=1)
+    mla_prefill(q, cache, tables, lens, cu, 1.0, latent_dim, max_q_len=1, seq_base=1, kv_scale=one)
     return 4
-
-
-def reference_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
-                        latent_dim: int) -> torch.Tensor:
-    """The plain torch oracle (float32 inside): rows as both keys and values, causal chunks,
-    values cut to the latent part -- what the torch backend computes for MLA."""
-    return reference.paged_attention(q, cache, cache, block_tables, seq_lens, cu_seqlens_q,
-                                     scale)[..., :latent_dim]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from disagg.kernels import checks
+from disagg.kernels import checks, reference
 
 
 def check_latent_cache(cache: torch.Tensor, latent_dim: int | None) -> tuple[int, int, int]:
@@ -22,9 +22,9 @@ def check_latent_cache(cache: torch.Tensor, latent_dim: int | None) -> tuple[int
     if cache.stride(2) != width or cache.stride(3) != 1:
         raise ValueError(f"latent cache rows must be contiguous (token stride {width}, dim "
                          f"stride 1), got strides {cache.stride()}")
-    if cache.dtype not in checks.ATTN_DTYPES:
+    if cache.dtype not in checks.CACHE_DTYPES:
         raise ValueError(f"latent cache dtype {cache.dtype} not supported; use one of "
-                         f"{checks.ATTN_DTYPES}")
+                         f"{checks.CACHE_DTYPES}")
     if latent_dim is None:
         return page, width, 0
     if not 0 < latent_dim < width:
@@ -38,9 +38,9 @@ def _check_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     if q.dim() != 3 or q.shape[2] != width or q.stride(2) != 1:
         raise ValueError(f"q must be [tokens, heads, {width}] with unit dim stride, got "
                          f"{tuple(q.shape)} strides {q.stride()}")
-    if q.dtype != cache.dtype or q.device != cache.device:
-        raise ValueError(f"q ({q.dtype}, {q.device}) must match the cache ({cache.dtype}, "
-                         f"{cache.device})")
+    if q.device != cache.device:
+        raise ValueError(f"q on {q.device} but the cache is on {cache.device}")
+    checks.check_query_dtype(q, cache)
     checks.check_index("block_tables", block_tables, 2, torch.int32, cache.device)
     checks.check_index("seq_lens", seq_lens, 1, torch.int32, cache.device)
     if block_tables.shape[0] != seq_lens.shape[0]:
@@ -115,3 +115,20 @@ def num_decode_splits(batch: int, head_blocks: int, max_seq_len: int, block_n: i
     want = math.ceil(programs / max(1, batch * head_blocks))
     most = max(1, math.ceil(max_seq_len / (4 * block_n)))
     return max(1, min(want, most, 64))
+
+
+def latent_scale(kv_scale: torch.Tensor | None, cache: torch.Tensor,
+                  placeholder: torch.Tensor) -> torch.Tensor:
+    """The launch's scale tensor (FP8 pages: ``kv_scale``, checked; else never read)."""
+    pair = None if kv_scale is None else (kv_scale, kv_scale)
+    return checks.launch_scales(pair, cache, 1, placeholder)[0]
+
+
+def reference_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
+                        latent_dim: int, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain torch oracle (float32 inside): rows as both keys and values, causal chunks,
+    values cut to the latent part -- what the torch backend computes for MLA."""
+    pair = None if kv_scale is None else (kv_scale, kv_scale)
+    return reference.paged_attention(q, cache, cache, block_tables, seq_lens, cu_seqlens_q,
+                                     scale, pair)[..., :latent_dim]

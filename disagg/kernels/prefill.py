@@ -77,7 +77,7 @@ def _attend_block(
     acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, lo, hi, kv_len,
     q_pos, scale_log2, d,
     MASKED: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32_DOT: tl.constexpr, STAGES: tl.constexpr,
+    F32_DOT: tl.constexpr, STAGES: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -95,6 +95,8 @@ def _attend_block(
             k = tl.load(k_ptrs)
         if F32_DOT:
             k = k.to(tl.float32)
+        elif FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         if MASKED:
             keep = (n[None, :] <= q_pos[:, None]) & valid[None, :]
@@ -109,6 +111,8 @@ def _attend_block(
             v = tl.load(v_ptrs)
         if F32_DOT:
             v = v.to(tl.float32)
+        elif FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
@@ -135,6 +139,8 @@ def _prefill_kernel(
     stride_vp,
     stride_bt,
     seq_base,  # index of this launch's first sequence in bt/seq_lens/cu (whole arrays passed)
+    k_scale_ptr,  # [Hkv] float32, read only with FP8 pages
+    v_scale_ptr,
     GROUP: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -142,6 +148,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     F32_DOT: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the K/V loops
+    FP8: tl.constexpr,  # FP8 pages: K's scale folds into the scores, V's into the output
 ):
     b = tl.program_id(1) + seq_base
     h = tl.program_id(2)
@@ -169,20 +176,24 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         head_off = (h // GROUP) * (PAGE * HEAD_DIM)
+        if FP8:
+            scale_log2 = scale_log2 * tl.load(k_scale_ptr + h // GROUP)
         first_q = ctx + mb * BLOCK_M
         full_end = (first_q // BLOCK_N) * BLOCK_N  # keys every row of the block may see
         hi = tl.minimum(kv_len, first_q + BLOCK_M)
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, 0, full_end,
             kv_len, q_pos, scale_log2, d,
-            False, PAGE, HEAD_DIM, BLOCK_N, F32_DOT, STAGES,
+            False, PAGE, HEAD_DIM, BLOCK_N, F32_DOT, STAGES, FP8,
         )  # fmt: skip
         acc, l_i, m_i = _attend_block(
             acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, stride_kp, stride_vp, head_off, full_end, hi,
             kv_len, q_pos, scale_log2, d,
-            True, PAGE, HEAD_DIM, BLOCK_N, F32_DOT, STAGES,
+            True, PAGE, HEAD_DIM, BLOCK_N, F32_DOT, STAGES, FP8,
         )  # fmt: skip
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        if FP8:
+            out = out * tl.load(v_scale_ptr + h // GROUP)
         tl.store(
             out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -219,8 +230,11 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
     seq_base: int = 0,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of chunks ``q`` ``[T, Hq, D]`` (rows ``cu[b]:cu[b+1]``) -> ``[T, Hq, D]``.
+
+    FP8 pages (``disagg.kernels.kv_quant``) need ``kv_scales``: float32 ``[Hkv]`` K and V scales.
 
     ``cu_seqlens_q`` may be a slice whose offsets do not start at 0: rows are absolute indices
     into ``q`` and ``out``; rows outside every chunk are left untouched. ``max_q_len`` (a host
@@ -239,7 +253,8 @@ def paged_prefill_attention(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for {seq_lens.shape[0]} sequences"
         )
     _, num_heads, head_dim = q.shape
-    _, _, page_size, _ = k_cache.shape
+    _, num_kv_heads, page_size, _ = k_cache.shape
+    ks, vs = checks.launch_scales(kv_scales, k_cache, num_kv_heads, seq_lens)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.stride(2) != 1:
@@ -268,9 +283,10 @@ def paged_prefill_attention(
             _prefill_kernel[grid](
                 q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale * LOG2E,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                k_cache.stride(0), v_cache.stride(0), block_tables.stride(0), seq_base,
+                k_cache.stride(0), v_cache.stride(0), block_tables.stride(0), seq_base, ks, vs,
                 GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                F32_DOT=f32_dot, STAGES=num_stages, **({} if interp else dict(num_warps=num_warps, num_stages=num_stages)),
+                F32_DOT=f32_dot, STAGES=num_stages, FP8=k_cache.dtype == torch.float8_e4m3fn,
+                **({} if interp else dict(num_warps=num_warps, num_stages=num_stages)),
             )  # fmt: skip
             return out
         except triton.runtime.errors.OutOfResources:  # the estimate was short: step down

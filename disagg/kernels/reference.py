@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from disagg.kernels.kv_quant import KVScales, dequantize, store_values
+
 
 def append_kv(
     k: torch.Tensor,
@@ -22,15 +24,18 @@ def append_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales | None = None,
 ) -> None:
-    """Write the step's new keys/values ``[T, Hkv, D]`` into their cache slots."""
+    """Write the step's new keys/values ``[T, Hkv, D]`` into their cache slots (an FP8 cache:
+    quantized by ``kv_scales``, ``disagg.kernels.kv_quant``)."""
     page_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     pages = slots // page_size
     offsets = slots % page_size
-    k_cache[pages, :, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[pages, :, offsets] = v[keep].to(v_cache.dtype)
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
+    k_cache[pages, :, offsets] = store_values(k[keep], k_cache, ks)
+    v_cache[pages, :, offsets] = store_values(v[keep], v_cache, vs)
 
 
 def gather_kv(
@@ -52,12 +57,15 @@ def paged_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length query chunks over their paged history.
 
     Covers prefill chunks and decode steps (a decode step is a chunk of one query). Computes in
-    float32 and returns ``q.dtype``, shape ``[T, Hq, D]``.
+    float32 and returns ``q.dtype``, shape ``[T, Hq, D]``; FP8 pages are dequantized by
+    ``kv_scales`` first.
     """
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
     out = torch.empty_like(q)
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[1]
@@ -69,8 +77,8 @@ def paged_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], kv_len).float()
-        v = gather_kv(v_cache, block_tables[b], kv_len).float()
+        k = dequantize(gather_kv(k_cache, block_tables[b], kv_len), ks)  # [Hkv, L, D]
+        v = dequantize(gather_kv(v_cache, block_tables[b], kv_len), vs)
         k = k.repeat_interleave(group, dim=0)  # [Hq, L, D]
         v = v.repeat_interleave(group, dim=0)
         qb = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
@@ -91,8 +99,9 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query per sequence, ``q`` is ``[B, Hq, D]``."""
     batch = q.shape[0]
     cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale, kv_scales)

@@ -17,9 +17,11 @@ import logging
 import re
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from disagg.kernels.kv_quant import checkpoint_scale, scales_identity
 from disagg.model.config import ModelArch
 from disagg.model.fp8 import (
     FP8_DTYPES,
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# FP8 KV scales as vLLM-style checkpoints ship them (a scalar or one per kv head)
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.|k_proj\.|v_proj\.)?"
+                       r"([kv])_scale$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # HF name (inside a layer) -> (our parameter, slice index for fused params or None)
 _LAYER_MAP = {
@@ -130,6 +135,7 @@ def load_model(
     expected = {name for name, _ in model.named_parameters()}
     seen: set[str] = set()
     fused_parts: dict[str, int] = {}
+    kv_scales: dict[tuple[int, str], torch.Tensor] = {}  # (layer, k|v) -> global [heads]
     fp8 = Fp8Format.from_config(json.loads((path / "config.json").read_text()))
     dequantized = 0
     with ExitStack() as stack:
@@ -138,6 +144,8 @@ def load_model(
         where = {name: f for f in files.values() for name in f.keys()}  # noqa: SIM118
         for file, f in files.items():
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if _read_kv_scale(name, f, full, kv_scales):
+                    continue
                 target = _target(name, arch, mtp)
                 if target is None:
                     log.debug("skipping tensor %s", name)
@@ -164,6 +172,8 @@ def load_model(
         blocks = f"{fp8.block[0]}x{fp8.block[1]} blocks" if fp8.block else "tensor/channel scales"
         log.info("FP8 checkpoint (%s, %s): %d weights dequantized to %s at load (weight-only)",
                  fp8.method, blocks, dequantized, str(model.dtype).removeprefix("torch."))
+    if kv_scales:
+        _set_kv_scales(model, kv_scales, full, tp)
     if model.lm_head is None:
         expected.discard("lm_head")
     missing = sorted(expected - seen)
@@ -176,6 +186,39 @@ def load_model(
         if count != want:
             raise ValueError(f"checkpoint in {path}: {param_name} got {count} of {want} parts")
     return model
+
+
+def _read_kv_scale(name: str, f: Any, arch: ModelArch,
+                   out: dict[tuple[int, str], torch.Tensor]) -> bool:
+    """Whether ``name`` is a layer's ``k_scale`` / ``v_scale`` (read into ``out``, refused by
+    name when mis-shaped); those of layers past the model's (MTP) are skipped."""
+    m = _KV_SCALE.match(name)
+    if m is None:
+        return False
+    layer = int(m.group(1))
+    if layer < arch.num_layers:
+        heads = 1 if arch.mla is not None else arch.num_kv_heads
+        out[(layer, m.group(2))] = checkpoint_scale(name, f.get_tensor(name), heads)
+    return True
+
+
+def _set_kv_scales(model: Transformer, scales: dict[tuple[int, str], torch.Tensor],
+                   arch: ModelArch, tp: TensorParallel) -> None:
+    """Give each layer its FP8 KV scales (this rank's kv heads; MLA: the latent's, from
+    ``k_scale``) and the model their identity over every layer and head."""
+    pairs = []
+    heads = 1 if arch.mla is not None else arch.num_kv_heads
+    local = range(1) if arch.mla is not None else tp.kv_heads(arch)
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer.k_scale, torch.Tensor) and isinstance(layer.v_scale, torch.Tensor)
+        k = scales.get((i, "k"), torch.ones(heads))
+        v = k if arch.mla is not None else scales.get((i, "v"), torch.ones(heads))
+        pairs.append((k, v))
+        layer.k_scale.copy_(k[local.start:local.stop])
+        layer.v_scale.copy_(v[local.start:local.stop])
+    model.kv_scales_id = scales_identity(pairs)
+    log.info("FP8 KV scales from the checkpoint (%d tensors): %s", len(scales),
+             model.kv_scales_id)
 
 
 _ROW_KINDS = ("q", "k", "v", "gate", "up", "rows", "experts_gate_up")  # split the output dim

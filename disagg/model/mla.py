@@ -72,9 +72,11 @@ class MLAAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                backend: AttentionBackend, kv_scale: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """``h [T, H]`` (normed input) -> this rank's partial attention output ``[T, H]``;
-        appends the tokens' latent rows to ``cache [P, 1, S, kv_lora + rope]``."""
+        appends the tokens' latent rows to ``cache [P, 1, S, kv_lora + rope]`` (FP8 pages:
+        quantized by ``kv_scale``, the layer's float32 ``[1]``)."""
         a, t, n = self.arch, h.shape[0], self.num_heads
         nope, r, c = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
         if a.q_lora_rank:
@@ -88,18 +90,19 @@ class MLAAttention(nn.Module):
                             _rope(ckv[:, None, c:], cos, sin, a.rope_interleave)[:, 0]), dim=-1)
         latent = latent.view(t, 1, c + r)
         triton = backend.name == "triton"
+        pair = None if kv_scale is None else (kv_scale, kv_scale)
         if triton:
             from disagg.kernels import mla as kernels
 
-            kernels.append_latent(latent, cache, meta.slot_mapping)
+            kernels.append_latent(latent, cache, meta.slot_mapping, kv_scale)
         else:
-            backend.append_kv(latent, latent, cache, cache, meta)
+            backend.append_kv(latent, latent, cache, cache, meta, pair)
         w = self.kv_b.view(n, nope + a.v_head_dim, c)
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w[:, :nope])
         query = torch.cat((q_lat, _rope(q_pe, cos, sin, a.rope_interleave)), dim=-1)
         if triton:
-            out = kernels.mla_attention(query, cache, meta, a.softmax_scale, c)
+            out = kernels.mla_attention(query, cache, meta, a.softmax_scale, c, kv_scale)
         else:
-            out = backend.attend(query, cache, cache, meta, a.softmax_scale)[..., :c]
+            out = backend.attend(query, cache, cache, meta, a.softmax_scale, pair)[..., :c]
         heads = torch.einsum("thc,hvc->thv", out, w[:, nope:])
         return F.linear(heads.reshape(t, n * a.v_head_dim), self.o)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
+from disagg.kernels.kv_quant import UNIT_SCALES, KVScales, is_fp8
 from disagg.model.config import ModelArch
 from disagg.model.mla import MLAAttention
 from disagg.model.moe import MoEMLP
@@ -27,6 +28,9 @@ from disagg.model.tp import TensorParallel
 
 
 class DecoderLayer(nn.Module):
+    k_scale: torch.Tensor  # buffers: FP8 KV scales (see __init__)
+    v_scale: torch.Tensor
+
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel | None = None, layer: int = 0):
         super().__init__()
@@ -49,11 +53,25 @@ class DecoderLayer(nn.Module):
             self.q_norm = p(d) if arch.qk_norm else None
             self.k_norm = p(d) if arch.qk_norm else None
             self.o_weight = p(h, arch.num_heads * d)
+        # FP8 KV pages' scales (disagg.kernels.kv_quant): per kv head, MLA one for the latent;
+        # 1.0 unless the checkpoint ships k_scale / v_scale (the loader sets them)
+        heads = 1 if self.mla is not None else arch.num_kv_heads
+        self.register_buffer("k_scale", torch.ones(heads, dtype=torch.float32, device=device),
+                             persistent=False)
+        self.register_buffer("v_scale", torch.ones(heads, dtype=torch.float32, device=device),
+                             persistent=False)
         sparse = arch.moe is not None and arch.moe.sparse_layers[layer]
         self.moe = MoEMLP(h, arch.moe, dtype, device) if sparse and arch.moe else None
         if self.moe is None:
             self.gate_up_weight = p(2 * arch.intermediate_size, h)
             self.down_weight = p(h, arch.intermediate_size)
+
+    @property
+    def kv_scales(self) -> KVScales:
+        """The (K, V) scales of this layer's FP8 pages (MLA: the latent's, twice)."""
+        if self.mla is not None:
+            return self.k_scale, self.k_scale
+        return self.k_scale, self.v_scale
 
     def forward(
         self,
@@ -73,7 +91,7 @@ class DecoderLayer(nn.Module):
         ``delta`` comes back None."""
         if self.mla is not None:
             h, x = add_norm(x, delta, self.input_norm, self.eps)
-            attn = self.mla(h, cos, sin, k_cache, meta, backend)
+            attn = self.mla(h, cos, sin, k_cache, meta, backend, self.k_scale)
             return self._mlp(x, after_attention, self.tp.all_reduce(attn))
         if fused_on(x):
             return self._forward_fused(x, delta, cos, sin, k_cache, v_cache, meta, backend,
@@ -92,8 +110,8 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self.k_norm, self.eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        backend.append_kv(k, v, k_cache, v_cache, meta)
-        attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
+        backend.append_kv(k, v, k_cache, v_cache, meta, self.kv_scales)
+        attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5, self.kv_scales)
         x = x + self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
         return self._mlp(x, after_attention)
 
@@ -131,15 +149,16 @@ class DecoderLayer(nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h, x = add_norm(x, delta, self.input_norm, self.eps)
         qkv = linear(h, self.qkv_weight, self.qkv_bias)
-        if backend.triton_append:  # q/k norm + rope and the append: one kernel
+        if backend.triton_append and not is_fp8(k_cache):  # norm + rope + append: one kernel
             q = fused.qk_rope_append(qkv, self.q_norm, self.k_norm, cos, sin, self.eps, k_cache,
                                      v_cache, meta.slot_mapping, hq)
         else:
             q = fused.norm_rope(qkv[:, : hq * d].view(t, hq, d), self.q_norm, cos, sin, self.eps)
             k = fused.norm_rope(qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), self.k_norm,
                                 cos, sin, self.eps)
-            backend.append_kv(k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), k_cache, v_cache, meta)
-        attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5)
+            backend.append_kv(k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), k_cache, v_cache, meta,
+                              self.kv_scales)
+        attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5, self.kv_scales)
         o = self.tp.all_reduce(linear(attn.reshape(t, hq * d), self.o_weight))
         return self._mlp(x, after_attention, o)
 
@@ -167,6 +186,9 @@ class Transformer(nn.Module):
                 torch.empty(arch.vocab_size, h, dtype=dtype, device=device), requires_grad=False
             )
         self.rotary = Rotary(arch, device)
+        # the identity of the layers' FP8 KV scales (kv_quant.scales_identity; the loader sets
+        # it when the checkpoint ships k_scale / v_scale)
+        self.kv_scales_id = UNIT_SCALES
         self.mtp: MTPLayer | None = None
         if mtp:
             if arch.mtp_layers < 1:

@@ -83,6 +83,11 @@ class KVMemoryInfo(msgspec.Struct, frozen=True):
     # (kv_parts: K and V, 2; the MLA latent, 1)
     device: str
     spec_shape: list[int] = []  # the speculative region after it (same form), when there is one
+    # FP8 pages: their scales' identity (disagg.kernels.kv_quant.scales_identity); "" otherwise
+    kv_scales: str = ""
+    # the model's dtype where the pages' differs (FP8): the speculative region's and the hidden
+    # rows'; "" = dtype
+    model_dtype: str = ""
 
 
 class ExecutorReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):

@@ -48,6 +48,12 @@ class KVLayoutDesc(msgspec.Struct, frozen=True):
     # on the lead rank only (tp_size 1), the same page ids, right after the main region
     spec_method: str = ""
     spec: KVLayoutDesc | None = None
+    # FP8 pages (dtype float8_e4m3fn): their scales' identity (kv_quant.scales_identity:
+    # "unit" or a digest of every layer's K/V scales); pages are only written between equal ones
+    kv_scales: str = ""
+    # bytes per element of the context row (the model's hidden state; its dtype, not the
+    # pages', with FP8 pages); 0 = element_size
+    context_element_size: int = 0
 
     @property
     def page_bytes(self) -> int:
@@ -78,7 +84,7 @@ class KVLayoutDesc(msgspec.Struct, frozen=True):
 
     @property
     def context_bytes(self) -> int:
-        return self.hidden_size * self.element_size
+        return self.hidden_size * (self.context_element_size or self.element_size)
 
     def page_offset(self, layer: int, page: int) -> int:
         """Byte offset of page ``page`` of ``layer`` in a rank's buffer."""

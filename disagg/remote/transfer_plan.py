@@ -131,8 +131,11 @@ def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
         return (f"KV layout mismatch: the prefiller's pages hold {src.kind} "
                 f"({LAYOUT_KINDS[src.kind][1]}) and the decoder's {dst.kind} "
                 f"({LAYOUT_KINDS[dst.kind][1]})")
-    for field in ("kv_parts", "num_layers", "total_kv_heads", "page_size", "head_dim", "dtype",
-                  "element_size", "hidden_size"):
+    why = kv_dtype_mismatch(src, dst)
+    if why:
+        return why
+    for field in ("kv_parts", "num_layers", "total_kv_heads", "page_size", "head_dim",
+                  "element_size", "hidden_size", "context_element_size"):
         a, b = getattr(src, field), getattr(dst, field)
         if a != b:
             return f"layout mismatch: prefiller {field}={a}, decoder {field}={b}"
@@ -146,6 +149,20 @@ def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
             if a != b:
                 return (f"speculative set-up mismatch: the prefiller's {src.spec_method} KV has "
                         f"{field}={a}, the decoder's {field}={b}")
+    return None
+
+
+def kv_dtype_mismatch(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
+    """Why the prefiller's pages (``src``) are not what the decoder's (``dst``) hold: another
+    dtype (pages are never converted in flight), or FP8 pages under other scales."""
+    if src.dtype != dst.dtype:
+        return (f"KV dtype mismatch: the prefiller's pages are {src.dtype} and the decoder's "
+                f"{dst.dtype} (pages are moved as they are, never converted: give both the "
+                "same --kv-cache-dtype and --dtype)")
+    if src.kv_scales != dst.kv_scales:
+        return (f"KV dtype mismatch: the prefiller's {src.dtype} pages have scales "
+                f"{src.kv_scales or 'none'} and the decoder's {dst.kv_scales or 'none'} (the "
+                "same checkpoint's k_scale / v_scale on both sides)")
     return None
 
 

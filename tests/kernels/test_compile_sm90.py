@@ -57,14 +57,73 @@ def test_gemv_compiles_for_sm90(bias: bool) -> None:
     compile_sm90(gemv._gemv_kernel, types, dict(HAS_BIAS=bias, BN=bn, BK=bk))
 
 
-@pytest.mark.parametrize("kv_heads", [8, 3])
-def test_append_kv_compiles_for_sm90(kv_heads: int) -> None:
+@pytest.mark.parametrize("kv_heads, fp8", [(8, False), (3, False), (8, True), (3, True)])
+def test_append_kv_compiles_for_sm90(kv_heads: int, fp8: bool) -> None:
     from disagg.kernels import append
 
-    types = {p: "*bf16" for p in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache}
     types.update(slot_ptr="*i64", stride_kt="i64", stride_kh="i64", stride_vt="i64",
-                 stride_vh="i64", stride_kp="i64", stride_vp="i64")
+                 stride_vh="i64", stride_kp="i64", stride_vp="i64", k_scale_ptr="*fp32",
+                 v_scale_ptr="*fp32")
     asm = compile_sm90(append._append_kv_kernel, types, dict(
         NUM_KV_HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(kv_heads), PAGE=16,
-        HEAD_DIM=128))
+        HEAD_DIM=128, FP8=fp8))
     assert "cubin" in asm
+
+
+# FP8 KV pages (--kv-cache-dtype fp8_e4m3) read by bf16 queries: the attention kernels
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_decode_compiles_for_sm90(splits: int) -> None:
+    from disagg.kernels import decode
+
+    types = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "bt_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "out_ptr": "*bf16" if splits == 1 else "*fp32",
+             "lse_ptr": "*fp32", "scale_log2": "fp32", "stride_qb": "i64", "stride_qh": "i64",
+             "stride_kp": "i64", "stride_vp": "i64", "stride_bt": "i64", "stride_ob": "i64",
+             "stride_oh": "i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    asm = compile_sm90(decode._decode_split_kernel, types, dict(
+        NUM_SPLITS=splits, GROUP=4, GROUP_PAD=16, PAGE=16, HEAD_DIM=128, BLOCK_N=64,
+        F32_DOT=False, STAGES=2, FP8=True))
+    assert "cubin" in asm
+
+
+def test_fp8_prefill_compiles_for_sm90() -> None:
+    from disagg.kernels import prefill
+
+    types = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "out_ptr": "*bf16",
+             "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_ptr": "*i32", "scale_log2": "fp32",
+             "stride_qt": "i64", "stride_qh": "i64", "stride_ot": "i64", "stride_oh": "i64",
+             "stride_kp": "i64", "stride_vp": "i64", "stride_bt": "i64", "seq_base": "i32",
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    asm = compile_sm90(prefill._prefill_kernel, types, dict(
+        GROUP=4, PAGE=16, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, F32_DOT=False, STAGES=3,
+        FP8=True))
+    assert "cubin" in asm
+
+
+def test_fp8_mla_kernels_compile_for_sm90() -> None:
+    from disagg.kernels import mla
+
+    lat = dict(LAT=512, LAT_PAD=512, ROPE=64, ROPE_PAD=64)
+    types = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "bt_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+             "lse_ptr": "*fp32", "scale_log2": "fp32", "num_splits": "i32", "stride_qb": "i64",
+             "stride_qh": "i64", "stride_cp": "i64", "stride_bt": "i64", "stride_ob": "i64",
+             "stride_oh": "i64", "scale_ptr": "*fp32"}
+    bh, bn, stages, _ = mla.decode_tiles(16, 2)
+    assert "cubin" in compile_sm90(mla._mla_decode_kernel, types, dict(
+        HEADS=16, BLOCK_H=bh, PAGE=16, **lat, BLOCK_N=bn, F32_DOT=False, STAGES=stages,
+        FP8=True))
+    types = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "out_ptr": "*bf16", "bt_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "cu_ptr": "*i32", "scale_log2": "fp32",
+             "stride_qt": "i64", "stride_qh": "i64", "stride_ot": "i64", "stride_oh": "i64",
+             "stride_cp": "i64", "stride_bt": "i64", "seq_base": "i32", "scale_ptr": "*fp32"}
+    bm, bn, stages, _ = mla.prefill_tiles(2)
+    assert "cubin" in compile_sm90(mla._mla_prefill_kernel, types, dict(
+        HEADS=16, PAGE=16, **lat, BLOCK_M=bm, BLOCK_N=bn, F32_DOT=False, STAGES=stages,
+        FP8=True))
+    types = {"x_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64", "stride_xt": "i64",
+             "stride_cp": "i64", "scale_ptr": "*fp32"}
+    assert "cubin" in compile_sm90(mla._append_latent_kernel, types, dict(
+        PAGE=16, WIDTH=576, WIDTH_PAD=1024, FP8=True))
