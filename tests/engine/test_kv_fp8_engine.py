@@ -96,3 +96,21 @@ def test_mis_shaped_checkpoint_scales_are_refused_by_name(tmp_path):
                           lambda i, k: torch.ones(3))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.[kv]_scale has shape"):
         load_model(path, "float32")
+
+
+@pytest.mark.parametrize("size, kv_heads", [(2, 2), (4, 2)])  # heads split, then replicated
+def test_each_tp_rank_holds_its_kv_heads_scales_and_the_identity_is_global(tmp_path, size,
+                                                                          kv_heads):
+    from disagg.model.tp import TensorParallel
+
+    path = with_kv_scales(make_tiny_model("llama", tmp_path / "m"),
+                          lambda i, k: torch.tensor([1.0 + i, 2.0 + i]) * (1 if k == "k" else 3))
+    ids = set()
+    for rank in range(size):
+        model = load_model(path, "float32", tp=TensorParallel(rank, size))
+        ids.add(model.kv_scales_id)
+        head = rank // (size // kv_heads) if size > kv_heads else rank
+        for i, layer in enumerate(model.layers):
+            assert layer.k_scale.tolist() == [[1.0 + i, 2.0 + i][head]]
+            assert layer.v_scale.tolist() == [3 * [1.0 + i, 2.0 + i][head]]
+    assert len(ids) == 1 and ids.pop().startswith("sha256:")
