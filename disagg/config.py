@@ -115,11 +115,16 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
     gpu_memory_utilization: float = 0.9  # (--gpu-memory-utilization)
     cuda_graphs: bool = True  # CUDA: decode-only steps replay captured graphs (--enforce-eager)
     draft_model: str | None = None  # --speculative-method draft: a local HF directory (--draft-model)
+    # auto: the checkpoint's own (FP8 ones dequantized at load); fp8: round an unquantized
+    # checkpoint's (or --random-weights') linear weights to 128x128 block FP8 (--quantization)
+    quantization: str = "auto"
 
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization not in ("auto", "fp8"):
+            raise ConfigError(f"--quantization must be auto or fp8, got {self.quantization!r}")
         if self.random_weights and self.model is None:
             raise ConfigError("--random-weights needs --model DIR (a directory with config.json)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

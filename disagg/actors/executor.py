@@ -13,11 +13,13 @@ The main-process side is ``disagg.actors.executor_group.ExecutorGroup``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -281,12 +283,17 @@ def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None
     assert path is not None
     if ecfg.random_weights:
         from disagg.model.config import ModelArch
-        from disagg.model.loader import random_model
+        from disagg.model.fp8 import Fp8Format
+        from disagg.model.loader import FP8_BLOCK, random_model
 
-        return random_model(ModelArch.from_dir(path), ecfg.dtype, device, ecfg.seed, tp, mtp)
+        fp8 = Fp8Format.from_config(json.loads((Path(path) / "config.json").read_text()))
+        if fp8 is None and ecfg.quantization == "fp8":
+            fp8 = Fp8Format("fp8", FP8_BLOCK)
+        return random_model(ModelArch.from_dir(path), ecfg.dtype, device, ecfg.seed, tp, mtp,
+                            fp8)
     from disagg.model.loader import load_model
 
-    return load_model(path, ecfg.dtype, device, tp, mtp)
+    return load_model(path, ecfg.dtype, device, tp, mtp, ecfg.quantization)
 
 
 def pages_from_free_memory(cfg: NodeConfig, model: Any, backend: Any, max_model_len: int,

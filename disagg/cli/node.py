@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draw the weights from --seed on the device; --model DIR needs only "
                          "config.json (no safetensors, no tokenizer: send prompt_token_ids)")
     ap.add_argument("--seed", type=int, default=e.seed, help="seed for --random-weights")
+    ap.add_argument("--quantization", choices=["auto", "fp8"], default=e.quantization,
+                    help="auto: the checkpoint's own format (FP8 checkpoints are read and "
+                         "dequantized); fp8: round an unquantized checkpoint's linear weights, "
+                         "or --random-weights', to 128x128 block FP8 (--random-weights also "
+                         "follows an FP8 quantization_config in config.json)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
                     help="CUDA with --num-pages 0: fraction of GPU memory for weights, "
                          "activations and the KV pool (sized after a profiling step)")
@@ -241,7 +246,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                                 seed=args.seed, random_weights=args.random_weights,
                                 gpu_memory_utilization=args.gpu_memory_utilization,
                                 cuda_graphs=not args.enforce_eager,
-                                draft_model=args.draft_model),
+                                draft_model=args.draft_model, quantization=args.quantization),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
                           kv_cache_mb=args.kv_cache_mb, prefix_caching=args.prefix_caching,
                           salt_by_tenant=args.salt_by_tenant,

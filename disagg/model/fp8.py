@@ -78,6 +78,18 @@ class Fp8Format:
         return out
 
 
+_FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def quantizable(name: str, tensor: torch.Tensor, skip: tuple[str, ...] = ()) -> bool:
+    """Whether the quantizer stores ``name`` as FP8: a linear weight of a decoder layer."""
+    if not name.startswith("model.layers.") or tensor.dim() < 2:
+        return False
+    if not tensor.is_floating_point() or any(s in name for s in skip):
+        return False
+    return name.endswith(("proj.weight", "proj_with_mqa.weight", *_FUSED_EXPERTS))
+
+
 def scale_names(name: str) -> tuple[str, str]:
     """Where a weight's scale is stored: ``x.weight`` -> ``x.weight_scale_inv`` (block
     format; fused experts ``x.gate_up_proj`` -> ``x.gate_up_proj_scale_inv``), then the
@@ -142,6 +154,14 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]
     q = (tiles / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
     q = q.reshape(*lead, gr * block[0], gc * block[1])[..., :r, :c]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def round_to_fp8(w: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """``w`` as the block format stores it (quantized, then dequantized back to its dtype):
+    ``--quantization fp8`` on unquantized weights. ``block`` None: one scale for the tensor."""
+    b = block or tuple(w.shape[-2:])
+    q, s = quantize_blocks(w, (b[0], b[1]))
+    return dequantize("w", q, s, (b[0], b[1]), w.dtype)
 
 
 def check_block_shard(name: str, kept: torch.Tensor, size: int, block: int, tp: int) -> None:

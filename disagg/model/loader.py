@@ -29,6 +29,8 @@ from disagg.model.fp8 import (
     Fp8Format,
     check_block_shard,
     dequantize,
+    quantizable,
+    round_to_fp8,
     scale_names,
 )
 from disagg.model.tp import TensorParallel
@@ -117,12 +119,19 @@ def _fused_slices(arch: ModelArch) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+QUANTIZATIONS = ("auto", "fp8")  # --quantization
+FP8_BLOCK = (128, 128)  # --quantization fp8 of unquantized weights
+
+
 def load_model(
     path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
-    tp: TensorParallel | None = None, mtp: bool = False,
+    tp: TensorParallel | None = None, mtp: bool = False, quantization: str = "auto",
 ) -> Transformer:
     """Load a checkpoint; under ``tp`` only this rank's slices (``disagg.model.tp``); with
-    ``mtp`` its multi-token-prediction layer too (``disagg.model.mtp``)."""
+    ``mtp`` its multi-token-prediction layer too (``disagg.model.mtp``). ``quantization``:
+    ``auto`` reads the checkpoint as stored (FP8 ones dequantized); ``fp8`` also rounds an
+    unquantized checkpoint's linear weights to the block format (128x128), as
+    ``disagg-quantize`` would store them."""
     from safetensors import safe_open  # only here: random weights need no safetensors
 
     path = Path(path)
@@ -137,6 +146,9 @@ def load_model(
     fused_parts: dict[str, int] = {}
     kv_scales: dict[tuple[int, str], torch.Tensor] = {}  # (layer, k|v) -> global [heads]
     fp8 = Fp8Format.from_config(json.loads((path / "config.json").read_text()))
+    online = fp8 is None and quantization == "fp8"
+    if online:
+        fp8 = Fp8Format("fp8", FP8_BLOCK)
     dequantized = 0
     with ExitStack() as stack:
         files = {file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
@@ -155,6 +167,10 @@ def load_model(
                 raw = f.get_tensor(name)
                 if raw.dtype in FP8_DTYPES:
                     raw = _dequantized(name, raw, where, fp8, tp, kind, full)
+                    dequantized += 1
+                elif online and quantizable(name, raw):
+                    _check_blocks(name, raw, FP8_BLOCK, tp, kind, full)
+                    raw = round_to_fp8(raw.to(torch.float32), FP8_BLOCK)
                     dequantized += 1
                 tensor = _shard(tp, kind, raw, full)
                 dst = param.data if expert is None else param.data[expert]
@@ -236,13 +252,20 @@ def _dequantized(name: str, w: torch.Tensor, where: dict, fp8: Fp8Format | None,
     if scale_name is None:
         raise Fp8Error(f"{name} is FP8 but the checkpoint has no {scale_names(name)[0]} "
                        f"(or {scale_names(name)[1]})")
-    if fp8.block is not None and tp.size > 1 and kind in _ROW_KINDS + _COL_KINDS:
+    if fp8.block is not None:
+        _check_blocks(name, w, fp8.block, tp, kind, arch)
+    return dequantize(name, w, where[scale_name].get_tensor(scale_name), fp8.block)
+
+
+def _check_blocks(name: str, w: torch.Tensor, block: tuple[int, int], tp: TensorParallel,
+                  kind: str, arch: ModelArch) -> None:
+    """Refuse a TP shard of ``name`` that would keep part of one of its scale blocks."""
+    if tp.size > 1 and kind in _ROW_KINDS + _COL_KINDS:
         dim = w.dim() - (2 if kind in _ROW_KINDS else 1)
         shape = [1] * w.dim()
         shape[dim] = w.shape[dim]
         kept = _shard(tp, kind, torch.arange(w.shape[dim]).reshape(shape), arch).flatten()
-        check_block_shard(name, kept, w.shape[dim], fp8.block[dim - w.dim() + 2], tp.size)
-    return dequantize(name, w, where[scale_name].get_tensor(scale_name), fp8.block)
+        check_block_shard(name, kept, w.shape[dim], block[dim - w.dim() + 2], tp.size)
 
 
 _SHARD_KINDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
@@ -316,10 +339,12 @@ def _target(name: str, arch: ModelArch, mtp: bool = False) -> Target | None:
 
 def random_model(
     arch: ModelArch, dtype: str = "auto", device: str | torch.device = "cpu", seed: int = 0,
-    tp: TensorParallel | None = None, mtp: bool = False,
+    tp: TensorParallel | None = None, mtp: bool = False, fp8: Fp8Format | None = None,
 ) -> Transformer:
     """A model with weights drawn from ``seed`` directly on ``device`` (no files needed);
-    under ``tp`` each rank draws its own shard (shapes and speed, not a given function)."""
+    under ``tp`` each rank draws its own shard (shapes and speed, not a given function).
+    ``fp8``: its linear weights rounded to that FP8 format (blocks of each local parameter;
+    per tensor without a block size), as an FP8 checkpoint of the shape would hold them."""
     dev = torch.device(device)
     tp = tp or TensorParallel()
     local = tp.local_arch(arch)
@@ -332,4 +357,13 @@ def random_model(
             param.data.zero_()
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
+            if fp8 is not None and _fp8_param(name, param):
+                param.data.copy_(round_to_fp8(param.data, fp8.block))
     return model
+
+
+def _fp8_param(name: str, param: torch.Tensor) -> bool:
+    """A parameter an FP8 checkpoint stores as FP8: a linear weight of a layer (not a router
+    or a shared expert's gate, which stay as stored)."""
+    return (name.startswith(("layers.", "mtp.")) and param.dim() >= 2
+            and not name.endswith(("router", "shared_gate")))

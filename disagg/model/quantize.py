@@ -23,18 +23,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.model.fp8 import Fp8Format, quantize_blocks
-
-_FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-
-
-def quantizable(name: str, tensor: torch.Tensor, skip: tuple[str, ...] = ()) -> bool:
-    """Whether the quantizer stores ``name`` as FP8: a linear weight of a decoder layer."""
-    if not name.startswith("model.layers.") or tensor.dim() < 2:
-        return False
-    if not tensor.is_floating_point() or any(s in name for s in skip):
-        return False
-    return name.endswith(("proj.weight", "proj_with_mqa.weight", *_FUSED_EXPERTS))
+from disagg.model.fp8 import Fp8Format, quantizable, quantize_blocks
 
 
 def quantize_dir(src: Path, dst: Path, block: tuple[int, int] = (128, 128),

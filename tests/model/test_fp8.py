@@ -302,3 +302,47 @@ def test_the_quantizer_cli(tmp_path, capsys):
     assert not any(n.startswith("model.layers.1.") and n.endswith("_scale_inv") for n in names)
     assert quantize_main([str(tmp_path / "out"), str(tmp_path / "again")]) == 2  # already FP8
     assert "already quantized" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- --quantization fp8
+
+
+def test_quantization_fp8_rounds_an_unquantized_checkpoint_as_the_quantizer_stores_it(tmp_path):
+    src = make_tiny_model("qwen2_moe", tmp_path / "src")
+    quantize_dir(src, tmp_path / "fp8", (128, 128))
+    online = load_model(src, "float32", quantization="fp8")
+    stored = load_model(tmp_path / "fp8", "float32")
+    plain = load_model(src, "float32")
+    changed = 0
+    for (name, a), (_, b), (_, c) in zip(online.named_parameters(), stored.named_parameters(),
+                                         plain.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+        changed += not torch.equal(a, c)
+    assert changed > 0  # the linear weights moved; embeddings, norms, routers did not
+    assert torch.equal(online.embed, plain.embed)
+
+
+def test_random_weights_rounded_to_fp8(tmp_path):
+    from disagg.model.config import ModelArch
+    from disagg.model.fp8 import round_to_fp8
+    from disagg.model.loader import random_model
+
+    arch = ModelArch.from_dir(make_tiny_model("deepseek_v3", tmp_path / "v3"))
+    a = random_model(arch, "float32", seed=3)
+    b = random_model(arch, "float32", seed=3, fp8=Fp8Format("fp8", (16, 16)))
+    rounded = 0
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        if name.endswith(("router", "norm", "correction_bias")) or name in ("embed", "lm_head"):
+            assert torch.equal(x, y), name
+        elif y.dim() >= 2:
+            assert torch.equal(round_to_fp8(y, (16, 16)), y), name  # already on the grid
+            assert torch.equal(round_to_fp8(x, (16, 16)), y), name
+            rounded += 1
+    assert rounded > 0
+
+
+def test_the_quantization_flag_is_checked():
+    from disagg.config import ConfigError, ExecutorConfig
+
+    with pytest.raises(ConfigError, match="--quantization must be auto or fp8"):
+        ExecutorConfig(quantization="int4").validate()

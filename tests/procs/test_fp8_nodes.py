@@ -49,3 +49,28 @@ def test_an_fp8_checkpoint_across_the_split_with_mismatched_tp(fp8_dir, expected
         assert stats(d_addr).kv_units_received > before  # the longer prompts came remotely
         for addr in (p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
+
+
+def test_random_weights_with_quantization_fp8(tmp_path):
+    """``--random-weights --quantization fp8``: FP8 shapes without a checkpoint; the node's
+    tokens are those of the same seed's weights rounded to 128x128 block FP8."""
+    import json
+
+    from disagg.llm import LLM
+    from disagg.model.config import ModelArch
+    from disagg.model.fp8 import Fp8Format
+    from disagg.model.loader import random_model
+    from disagg.protocol import SamplingParams
+
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    cfg = json.loads((make_tiny_model("llama", tmp_path / "src") / "config.json").read_text())
+    (shape / "config.json").write_text(json.dumps(cfg))
+    want = LLM(random_model(ModelArch.from_dir(shape), "float32", "cpu", 5,
+                            fp8=Fp8Format("fp8", (128, 128))), num_pages=32, page_size=4)
+    expected = [o.token_ids for o in want.generate(PROMPTS, SamplingParams(max_tokens=NEW,
+                                                                           ignore_eos=True))]
+    addr, proc = node("mixed", shape, tmp_path, "--num-pages", "32", "--random-weights",
+                      "--seed", "5", "--quantization", "fp8", "--dtype", "float32")
+    with running([proc]):
+        assert [tokens(addr, p, NEW) for p in PROMPTS] == expected
