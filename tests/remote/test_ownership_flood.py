@@ -27,22 +27,14 @@ from disagg.actors import ownership_gate
 from disagg.actors.decode_messenger import DecodeMessenger
 from disagg.actors.prefill_messenger import PrefillMessenger
 from disagg.actors.transfer import TransferEngine
-from disagg.protocol.inproc import AttemptEvent, PrefillJob, SendPrefill, ToScheduler
-from disagg.protocol.peer import KVLayoutDesc, OwnershipOffer
+from disagg.protocol.inproc import AttemptEvent, PrefillJob, SendPrefill
+from disagg.protocol.peer import OwnershipOffer
 from disagg.remote.transfer_plan import make_key, new_generation
+from remote.messengers import ENC, LAYOUT, SCHED, Counter
 
 pytestmark = pytest.mark.fabric
 
-LAYOUT = KVLayoutDesc(num_layers=2, num_pages=16, num_kv_heads=1, page_size=4, head_dim=8,
-                      dtype="float32", element_size=4, hidden_size=16)
-ENC = msgspec.msgpack.Encoder()
-SCHED = msgspec.msgpack.Decoder(ToScheduler)
 FLOOD_CONNS = 200
-
-
-class Counter:  # the layer counter: no step ever runs here
-    def read(self) -> int:
-        return 0
 
 
 def closed_port_descriptor(engine: TransferEngine) -> bytes:

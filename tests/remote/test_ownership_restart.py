@@ -14,7 +14,6 @@ import asyncio
 import time
 from typing import Any
 
-import msgspec
 import pytest
 import torch
 import zmq
@@ -23,29 +22,14 @@ import zmq.asyncio
 from disagg.actors.decode_messenger import DecodeMessenger
 from disagg.actors.prefill_messenger import PrefillMessenger
 from disagg.actors.transfer import TransferEngine
-from disagg.protocol.inproc import PrefillJob, SendPrefill, ToScheduler
-from disagg.protocol.peer import KVLayoutDesc, OwnershipOffer
+from disagg.protocol.inproc import PrefillJob, SendPrefill
+from disagg.protocol.peer import OwnershipOffer
 from disagg.remote.ownership import endpoints
 from disagg.remote.transfer_plan import make_key, new_generation
+from remote.messengers import ENC, LAYOUT, SCHED, Counter, until
 
 pytestmark = pytest.mark.fabric
 
-LAYOUT = KVLayoutDesc(num_layers=2, num_pages=16, num_kv_heads=1, page_size=4, head_dim=8,
-                      dtype="float32", element_size=4, hidden_size=16)
-ENC = msgspec.msgpack.Encoder()
-SCHED = msgspec.msgpack.Decoder(ToScheduler)
-
-
-class Counter:  # the layer counter: no step ever runs here
-    def read(self) -> int:
-        return 0
-
-
-async def until(cond: Any, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout}s"
-        await asyncio.sleep(0.02)
 
 
 async def job(sock: zmq.asyncio.Socket, timeout: float = 20.0) -> PrefillJob:
