@@ -21,7 +21,7 @@ from disagg.client import AsyncClient
 from disagg.protocol import SamplingParams
 from tinymodels import NodeProcess, free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -64,7 +64,13 @@ async def run(addr: str) -> tuple[list[list[int]], list[dict | None]]:
 
 @pytest.mark.parametrize("shape", ["v2lite", "qwen3moe"])
 def test_a_split_on_one_gpu_matches_a_mixed_node(shape, tmp_path):
-    from sparse_engine import SHAPES
+    # bench/ on sys.path only for this import: its kernels.py would shadow the ``kernels``
+    # package transformers probes for when it imports a model family
+    sys.path.insert(0, str(BENCH))
+    try:
+        from sparse_engine import SHAPES
+    finally:
+        sys.path.remove(str(BENCH))
 
     model = tmp_path / shape
     model.mkdir()
