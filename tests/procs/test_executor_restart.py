@@ -426,6 +426,20 @@ def assert_flat(seen: list[tuple[int, int, int]]) -> None:
         assert fd <= fd0, f"open fds {fd0} -> {fd} across restarts: {seen}"
 
 
+def check_clients_across_kills(proc, addr: str, clients: list, go: threading.Event,
+                               kills: int) -> None:
+    """Serve ``clients`` across ``kills`` executor deaths of ``proc``, then check that every
+    request was answered and the node's fds, threads and mappings stayed flat."""
+    try:
+        seen = serve_across_kills(proc, addr, clients, go, kills)
+    finally:
+        go.clear()
+        for c in clients:
+            c.close()
+    assert_every_request_answered(clients, kills)
+    assert_flat(seen)
+
+
 @pytest.mark.parametrize("kills", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_clients_that_retry_at_once_are_answered_across_restarts_of_a_mixed_node(model_dir,
                                                                                  tmp_path, kills):
@@ -436,14 +450,7 @@ def test_clients_that_retry_at_once_are_answered_across_restarts_of_a_mixed_node
     go = threading.Event()
     with running([proc]):
         clients = [Retrier(addr, prompt(8, i), 120, go) for i in range(8)]
-        try:
-            seen = serve_across_kills(proc, addr, clients, go, kills)
-        finally:
-            go.clear()
-            for c in clients:
-                c.close()
-        assert_every_request_answered(clients, kills)
-        assert_flat(seen)
+        check_clients_across_kills(proc, addr, clients, go, kills)
 
 
 @pytest.mark.fabric
@@ -460,11 +467,4 @@ def test_steady_load_on_a_decode_node_across_executor_kills_leaves_nothing_hung(
     go = threading.Event()
     with running([p, d], decoders=[d_addr]):
         clients = [Retrier(d_addr, prompt(12 + 8 * i, i), 60, go) for i in range(4)]
-        try:
-            seen = serve_across_kills(d, d_addr, clients, go, kills)
-        finally:
-            go.clear()
-            for c in clients:
-                c.close()
-        assert_every_request_answered(clients, kills)
-        assert_flat(seen)
+        check_clients_across_kills(d, d_addr, clients, go, kills)
