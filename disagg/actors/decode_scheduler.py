@@ -77,6 +77,7 @@ class DecodeSide(SchedulerSide):
         self.held: dict[int, tuple[Sequence, str, float]] = {}
         self.context: dict[int, bytes] = {}  # slot -> the landed attempt's context row (mtp)
         self._menc = msgspec.msgpack.Encoder()
+        self._failed: tuple[int, int] | None = None  # (head slot, pages free) of a failed _pump
 
     async def enqueue(self, seq: Sequence) -> bool:
         """Take ``seq`` for remote prefill when a prefiller is alive and more than
@@ -149,12 +150,18 @@ class DecodeSide(SchedulerSide):
                                           timings=self.timings_of(seq)))
 
     async def _pump(self) -> None:
-        """Reserve pages for queued remote prefills, oldest first, while the pool allows."""
+        """Reserve pages for queued remote prefills, oldest first, while the pool allows. A
+        head that could not get its pages is tried again only once pages have returned (this
+        runs after every step: a long prompt's lookup need not run on each)."""
         while (head := self.remote.head()) is not None:
             slot, _ = head
+            if self._failed == (slot, self.port.pool.num_free):
+                return
             pages = self._reserve(self.seqs[slot])
             if pages is None:
+                self._failed = (slot, self.port.pool.num_free)
                 return
+            self._failed = None
             await self._carry_out(self.remote.reserved(slot, pages, time.monotonic()))
 
     def _reserve(self, seq: Sequence) -> list[int] | None:
