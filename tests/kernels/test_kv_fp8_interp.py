@@ -14,6 +14,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from fp8kv_cases import TOL, all_cases  # noqa: E402
 
+GPU_TOL = {"float32": 5e-3}  # relative error of tf32 dots (measured on an H200: <= 4.6e-4)
+
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
@@ -36,9 +38,11 @@ def test_fp8_kernel_matches_reference(cid: str, results: dict[str, Any]) -> None
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cid", all_cases())
 def test_fp8_kernel_matches_reference_on_a_gpu(cid: str) -> None:
-    """Compiled kernels: every appended byte equals torch's (no interpreter exemption)."""
+    """Compiled kernels: every appended byte equals torch's (no interpreter exemption).
+    Attention over float32 queries is held to tf32's bound: a compiled ``tl.dot`` takes float32
+    operands as tf32 (as in test_kernel_gpu.py); the interpreter computes them in float32."""
     from fp8kv_cases import run_case
 
     kind, dtype = cid.split("-")
-    bound = 0.0 if kind.endswith("append") else TOL[dtype]
+    bound = 0.0 if kind.endswith("append") else GPU_TOL.get(dtype, TOL[dtype])
     assert run_case(cid, "cuda") <= bound
