@@ -1,16 +1,20 @@
-"""Node configuration: frozen structs layered by role (node -> scheduler / cache / executor).
+"""Node configuration: frozen structs layered by role (node -> scheduler / cache / executor /
+disagg / router).
 
-CLI defaults come from these defaults. Validation names the value and the flag to change.
+Each setting lives here once: a field, its default, and (``Annotated[T, Flag(...)]``) its
+``disagg-node`` flag and help; ``disagg.cli.flags`` builds the parser from these fields (choices
+from ``Literal`` types). Validation names the value and the flag to change.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
-from disagg.remote.discovery import split_specs
+from disagg.peer_specs import split_specs
 
 ENV_PREFIX = "DISAGG_"
 
@@ -20,35 +24,64 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "mtp")  # --speculative-method
-
-
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the flag."""
 
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # --kv-cache-dtype
+@dataclass(frozen=True)
+class Flag:
+    """A field's ``disagg-node`` flag. ``name`` defaults to ``--`` and the field's name with
+    dashes, less a trailing ``_s``; ``dest`` (the argparse attribute) to the name's. A bool
+    field is a switch that flips its default (``invert``: the switch sets the opposite of
+    the field, ``--enforce-eager`` clears ``cuda_graphs``); a list field's flag repeats,
+    unless ``sep`` joins the list into one value."""
+
+    help: str
+    name: str = ""
+    dest: str = ""
+    metavar: str | None = None
+    invert: bool = False
+    sep: str = ""
+
+
+Role = Literal["mixed", "prefill", "decode", "router"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+AttentionBackend = Literal["auto", "torch", "triton", "flashinfer"]
+SpeculativeMethod = Literal["ngram", "draft", "mtp"]
+KvCacheDtype = Literal["auto", "fp8_e4m3"]
+AutoOnOff = Literal["auto", "on", "off"]
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+
+
+def _one_of(value: object, kind: object, flag: str) -> None:
+    """``value`` is one of the ``Literal`` type ``kind``'s values, else a ConfigError."""
+    if value not in get_args(kind):
+        raise ConfigError(f"{flag} must be one of {', '.join(get_args(kind))}, got {value!r}")
 
 
 class CacheConfig(msgspec.Struct, frozen=True):
-    page_size: int = 16  # tokens per page (--page-size)
-    num_pages: int = 0  # 0 = size from --kv-cache-mb (CPU) or free memory (CUDA)
-    kv_cache_mb: int = 256  # KV budget per executor when num_pages == 0 (--kv-cache-mb)
-    prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (--no-prefix-caching)
-    # salt each client key's requests by that key (disagg.serving.salting): auto = where CURVE
-    # keys authenticate clients (--cache-salt-by-tenant)
-    salt_by_tenant: Literal["auto", "on", "off"] = "auto"
-    # what a KV page holds (--kv-cache-dtype): auto = the model's dtype; fp8_e4m3 = float8
-    # e4m3 with scales per layer and kv head (disagg.kernels.kv_quant)
-    kv_cache_dtype: str = "auto"
+    page_size: Annotated[int, Flag("tokens per KV page")] = 16
+    num_pages: Annotated[int, Flag(
+        "KV pages per executor (default 0: sized from --kv-cache-mb on CPU, from free memory "
+        "on CUDA)")] = 0
+    kv_cache_mb: Annotated[int, Flag("KV budget per executor in MiB when --num-pages is 0 "
+                                     "(CPU)")] = 256
+    prefix_caching: Annotated[bool, Flag(
+        "do not reuse the KV of cached prompt prefixes (on by default)",
+        name="--no-prefix-caching", dest="prefix_caching")] = True
+    salt_by_tenant: Annotated[AutoOnOff, Flag(  # disagg.serving.salting
+        "salt each CURVE client key's requests by that key, so clients never share cached "
+        "prefixes nor see the prefix counters in Stats (auto: on with --curve-keys; also the "
+        "router's)", name="--cache-salt-by-tenant", dest="salt_by_tenant")] = "auto"
+    kv_cache_dtype: Annotated[KvCacheDtype, Flag(  # disagg.kernels.kv_quant
+        "what KV pages hold: auto = the model's dtype; fp8_e4m3 = float8 with scales per "
+        "layer and kv head (the checkpoint's k_scale/v_scale, else 1.0): half the bytes of "
+        "bf16, shipped as such to a decoder")] = "auto"
 
     def validate(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                              f"got {self.kv_cache_dtype!r}")
-        if self.salt_by_tenant not in ("auto", "on", "off"):
-            raise ConfigError("--cache-salt-by-tenant must be auto, on or off, got "
-                              f"{self.salt_by_tenant!r}")
+        _one_of(self.kv_cache_dtype, KvCacheDtype, "--kv-cache-dtype")
+        _one_of(self.salt_by_tenant, AutoOnOff, "--cache-salt-by-tenant")
         if self.page_size < 1 or self.page_size > 1024:
             raise ConfigError(f"--page-size must be in [1, 1024], got {self.page_size}")
         if self.num_pages < 0:
@@ -58,37 +91,48 @@ class CacheConfig(msgspec.Struct, frozen=True):
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):
-    max_batch_tokens: int = 2048  # tokens per step, decode + prefill chunks (--max-batch-tokens)
-    max_running: int = 256  # sequences per step (--max-running)
-    max_model_len: int = 0  # 0 = the model's max_position_embeddings (--max-model-len)
-    max_requests_per_client: int = 4096  # live requests per client: its key, else its connection (--max-requests-per-client)
-    max_queued_requests: int = 16384  # admitted, not started, all clients (--max-queued-requests)
-    queue_timeout_s: float = 600.0  # a request not started within this ends with timeout (--queue-timeout)
-    max_frames_per_client: int = 8192  # client frames being handled at once (--max-frames-per-client)
-    max_connections_per_address: int = 1024  # client connections carrying frames, per peer address (--max-connections-per-address)
-    # speculative decoding on decode and mixed nodes: ngram (prompt lookup); None = off
-    speculative_method: str | None = None  # (--speculative-method)
-    num_speculative_tokens: int = 3  # drafted tokens per step and sequence (--num-speculative-tokens)
-    prompt_lookup_max: int = 4  # ngram: longest n-gram matched (--prompt-lookup-max)
-    prompt_lookup_min: int = 1  # ngram: shortest n-gram matched (--prompt-lookup-min)
-    # decode steps launched while the previous one runs (its host work hidden behind the
-    # device's): auto = on CUDA devices, on, off (--overlap-schedule)
-    overlap_schedule: str = "auto"
+    max_batch_tokens: Annotated[int, Flag(
+        "tokens per step: decode tokens plus prefill chunks")] = 2048
+    max_running: Annotated[int, Flag("sequences per step")] = 256
+    max_model_len: Annotated[int, Flag(
+        "context limit in tokens (default 0: the model's max_position_embeddings; capped by "
+        "the KV pool)")] = 0
+    max_requests_per_client: Annotated[int, Flag(
+        "live requests one client may have (its CURVE client key however many connections it "
+        "opens; without keys its connection); more get 'overloaded'")] = 4096
+    max_queued_requests: Annotated[int, Flag(
+        "requests admitted but not started, all clients together; more get "
+        "'overloaded'")] = 16384
+    queue_timeout_s: Annotated[float, Flag(
+        "seconds a request may wait to start before it ends with 'timeout'")] = 600.0
+    max_frames_per_client: Annotated[int, Flag(
+        "frames of one client being handled at once; more get 'overloaded'")] = 8192
+    max_connections_per_address: Annotated[int, Flag(
+        "client connections one peer address may send frames on (without keys each "
+        "connection is a client of its own); frames on more get 'overloaded'")] = 1024
+    speculative_method: Annotated[SpeculativeMethod | None, Flag(
+        "speculative decoding on decode and mixed nodes: ngram (prompt lookup: the "
+        "continuation of the latest earlier match of the last n tokens); draft: a smaller "
+        "model of the same vocabulary (--draft-model); mtp: a DeepSeek-V3 checkpoint's "
+        "multi-token-prediction layer (mixed nodes)")] = None  # None: off
+    num_speculative_tokens: Annotated[int, Flag(
+        "tokens drafted per sequence and step (verified in one forward pass)")] = 3
+    prompt_lookup_max: Annotated[int, Flag("ngram: the longest n-gram looked up")] = 4
+    prompt_lookup_min: Annotated[int, Flag("ngram: the shortest n-gram looked up")] = 1
+    overlap_schedule: Annotated[AutoOnOff, Flag(
+        "launch each decode step while the previous one runs, hiding the host's work behind "
+        "the device's (auto: on CUDA devices)")] = "auto"
 
     def validate(self) -> None:
-        if self.speculative_method is not None and (
-                self.speculative_method not in SPECULATIVE_METHODS):
-            raise ConfigError("--speculative-method must be ngram, draft or mtp, got "
-                              f"{self.speculative_method!r}")
+        if self.speculative_method is not None:
+            _one_of(self.speculative_method, SpeculativeMethod, "--speculative-method")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("--num-speculative-tokens must be in [1, 16], got "
                               f"{self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("--prompt-lookup-min and --prompt-lookup-max must satisfy "
                               "1 <= min <= max")
-        if self.overlap_schedule not in ("auto", "on", "off"):
-            raise ConfigError("--overlap-schedule must be auto, on or off, got "
-                              f"{self.overlap_schedule!r}")
+        _one_of(self.overlap_schedule, AutoOnOff, "--overlap-schedule")
         if self.max_batch_tokens < 1:
             raise ConfigError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.max_running < 1:
@@ -104,20 +148,32 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 
 
 class ExecutorConfig(msgspec.Struct, frozen=True):
-    model: str | None = None  # local HF directory; None = the embedded default (--model)
-    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (--dtype)
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer (--attention-backend)
-    threads: int = 0  # torch intra-op threads; 0 = torch's default / executors (--threads)
-    seed: int = 0  # seed for --random-weights
-    # weights drawn from `seed` on the device; --model then needs only config.json
-    random_weights: bool = False  # (--random-weights)
-    # CUDA with num_pages 0: GPU fraction for weights + activations + KV pool
-    gpu_memory_utilization: float = 0.9  # (--gpu-memory-utilization)
-    cuda_graphs: bool = True  # CUDA: decode-only steps replay captured graphs (--enforce-eager)
-    draft_model: str | None = None  # --speculative-method draft: a local HF directory (--draft-model)
-    # auto: the checkpoint's own (FP8 ones dequantized at load); fp8: round an unquantized
-    # checkpoint's (or --random-weights') linear weights to 128x128 block FP8 (--quantization)
-    quantization: str = "auto"
+    model: Annotated[str | None, Flag(
+        "local Hugging Face model directory (default: embedded SmolLM2-135M)")] = None
+    dtype: Annotated[Dtype, Flag("the weights' and activations' dtype (auto: the "
+                                 "checkpoint's)")] = "auto"
+    attention_backend: Annotated[AttentionBackend, Flag("attention kernels")] = "auto"
+    threads: Annotated[int, Flag(
+        "torch CPU threads per executor (default 0: torch's default, the usable cores, shared "
+        "among the executors; on a busy or shared machine 1 is often much faster)")] = 0
+    seed: Annotated[int, Flag("seed for --random-weights")] = 0
+    random_weights: Annotated[bool, Flag(
+        "draw the weights from --seed on the device; --model DIR needs only config.json (no "
+        "safetensors, no tokenizer: send prompt_token_ids)")] = False
+    gpu_memory_utilization: Annotated[float, Flag(
+        "CUDA with --num-pages 0: fraction of GPU memory for weights, activations and the KV "
+        "pool (sized after a profiling step)")] = 0.9
+    cuda_graphs: Annotated[bool, Flag(
+        "CUDA: run decode steps eagerly (no CUDA graphs)", name="--enforce-eager",
+        invert=True)] = True
+    draft_model: Annotated[str | None, Flag(
+        "--speculative-method draft: the draft model's local HF directory",
+        metavar="DIR")] = None
+    quantization: Annotated[Literal["auto", "fp8"], Flag(
+        "auto: the checkpoint's own format (FP8 checkpoints are read and dequantized); fp8: "
+        "round an unquantized checkpoint's linear weights, or --random-weights', to 128x128 "
+        "block FP8 (--random-weights also follows an FP8 quantization_config in "
+        "config.json)")] = "auto"
 
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -127,7 +183,7 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--quantization must be auto or fp8, got {self.quantization!r}")
         if self.random_weights and self.model is None:
             raise ConfigError("--random-weights needs --model DIR (a directory with config.json)")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in get_args(Dtype):
             raise ConfigError(
                 f"--dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
             )
@@ -136,33 +192,55 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
 class DisaggConfig(msgspec.Struct, frozen=True):
     """Prefill/decode roles: peers, transfers, deadlines."""
 
-    # decode: prefill nodes' --listen addresses, or dns:NAME:PORT (every address NAME
-    # resolves to, re-resolved every peer_resolve_interval_s) (--prefill-peer)
-    prefill_peers: list[str] = []
-    peer_resolve_interval_s: float = 10.0  # (--peer-resolve-interval)
-    transfer_backend: str = "fabric"  # fabric | cuda-ipc (--transfer-backend)
-    fabric_provider: str = "tcp"  # tcp | shm | net | verbs | efa (--fabric-provider)
-    # the address the fabric endpoint binds: peers on other hosts write to it (--fabric-address)
-    fabric_address: str = ""  # empty: loopback (one host)
-    fabric_lanes: int = 1  # endpoints writes are striped over, NICs nearest first (--fabric-lanes)
-    fabric_stripe_bytes: int = 1 << 20  # with lanes > 1, runs cut to this (--fabric-stripe-bytes)
-    # decode: register KV + context memory anew for each attempt, revoked when it ends:
-    # auto (on where registration is cheap: tcp, shm, net) | on | off (--fabric-mr-per-attempt)
-    fabric_mr_per_attempt: str = "auto"
-    local_prefill_max_tokens: int = 0  # decode: prefill prompts this short here (--local-prefill-max-tokens)
-    # error | retry | local (--on-prefill-failure; the retry rule: disagg.remote.decode)
-    on_prefill_failure: Literal["error", "retry", "local"] = "error"
-    prefill_timeout_s: float = 60.0  # deadline for a remote prefill's KV (--prefill-timeout)
-    heartbeat_s: float = 1.0  # ping period to prefill peers (--heartbeat)
-    peer_timeout_s: float = 5.0  # a peer silent this long is dead (--peer-timeout)
-    # prefill: share of the job slots and of the page pool one decoder connection may hold
-    peer_share: float = 0.5  # (--peer-share; 1 = no per-peer bound)
-    ownership_timeout_s: float = 5.0  # prefill: a decoder proves it owns its memory within this (--ownership-timeout)
-    # prefill: a step of fewer prompt tokens ships its KV in one go after its last layer
-    # rather than layer by layer (--layerwise-min-tokens; 0: always layer by layer). Off by
-    # default: on a slow link (tcp) it would expose the whole transfer of such a step, and on
-    # one H200 it showed no gain beyond run-to-run noise (docs/BENCHMARKS.md)
-    layerwise_min_tokens: int = 0
+    prefill_peers: Annotated[list[str], Flag(
+        "decode role: a prefill node's --listen address, or dns:NAME:PORT for every address "
+        "NAME resolves to, re-resolved (repeatable)", name="--prefill-peer",
+        dest="prefill_peers")] = []
+    peer_resolve_interval_s: Annotated[float, Flag(
+        "how often dns:NAME:PORT entries of --prefill-peer and --decode-peer are resolved "
+        "again (peers that appear are connected, those that vanish are treated as dead)",
+        metavar="SECONDS")] = 10.0
+    transfer_backend: Annotated[Literal["fabric", "cuda-ipc"], Flag(
+        "how KV pages move to a decoder: libfabric writes, or CUDA IPC copies (one "
+        "host)")] = "fabric"
+    fabric_provider: Annotated[str, Flag("libfabric provider: tcp, shm, net, verbs, "
+                                         "efa")] = "tcp"
+    fabric_address: Annotated[str, Flag(
+        "the local address the fabric endpoint binds and advertises to peers (default: "
+        "loopback, one host; on a cluster the host or pod IP)")] = ""
+    fabric_lanes: Annotated[int, Flag(
+        "fabric endpoints to stripe KV writes over (one per NIC, nearest the GPU first; "
+        "several on one NIC when there are fewer NICs)")] = 1
+    fabric_stripe_bytes: Annotated[int, Flag(
+        "with --fabric-lanes > 1: longer runs of pages are cut to this size so that every "
+        "lane gets a share")] = 1 << 20
+    fabric_mr_per_attempt: Annotated[AutoOnOff, Flag(
+        "decode role: register the KV and context memory anew (fresh random keys) for each "
+        "remote prefill attempt and revoke it when the attempt ends, so late or forged writes "
+        "are refused; auto: on where registration pins nothing (tcp, shm, net), off elsewhere "
+        "(verbs, efa)")] = "auto"
+    local_prefill_max_tokens: Annotated[int, Flag(
+        "decode role: prompts of at most this many tokens are prefilled locally")] = 0
+    on_prefill_failure: Annotated[Literal["error", "retry", "local"], Flag(
+        "decode role: what a failed remote prefill does to its request: error ends it, retry "
+        "tries once more (disagg.remote.decode), local prefills it here")] = "error"
+    prefill_timeout_s: Annotated[float, Flag(
+        "seconds a remote prefill may go without progress before it fails")] = 60.0
+    heartbeat_s: Annotated[float, Flag("seconds between pings to prefill peers")] = 1.0
+    peer_timeout_s: Annotated[float, Flag("a peer silent this many seconds is dead")] = 5.0
+    peer_share: Annotated[float, Flag(
+        "prefill role: share of the job slots and of the page pool one decoder connection may "
+        "hold; past it its requests get 'overloaded'", metavar="FRACTION")] = 0.5
+    ownership_timeout_s: Annotated[float, Flag(
+        "prefill role: a decoder must prove it owns the memory its requests name within this "
+        "(challenge), else they are refused", metavar="SECONDS")] = 5.0
+    # Off by default: on a slow link (tcp) it would expose the whole transfer of such a step,
+    # and on one H200 it showed no gain beyond run-to-run noise (docs/BENCHMARKS.md)
+    layerwise_min_tokens: Annotated[int, Flag(
+        "prefill role: a step of fewer prompt tokens ships its KV in one write per "
+        "destination after its last layer instead of layer by layer (fewer posts for short "
+        "prompts; it exposes the whole transfer of such a step, so only for fast links); 0 "
+        "(default): always layer by layer", metavar="N")] = 0
 
     def validate(self) -> None:
         if self.transfer_backend not in ("fabric", "cuda-ipc"):
@@ -173,9 +251,7 @@ class DisaggConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--fabric-lanes must be 1..16, got {self.fabric_lanes}")
         if self.fabric_stripe_bytes < 1:
             raise ConfigError("--fabric-stripe-bytes must be >= 1")
-        if self.fabric_mr_per_attempt not in ("auto", "on", "off"):
-            raise ConfigError("--fabric-mr-per-attempt must be auto, on or off, "
-                              f"got {self.fabric_mr_per_attempt!r}")
+        _one_of(self.fabric_mr_per_attempt, AutoOnOff, "--fabric-mr-per-attempt")
         if self.fabric_lanes > 1 and self.transfer_backend != "fabric":
             raise ConfigError("--fabric-lanes applies to --transfer-backend fabric only")
         if self.local_prefill_max_tokens < 0:
@@ -184,14 +260,41 @@ class DisaggConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--layerwise-min-tokens must be >= 0")
         if not 0 < self.peer_share <= 1:
             raise ConfigError(f"--peer-share must be in (0, 1], got {self.peer_share}")
-        try:
-            split_specs(self.prefill_peers, "--prefill-peer")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        _peers(self.prefill_peers, "--prefill-peer")
         for name in ("prefill_timeout_s", "heartbeat_s", "peer_timeout_s", "ownership_timeout_s",
                      "peer_resolve_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
+
+
+def _peers(specs: list[str], flag: str) -> None:
+    try:
+        split_specs(specs, flag)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+class RouterConfig(msgspec.Struct, frozen=True):
+    """``--role router``: the decode nodes it spreads requests over, and the latency
+    objectives its prefill:decode advice (``/v1/disagg/advice``) plans for."""
+
+    decode_peers: Annotated[list[str], Flag(
+        "router role: a decode node's --listen address, or dns:NAME:PORT (repeatable)",
+        name="--decode-peer", dest="decode_peers")] = []
+    slo_ttft_ms: Annotated[float, Flag(
+        "router role: time-to-first-token objective (p90) that the prefill:decode advice "
+        "(/v1/disagg/advice) plans for", metavar="MS")] = 1000.0
+    slo_tpot_ms: Annotated[float, Flag(
+        "router role: time-per-output-token objective (p90) for the advice",
+        metavar="MS")] = 50.0
+
+    def validate(self) -> None:
+        if not self.decode_peers:
+            raise ConfigError("--role router needs at least one --decode-peer")
+        _peers(self.decode_peers, "--decode-peer")
+        if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
+            raise ConfigError(f"SLOs must be > 0, got TTFT {self.slo_ttft_ms / 1000}s, "
+                              f"TPOT {self.slo_tpot_ms / 1000}s")
 
 
 def check_devices(devices: list[str], cuda_devices: int) -> None:
@@ -211,27 +314,58 @@ def check_devices(devices: list[str], cuda_devices: int) -> None:
 
 
 class NodeConfig(msgspec.Struct, frozen=True):
-    role: str = "mixed"  # mixed | prefill | decode (--role)
-    listen: str = "tcp://127.0.0.1:5555"  # client protocol socket (--listen)
-    devices: list[str] = msgspec.field(default_factory=lambda: ["cpu"])  # one executor each (--devices)
+    """One ``disagg-node`` process: a node (``disagg.node.Node``, any role but router) or a
+    router (``disagg.actors.router``), and what serves beside it (HTTP, metrics)."""
+
+    role: Annotated[Role, Flag("mixed: prefill and decode in one node; prefill or decode: "
+                               "one half of a split; router: spreads requests over decode "
+                               "nodes")] = "mixed"
+    listen: Annotated[str, Flag("client-protocol ZeroMQ address")] = "tcp://127.0.0.1:5555"
+    devices: Annotated[list[str], Flag(  # --tp repeats a lone cpu (disagg.cli.node.tp_devices)
+        "comma-separated devices, one executor each: cpu or cuda:0,cuda:1",
+        sep=",")] = msgspec.field(default_factory=lambda: ["cpu"])
     executor: ExecutorConfig = ExecutorConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     disagg: DisaggConfig = DisaggConfig()
+    router: RouterConfig = RouterConfig()
     run_dir: str | None = None  # where ipc:// sockets live; None = a fresh temp dir
-    curve_keys: str | None = None  # CURVE key directory for client and peer sockets (--curve-keys)
-    step_timeout_s: float = 600.0  # deadline for one executor step (--step-timeout)
-    startup_timeout_s: float = 600.0  # deadline for executors to load (--startup-timeout)
+    curve_keys: Annotated[str | None, Flag(
+        "authenticate and encrypt client and node-to-node sockets with the node's CURVE keys "
+        "in DIR (DIR/node of `disagg-node keygen DIR`)", metavar="DIR")] = None
+    step_timeout_s: Annotated[float, Flag("deadline in seconds for one executor "
+                                          "step")] = 600.0
+    startup_timeout_s: Annotated[float, Flag("deadline in seconds for the executors to "
+                                             "load")] = 600.0
+    max_restarts: Annotated[int, Flag(  # disagg.supervisor.RestartPolicy checks these two
+        "when an executor dies the node stops its requests (error internal) and restarts in "
+        "place on the same addresses, at most this many times within --restart-window; past "
+        "that it exits with code 1 (0: never)")] = 5
+    restart_window_s: Annotated[float, Flag(
+        "the window --max-restarts counts restarts in", metavar="SECONDS")] = 600.0
+    http_listen: Annotated[str | None, Flag(
+        "HOST:PORT for the OpenAI-compatible HTTP API (mixed, decode, router)")] = None
+    served_model_name: Annotated[str | None, Flag(
+        "model id in the HTTP API (default: the model directory's name)")] = None
+    metrics_listen: Annotated[str | None, Flag(
+        "HOST:PORT serving Prometheus /metrics (any role)")] = None
 
     def validate(self) -> None:
-        if self.role not in ("mixed", "prefill", "decode"):
-            raise ConfigError(f"--role must be mixed, prefill or decode; got {self.role!r}")
+        _one_of(self.role, Role, "--role")
+        if self.role == "router":  # the router reads these only
+            self.router.validate()
+            _one_of(self.cache.salt_by_tenant, AutoOnOff, "--cache-salt-by-tenant")
+            if not self.disagg.peer_resolve_interval_s > 0:
+                raise ConfigError("--peer-resolve-interval must be > 0")
+            return
         if not self.devices:
             raise ConfigError("--devices needs at least one device")
         if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"--listen must be a ZeroMQ address like tcp://127.0.0.1:5555, got {self.listen!r}")
         if self.role == "decode" and not self.disagg.prefill_peers:
             raise ConfigError("--role decode needs at least one --prefill-peer")
+        if self.http_listen and self.role == "prefill":
+            raise ConfigError("--http-listen needs --role mixed, decode or router")
         self.disagg.validate()
         self.executor.validate()
         self.cache.validate()
