@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from disagg.actors.transfer import TransferEngine
 from disagg.fabric.descriptor import check_writes
 from disagg.protocol.peer import KVLayoutDesc
 from disagg.remote.transfer_plan import Runs, plan_chunk, plan_layer_writes
+from disagg.transfer import TransferEngine
 
 L = KVLayoutDesc(num_layers=36, num_pages=20000, num_kv_heads=8, page_size=16, head_dim=128,
                  dtype="bfloat16", element_size=2, hidden_size=4096)

@@ -31,7 +31,6 @@ from disagg.actors.executor_group import ExecutorGroup
 from disagg.actors.front_door import FrontDoor
 from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
-from disagg.actors.transfer import TransferEngine
 from disagg.config import NodeConfig
 from disagg.engine.speculative import speculation
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
@@ -43,6 +42,7 @@ from disagg.remote.transfer_plan import shard_kv_heads
 from disagg.serving import security
 from disagg.serving.admission import Limits
 from disagg.serving.metrics import Metrics
+from disagg.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 

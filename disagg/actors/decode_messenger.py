@@ -52,7 +52,6 @@ from disagg.actors.prefill_peers import (
     offer_due,
 )
 from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending, pending_frames
-from disagg.actors.transfer import TransferEngine
 from disagg.fabric.topology import MAX_LANES
 from disagg.protocol.inproc import (
     AttemptEvent,
@@ -82,6 +81,7 @@ from disagg.remote.ownership import CHALLENGE_UNITS, NONCE_BYTES, area_rows, non
 from disagg.remote.transfer_plan import incompatibility, make_key, new_generation, request_units
 from disagg.serving.metrics import Metrics
 from disagg.serving.routing import PrefixIndex
+from disagg.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
 import zmq.asyncio
 
-from disagg.actors.transfer import TransferEngine
 from disagg.protocol.inproc import MessengerStats
 from disagg.protocol.peer import KVLayoutDesc
 from disagg.serving.metrics import Metrics
+from disagg.transfer import TransferEngine
 
 
 class MessengerBase:
@@ -22,7 +22,7 @@ class MessengerBase:
 
     # what peers may do with these registrations: a sender's are write sources only; a
     # receiver overrides (``target``, or ``source`` when each attempt gets its own window)
-    register_access = "source"
+    register_access: Literal["source", "target", "both"] = "source"
 
     def __init__(self, sched_sock: zmq.asyncio.Socket, transfer: TransferEngine,
                  layout: KVLayoutDesc, kvs: list[torch.Tensor],

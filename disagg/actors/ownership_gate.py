@@ -25,7 +25,6 @@ from typing import Any
 import msgspec
 import torch
 
-from disagg.actors.transfer import TransferEngine
 from disagg.fabric.expectations import NotPosted, TransferTimeout
 from disagg.protocol.peer import Challenge, OwnershipOffer, PrefillFailed, PrefillRequest
 from disagg.remote.check_quotas import CheckQuotas, CheckWaits, Outcome
@@ -43,6 +42,7 @@ from disagg.remote.ownership import (
     nonce_offset,
 )
 from disagg.remote.transfer_plan import Runs, Write
+from disagg.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 

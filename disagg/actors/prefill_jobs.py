@@ -84,7 +84,7 @@ class JobWriter:
                  layerwise_min_tokens: int = 0) -> None:
         self.layout = layout
         self.life = life
-        self.transfer = transfer  # disagg.actors.transfer.TransferEngine
+        self.transfer = transfer  # disagg.transfer.TransferEngine
         self.kv_regions = kv_regions
         self.ctx_region = ctx_region
         self.zero_slot = zero_slot  # a context row never written: the source of markers

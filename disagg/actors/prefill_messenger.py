@@ -44,7 +44,6 @@ from disagg.actors.sockets import (
     pending_frames,
     source_fd,
 )
-from disagg.actors.transfer import TransferEngine
 from disagg.protocol import StatsRequest
 from disagg.protocol.inproc import (
     CancelJob,
@@ -91,6 +90,7 @@ from disagg.remote.prefill import (
 )
 from disagg.remote.requests import descriptor_problem, request_problem
 from disagg.serving.metrics import Metrics
+from disagg.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 

@@ -40,12 +40,21 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from disagg import trace
+from disagg.fabric.backend import (
+    Access,
+    BackendOptions,
+    Memory,
+    Offsets,
+    RegionHandle,
+    TraceHook,
+    no_trace,
+)
 from disagg.fabric.cuda_copy import CopyIssuer
 from disagg.fabric.cuda_mem import CUMEM_HANDLE, PeerMappings, check_target, driver, serve_fds
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
@@ -58,6 +67,14 @@ _IMM = struct.Struct("<QQ")  # (imm, count) per notification datagram
 _PREFIX = b"\0disagg-cuda-ipc-"
 _GRANULE = 2 << 20
 MAX_NOTE_COUNT = 1 << 32  # writes one notification may report (a batch's run count)
+
+
+def create(options: BackendOptions) -> CudaIpcEngine:
+    """The ``cuda-ipc`` backend on CUDA device ``options.device``."""
+    return CudaIpcEngine(device=options.device, default_timeout=options.default_timeout,
+                         weight_bits=options.weight_bits, trace=options.trace)
+
+
 @dataclass(eq=False)
 class _Job:
     src: np.ndarray
@@ -74,15 +91,23 @@ class _Job:
 
 class CudaIpcEngine:
     backend = "cuda-ipc"
+    device_memory = True  # registers CUDA memory itself; context buffers live on the device
+    revocable_windows = False  # CUDA IPC mappings cannot be revoked per transfer
+    cheap_registration = False
+    delivery_complete = False  # a batch completes at the source when its copies finished
 
     def __init__(self, device: int = 0, default_timeout: float = 60.0, weight_bits: int = 0,
-                 copy: str | None = None, ctas: int | None = None) -> None:
+                 copy: str | None = None, ctas: int | None = None,
+                 trace: TraceHook = no_trace) -> None:
+        """``trace``: where the progress thread marks a batch issued and its notes sent and
+        received (``disagg.trace.mark`` in a node)."""
         import torch
 
         self.torch = torch
         self.device = device
         self.default_timeout = default_timeout
         self.provider = "cuda-ipc"
+        self._trace = trace
         self.stats = collections.Counter[str]()
         self.copier = CopyIssuer(torch, device, copy, ctas, self.stats)
         self._name = f"\0disagg-cuda-ipc-{os.getpid()}-{id(self):x}".encode()
@@ -146,13 +171,16 @@ class CudaIpcEngine:
 
     # ---- memory ----------------------------------------------------------------------------
 
-    def register(self, tensor: Any, fd: int | None = None) -> LocalRegion:
+    def register(self, tensor: Memory, fd: int | None = None,
+                 access: Access = "both") -> LocalRegion:
         """Make a contiguous CUDA tensor writable by same-host peers (its descriptor).
 
         ``fd``: the POSIX fd of the cuMem allocation the tensor lies in (it is dup'ed; the
         caller keeps its own). Without it the tensor must be plain cudaMalloc memory, or it is
-        registered as a write source only."""
-        if not getattr(tensor, "is_cuda", False) or not tensor.is_contiguous():
+        registered as a write source only. ``access`` is not enforced: a same-host peer that
+        maps the memory may write all of it."""
+        if (not isinstance(tensor, self.torch.Tensor) or not tensor.is_cuda
+                or not tensor.is_contiguous()):
             raise ValueError("cuda-ipc registers contiguous CUDA tensors")
         with self.torch.cuda.device(tensor.device):  # its primary context current here
             return self._register(tensor, fd)
@@ -188,11 +216,13 @@ class CudaIpcEngine:
 
     # ---- sending ---------------------------------------------------------------------------
 
-    def submit(self, src: LocalRegion, dst: MemoryDescriptor, src_offsets: Any,
-               dst_offsets: Any, lengths: Any, imm: int,
+    def submit(self, src: RegionHandle, dst: MemoryDescriptor, src_offsets: Offsets,
+               dst_offsets: Offsets, lengths: Offsets, imm: int,
                timeout: float | None = None) -> asyncio.Future[None]:
         if self._loop is None:
             raise RuntimeError("engine not started")
+        if not isinstance(src, LocalRegion) or self._regions.get(src.id) is not src:
+            raise OutOfRange("source region is not registered with this engine")
         h = check_target(dst, _PREFIX)
         if not 0 <= imm < 1 << 64:
             raise OutOfRange("immediate does not fit 64 bits")
@@ -208,7 +238,7 @@ class CudaIpcEngine:
         os.write(self._wake_w, b"x")
         return fut
 
-    def prepare(self, dsts: list[MemoryDescriptor]) -> None:
+    def prepare(self, dsts: Sequence[MemoryDescriptor]) -> None:
         """Map these peer regions now (on the progress thread), not at their first write."""
         self._maps.extend((d.address, check_target(d, _PREFIX)) for d in dsts)
         os.write(self._wake_w, b"x")
@@ -230,7 +260,7 @@ class CudaIpcEngine:
         """Notifications counted for no pending expectation, past its count, or malformed."""
         return self._expectations.junk + self.stats["bad_notes"]
 
-    def window(self, regions: list[LocalRegion]) -> Window:
+    def window(self, regions: Sequence[RegionHandle]) -> Window:
         """The regions' own descriptors: CUDA IPC mappings cannot be revoked per transfer."""
         return Window([r.descriptor for r in regions])
 
@@ -260,7 +290,7 @@ class CudaIpcEngine:
             work = True
             try:
                 self._out.sendto(_IMM.pack(job.imm, job.dst.shape[0]), job.address)
-                trace.mark("c.note_out", "k", job.imm)
+                self._trace("c.note_out", "k", job.imm)
                 events.append((job.future, None))
             except OSError as e:
                 events.append((job.future, ConnectionError(f"peer gone: {e}")))
@@ -289,7 +319,7 @@ class CudaIpcEngine:
                         job.event = torch.cuda.Event()
                         job.event.record(stream)
                         self._pending.append(job)
-                        trace.mark("c.issued", "k", job.imm)
+                        self._trace("c.issued", "k", job.imm)
                     except Exception as e:
                         log.warning("cuda-ipc: batch failed: %s", e)
                         events.append((job.future, e))
@@ -332,7 +362,7 @@ class CudaIpcEngine:
                 self.stats["bad_notes"] += 1
                 continue
             self.stats["arrived"] += n
-            trace.mark("c.note_in", "k", imm)
+            self._trace("c.note_in", "k", imm)
             self._expectations.arrive({imm: n}, events)
             report = self._expectations.junk_report(time.monotonic())
             if report:

@@ -10,10 +10,10 @@ Shaped like pplx-garden's fabric-lib::
     fut = engine.submit(region, desc, src_offsets, dst_offsets, lengths, imm)  # await fut
     exp = engine.expect(imm, count)              # receiver: await exp; exp.cancel()
 
-One progress thread per engine owns every libfabric call after ``start()`` (its loop:
-``disagg.fabric.progress``): it posts queued writes, drains the completion queue, counts
-immediate data and checks deadlines. Native events enter asyncio in exactly one place,
-``ProgressThread._emit`` (``call_soon_threadsafe``).
+One progress thread per engine (a ``ProgressThread`` it owns, ``disagg.fabric.progress``)
+runs every libfabric call after ``start()``: it posts queued writes, drains the completion
+queue, counts immediate data and checks deadlines. Native events enter asyncio in exactly one
+place, ``ProgressThread._emit`` (``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ import asyncio
 import collections
 import itertools
 import logging
-import os
-import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 from disagg.fabric import lib as fl
+from disagg.fabric.backend import Access, Memory, Offsets, RegionHandle
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.fabric.expectations import Expectation, ExpectationTable, TransferTimeout
 from disagg.fabric.lib import discover
@@ -41,7 +39,7 @@ from disagg.fabric.regions import (
     Window,
     buffer_address,
 )
-from disagg.fabric.slots import Batch, CQReader, WriteSlots
+from disagg.fabric.slots import Batch
 
 __all__ = ["EngineClosed", "Expectation", "FabricEngine", "LocalRegion", "TransferTimeout",
            "Window", "discover"]  # discover: from disagg.fabric.lib
@@ -49,12 +47,22 @@ __all__ = ["EngineClosed", "Expectation", "FabricEngine", "LocalRegion", "Transf
 log = logging.getLogger("disagg.fabric")
 
 U64_MAX = (1 << 64) - 1
+# providers whose registrations pin nothing (measured on tcp: ~5 us a registration + close,
+# whatever the size): per-attempt windows by default
+CHEAP_REGISTRATION = ("tcp", "shm", "net", "udp", "sockets")
 
 
-class FabricEngine(ProgressThread):
+def cheap_registration(provider: str) -> bool:
+    """Whether registering memory with ``provider`` pins nothing."""
+    return provider.split(";")[0] in CHEAP_REGISTRATION
+
+
+class FabricEngine:
     """One libfabric RDM endpoint with its CQ, AV and progress thread."""
 
     backend = "fabric"
+    device_memory = False  # no FI_HMEM here: GPU memory goes through host staging
+    revocable_windows = True
 
     def __init__(
         self,
@@ -75,25 +83,17 @@ class FabricEngine(ProgressThread):
         self.ep = fl.Endpoint(self.domain, self.cq, self.av)
         self.address = self.ep.name()
         self.default_timeout = default_timeout
-        self.idle_sleep_max = idle_sleep_max
         self.capacity = max(1, min(max_inflight, info.tx_size or max_inflight))
         self.imm_max = U64_MAX if info.cq_data_size >= 8 else (1 << (8 * info.cq_data_size)) - 1
-        self._slots = WriteSlots(self.capacity)
-        self._cqr = CQReader()
-
         self._regions: dict[int, LocalRegion] = {}
         self._region_ids = itertools.count(1)
         self._expectations = (expectations if expectations is not None
                               else ExpectationTable(weight_bits))
-        self._inbox: collections.deque[Any] = collections.deque()
-        self._sending: collections.deque[Batch] = collections.deque()
-        self._active: set[Batch] = set()
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._running = False
         self._closed = False
         self.stats = collections.Counter[str]()
+        self._progress = ProgressThread(self.fabric, self.cq, self.av, self.ep,
+                                        self._expectations, self.capacity, idle_sleep_max,
+                                        self.stats, info.provider)
         # a write's completion means its data was placed at the target (else: only sent)
         self.delivery_complete = info.delivery_complete
 
@@ -103,14 +103,14 @@ class FabricEngine(ProgressThread):
     def provider(self) -> str:
         return self.info.provider
 
+    @property
+    def cheap_registration(self) -> bool:
+        return cheap_registration(self.provider)
+
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> FabricEngine:
         """Start the progress thread; futures resolve on ``loop`` (default: the running one)."""
-        if self._thread is not None:
-            return self
-        self._loop = loop or asyncio.get_running_loop()
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="fabric-progress", daemon=True)
-        self._thread.start()
+        if self._progress.loop is None:
+            self._progress.start(loop or asyncio.get_running_loop())
         return self
 
     async def close(self) -> None:
@@ -122,10 +122,7 @@ class FabricEngine(ProgressThread):
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None:
-            self._running = False
-            self._wake()
-            self._thread.join()
+        self._progress.stop()
         self._release()
 
     def _release(self) -> None:
@@ -138,18 +135,19 @@ class FabricEngine(ProgressThread):
         self.av.close()
         self.domain.close()
         self.fabric.close()
-        os.close(self._wake_fd)
+        self._progress.close()
 
     # ---- memory ----------------------------------------------------------------------------
 
-    def register(self, buffer: Any) -> LocalRegion:
-        """Register a host buffer (buffer protocol, or an object with ``data_ptr()``/``nbytes``)."""
+    def register(self, buffer: Memory, fd: int | None = None,
+                 access: Access = "both") -> LocalRegion:
+        """Register a host buffer (buffer protocol, or a host tensor); ``fd`` is ignored."""
         addr, length = buffer_address(buffer)
-        return self.register_address(addr, length, owner=buffer)
+        return self.register_address(addr, length, owner=buffer, access=access)
 
     def register_address(
-        self, addr: int, length: int, owner: Any = None, iface: int = 0, device: int = 0,
-        access: str = "both",
+        self, addr: int, length: int, owner: object = None, iface: int = 0, device: int = 0,
+        access: Access = "both",
     ) -> LocalRegion:
         """Register raw memory [addr, addr + length); ``owner`` keeps it alive. ``access``:
         ``source`` (only written from here: no remote access), ``target`` (peers write into
@@ -169,7 +167,13 @@ class FabricEngine(ProgressThread):
             self._regions[rid] = region
             return region
 
-        return self._call(do)
+        return self._progress.call(do)
+
+    def own(self, region: RegionHandle) -> LocalRegion:
+        """``region`` as this engine registered it; ``OutOfRange`` for any other."""
+        if not isinstance(region, LocalRegion) or self._regions.get(region.id) is not region:
+            raise OutOfRange("source region is not registered with this engine")
+        return region
 
     def deregister(self, region: LocalRegion) -> None:
         def do() -> None:
@@ -177,17 +181,19 @@ class FabricEngine(ProgressThread):
                 region.mr.close()
 
         if not self._closed:
-            self._call(do)
+            self._progress.call(do)
 
-    def window(self, regions: list[LocalRegion]) -> Window:
+    def window(self, regions: Sequence[RegionHandle]) -> Window:
         """Fresh remote-write registrations of ``regions``' memory, revoked by ``close()``
         (each in one round trip to the progress thread, which runs libfabric calls)."""
-        fresh = self._call(lambda: [self.register_address(r.addr, r.length, r.owner,
-                                                          access="target") for r in regions])
+        own = [self.own(r) for r in regions]
+        fresh = self._progress.call(lambda: [self.register_address(r.addr, r.length, r.owner,
+                                                                   access="target")
+                                             for r in own])
 
         def revoke() -> None:
             if not self._closed:
-                self._call(lambda: list(map(self.deregister, fresh)))
+                self._progress.call(lambda: list(map(self.deregister, fresh)))
 
         self.stats["windows"] += 1
         return Window([r.descriptor for r in fresh], revoke)
@@ -197,37 +203,18 @@ class FabricEngine(ProgressThread):
         """Immediates that arrived for no pending expectation, or past its count."""
         return self._expectations.junk
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the progress thread (libfabric objects are used from one thread)."""
-        if self._thread is None or threading.current_thread() is self._thread:
-            return fn()
-        done = threading.Event()
-        box: list[Any] = []
-
-        def job() -> None:
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                box.append((False, e))
-            done.set()
-
-        self._inbox.append(job)
-        self._wake()
-        done.wait()
-        ok, val = box[0]
-        if not ok:
-            raise val
-        return val
+    def prepare(self, descriptors: Sequence[MemoryDescriptor]) -> None:
+        """Nothing to map ahead: a peer's address enters the AV at its first write."""
 
     # ---- sending ---------------------------------------------------------------------------
 
     def submit(
         self,
-        src: LocalRegion,
+        src: RegionHandle,
         dst: MemoryDescriptor,
-        src_offsets: Any,
-        dst_offsets: Any,
-        lengths: Any,
+        src_offsets: Offsets,
+        dst_offsets: Offsets,
+        lengths: Offsets,
         imm: int,
         timeout: float | None = None,
     ) -> asyncio.Future[None]:
@@ -237,7 +224,8 @@ class FabricEngine(ProgressThread):
         the batch completed at the source, and fails with OutOfRange (raised here, nothing
         posted), FabricError (a completion error) or TransferTimeout.
         """
-        if self._thread is None or self._loop is None:
+        loop = self._progress.loop
+        if loop is None:
             raise RuntimeError("engine not started")
         if dst.backend != "fabric" or dst.provider != self.provider:
             raise OutOfRange(
@@ -245,10 +233,9 @@ class FabricEngine(ProgressThread):
             )
         if not 0 <= imm <= self.imm_max:
             raise OutOfRange(f"immediate {imm:#x} does not fit {self.info.cq_data_size} bytes")
-        if src.id not in self._regions:
-            raise OutOfRange("source region is not registered with this engine")
+        src = self.own(src)
         so, do, ln = check_writes(src.length, dst.length, src_offsets, dst_offsets, lengths)
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut: asyncio.Future[None] = loop.create_future()
         n = so.shape[0]
         if n == 0:
             fut.set_result(None)
@@ -259,20 +246,19 @@ class FabricEngine(ProgressThread):
             lens=ln.astype(np.uint64), desc=src.mr.desc, peer=dst.address, key=dst.key,
             imm=imm, future=fut, deadline=time.monotonic() + t, remaining=n,
         )
-        self._inbox.append(batch)
-        self._wake()
+        self._progress.post(batch)
         return fut
 
     # ---- receiving -------------------------------------------------------------------------
 
     def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
         """Resolve when ``count`` writes carrying ``imm`` have landed here (any order)."""
-        if self._loop is None:
+        loop = self._progress.loop
+        if loop is None:
             raise RuntimeError("engine not started")
         t = self.default_timeout if timeout is None else timeout
-        e = self._expectations.expect(imm, count, self._loop.create_future(),
-                                      time.monotonic() + t)
-        self._wake()  # the deadline may be earlier than the thread's current wait
+        e = self._expectations.expect(imm, count, loop.create_future(), time.monotonic() + t)
+        self._progress.wake()  # the deadline may be earlier than the thread's current wait
         return e
 
     def pending_expectations(self) -> int:
@@ -280,4 +266,4 @@ class FabricEngine(ProgressThread):
 
     def batches_in_flight(self) -> int:
         """Write batches the progress thread holds (posting, queued or awaiting completion)."""
-        return len(self._active)
+        return self._progress.in_flight()

@@ -1,4 +1,4 @@
-"""The fabric engine's progress thread (``ProgressThread``, a base of ``FabricEngine``): it
+"""The fabric engine's progress thread (``ProgressThread``, owned by ``FabricEngine``): it
 owns every libfabric call after ``start()``, posts queued writes, drains the completion queue,
 counts immediate data and checks deadlines. Native events enter asyncio in exactly one place,
 ``_emit`` (``call_soon_threadsafe``). When idle it blocks on the CQ's wait fd (after
@@ -12,8 +12,10 @@ import collections
 import logging
 import os
 import select
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from disagg.fabric import lib as fl
 from disagg.fabric.expectations import ExpectationTable, NotPosted, TransferTimeout
@@ -22,32 +24,97 @@ from disagg.fabric.slots import Batch, CQReader, WriteSlots
 
 log = logging.getLogger("disagg.fabric")
 
+T = TypeVar("T")
+
 
 class ProgressThread:
-    """The loop of one engine's progress thread; the engine's state it works on is declared
-    here and set up by ``FabricEngine``."""
+    """One engine's progress thread and what only it touches: its wake eventfd, the inbox
+    (write batches and calls to run on the thread), the write slots and the batches in flight.
+    The engine hands it the libfabric objects it drives, the expectation table arrivals count
+    in and the counters it adds to; the engine talks to it through ``start``, ``stop``,
+    ``post``, ``call``, ``wake`` and ``in_flight``."""
 
-    fabric: fl.Fabric
-    cq: fl.CompletionQueue
-    av: fl.AddressVector
-    ep: fl.Endpoint
-    idle_sleep_max: float
-    stats: collections.Counter[str]
-    _slots: WriteSlots
-    _cqr: CQReader
-    _expectations: ExpectationTable
-    _inbox: collections.deque[Any]  # batches and calls (``FabricEngine._call``) to run here
-    _sending: collections.deque[Batch]
-    _active: set[Batch]
-    _wake_fd: int
-    _loop: asyncio.AbstractEventLoop | None
-    _running: bool
+    def __init__(self, fabric: fl.Fabric, cq: fl.CompletionQueue, av: fl.AddressVector,
+                 ep: fl.Endpoint, expectations: ExpectationTable, capacity: int,
+                 idle_sleep_max: float, stats: collections.Counter[str], label: str) -> None:
+        """``capacity``: writes posted at once; ``label``: the provider, for logs."""
+        self.fabric = fabric
+        self.cq = cq
+        self.av = av
+        self.ep = ep
+        self.idle_sleep_max = idle_sleep_max
+        self.stats = stats
+        self._label = label
+        self._expectations = expectations
+        self._slots = WriteSlots(capacity)
+        self._cqr = CQReader()
+        self._inbox: collections.deque[Batch | Callable[[], None]] = collections.deque()
+        self._sending: collections.deque[Batch] = collections.deque()
+        self._active: set[Batch] = set()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
 
-    if TYPE_CHECKING:
-        @property
-        def provider(self) -> str: ...
+    # ---- what the engine calls -------------------------------------------------------------
 
-    def _wake(self) -> None:
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop futures resolve on, once started."""
+        return self._loop
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._thread is None:
+            self._loop = loop
+            self._running = True
+            self._thread = threading.Thread(target=self._run, name="fabric-progress",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """End the loop (failing whatever is pending) and join the thread."""
+        if self._thread is not None:
+            self._running = False
+            self.wake()
+            self._thread.join()
+
+    def close(self) -> None:
+        """Release the wake fd (after ``stop``)."""
+        os.close(self._wake_fd)
+
+    def post(self, batch: Batch) -> None:
+        """Queue a write batch (any thread)."""
+        self._inbox.append(batch)
+        self.wake()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the progress thread (libfabric objects are used from one thread) and
+        return its result; inline before ``start`` or on the thread itself."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        done = threading.Event()
+        box: list[tuple[bool, Any]] = []
+
+        def job() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                box.append((False, e))
+            done.set()
+
+        self._inbox.append(job)
+        self.wake()
+        done.wait()
+        ok, val = box[0]
+        if not ok:
+            raise val
+        return val  # type: ignore[no-any-return]
+
+    def in_flight(self) -> int:
+        """Write batches it holds (posting, queued or awaiting completion)."""
+        return len(self._active)
+
+    def wake(self) -> None:
         try:
             os.eventfd_write(self._wake_fd, 1)
         except (BlockingIOError, OSError):
@@ -214,7 +281,7 @@ class ProgressThread:
             self._expectations.arrive(imms, events)
             report = self._expectations.junk_report(time.monotonic())
             if report:
-                log.warning("fabric (%s): %s", self.provider, report)
+                log.warning("fabric (%s): %s", self._label, report)
 
     def _read_error(self, events: list[Any]) -> None:
         ctx, err, flags, text = self.cq.readerr()

@@ -4,8 +4,9 @@ A node with several NICs (or a provider that gains from several endpoints on one
 :class:`FabricEngine` per lane, each with its own fabric, domain, endpoint, CQ and progress
 thread. Memory is registered with every lane; the region's descriptor is lane 0's, with the
 other lanes' ``(address, base, key)`` in its ``handle`` (``b"S"`` + msgpack), so a peer with a
-single lane still reads it as a plain descriptor. A batch is bounds-checked whole, then its
-writes are spread over ``min(local lanes, remote lanes)`` lanes, least-loaded by bytes
+single lane still reads it as a plain descriptor (``disagg.fabric.lanes``, pure). A batch
+is bounds-checked whole, then its writes are spread over ``min(local lanes, remote lanes)``
+lanes, least-loaded by bytes
 (``topology.stripe``); lane ``i`` writes to the peer's lane ``i``. Every write still carries
 the batch's immediate, and the lanes share one :class:`ExpectationTable`, so a receiver counts
 arrivals on any lane towards the same expectation: striping changes nothing in what the peers
@@ -16,55 +17,37 @@ count. Lanes pick interfaces nearest first (``lane_domains``; the node passes th
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from disagg.fabric import lib as fl
-from disagg.fabric.descriptor import (
-    MAX_ADDRESS_BYTES,
-    U64,
-    MemoryDescriptor,
-    OutOfRange,
-    check_writes,
-)
+from disagg.fabric.backend import Access, BackendOptions, Memory, Offsets, RegionHandle
+from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
 from disagg.fabric.engine import FabricEngine
 from disagg.fabric.expectations import Expectation, ExpectationTable
+from disagg.fabric.lanes import Lane, lanes_handle, lanes_of
 from disagg.fabric.regions import LocalRegion, Window, buffer_address
 from disagg.fabric.topology import MAX_LANES, lane_domains, stripe
 
-LANES_TAG = b"S"
 
-
-class Lane(msgspec.Struct, array_like=True, frozen=True):
-    """Where one more lane of a striped region is written: its endpoint, base and key."""
-
-    address: Annotated[bytes, msgspec.Meta(max_length=MAX_ADDRESS_BYTES)]
-    base: U64
-    key: U64
-
-
-_lanes_dec = msgspec.msgpack.Decoder(Annotated[list[Lane], msgspec.Meta(max_length=MAX_LANES - 1)])
-_lanes_enc = msgspec.msgpack.Encoder()
-
-
-@functools.lru_cache(maxsize=1024)
-def lanes_of(desc: MemoryDescriptor) -> list[MemoryDescriptor]:
-    """The per-lane descriptors of a region a peer advertised (``[desc]`` for one lane).
-    Raises ``OutOfRange`` on a malformed lane list. Cached: a sender posts to the same few
-    descriptors every layer (do not modify the returned list)."""
-    if desc.backend != "fabric" or not desc.handle.startswith(LANES_TAG):
-        return [desc]
-    try:
-        extra = _lanes_dec.decode(desc.handle[len(LANES_TAG):])
-        return [desc] + [msgspec.structs.replace(desc, address=ln.address, base=ln.base,
-                                                 key=ln.key, handle=b"") for ln in extra]
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        raise OutOfRange(f"bad lane list in a descriptor: {e}") from e
+def create(options: BackendOptions) -> FabricEngine | StripedEngine:
+    """The ``fabric`` backend: one endpoint on ``options.address`` (empty: loopback, the
+    provider's choice), or a ``StripedEngine`` over ``options.lanes``, on the interfaces
+    nearest this process's GPU first."""
+    node, source = options.address or "127.0.0.1", bool(options.address)
+    if options.lanes > 1:
+        return StripedEngine(discover_lanes(options.provider, options.lanes,
+                                            tuple(options.nearest()), node=node, source=source),
+                             weight_bits=options.weight_bits,
+                             default_timeout=options.default_timeout,
+                             max_inflight=options.max_inflight)
+    return FabricEngine(fl.discover(options.provider, node=node, source=source),
+                        weight_bits=options.weight_bits, default_timeout=options.default_timeout,
+                        max_inflight=options.max_inflight)
 
 
 def discover_lanes(provider: str | None, lanes: int, nearest: Sequence[str] = (),
@@ -91,6 +74,8 @@ class StripedEngine:
     """``FabricEngine``'s interface over several lanes."""
 
     backend = "fabric"
+    device_memory = False
+    revocable_windows = True
 
     def __init__(self, infos: Sequence[fl.FabricInfo], weight_bits: int = 0,
                  **kw: Any) -> None:
@@ -111,6 +96,10 @@ class StripedEngine:
     @property
     def provider(self) -> str:
         return self.lanes[0].provider
+
+    @property
+    def cheap_registration(self) -> bool:
+        return self.lanes[0].cheap_registration
 
     @property
     def delivery_complete(self) -> bool:
@@ -144,22 +133,23 @@ class StripedEngine:
 
     # ---- memory ----------------------------------------------------------------------------
 
-    def register(self, buffer: Any) -> StripedRegion:
+    def register(self, buffer: Memory, fd: int | None = None,
+                 access: Access = "both") -> StripedRegion:
         addr, length = buffer_address(buffer)
-        return self.register_address(addr, length, owner=buffer)
+        return self.register_address(addr, length, owner=buffer, access=access)
 
-    def register_address(self, addr: int, length: int, owner: Any = None,
-                         access: str = "both") -> StripedRegion:
+    def register_address(self, addr: int, length: int, owner: object = None,
+                         access: Access = "both") -> StripedRegion:
         regions = [lane.register_address(addr, length, owner, access=access)
                    for lane in self.lanes]
         return self._striped(addr, length, owner, regions)
 
-    def _striped(self, addr: int, length: int, owner: Any,
+    def _striped(self, addr: int, length: int, owner: object,
                  regions: list[LocalRegion]) -> StripedRegion:
         first = regions[0].descriptor
         extra = [Lane(r.descriptor.address, r.descriptor.base, r.descriptor.key)
                  for r in regions[1:]]
-        desc = (msgspec.structs.replace(first, handle=LANES_TAG + _lanes_enc.encode(extra))
+        desc = (msgspec.structs.replace(first, handle=lanes_handle(extra))
                 if extra else first)
         self._ids += 1
         return StripedRegion(self._ids, addr, length, desc, regions, owner)
@@ -168,11 +158,21 @@ class StripedEngine:
         for lane, r in zip(self.lanes, region.lanes, strict=True):
             lane.deregister(r)
 
-    def window(self, regions: list[StripedRegion]) -> Window:
+    def own(self, region: RegionHandle) -> StripedRegion:
+        """``region`` as this engine registered it; ``OutOfRange`` for any other."""
+        if not isinstance(region, StripedRegion):
+            raise OutOfRange("source region is not registered with this engine")
+        return region
+
+    def prepare(self, descriptors: Sequence[MemoryDescriptor]) -> None:
+        """Nothing to map ahead (as ``FabricEngine.prepare``)."""
+
+    def window(self, regions: Sequence[RegionHandle]) -> Window:
         """``FabricEngine.window`` on every lane; each descriptor advertises all lanes."""
-        wins = [lane.window([r.lanes[i] for r in regions]) for i, lane in enumerate(self.lanes)]
+        own = [self.own(r) for r in regions]
+        wins = [lane.window([r.lanes[i] for r in own]) for i, lane in enumerate(self.lanes)]
         descs = []
-        for k, r in enumerate(regions):
+        for k, r in enumerate(own):
             fresh = [LocalRegion(0, r.addr, r.length, w.descriptors[k], None) for w in wins]
             descs.append(self._striped(r.addr, r.length, r.owner, fresh).descriptor)
 
@@ -184,12 +184,11 @@ class StripedEngine:
 
     # ---- sending ---------------------------------------------------------------------------
 
-    def submit(self, src: StripedRegion, dst: MemoryDescriptor, src_offsets: Any,
-               dst_offsets: Any, lengths: Any, imm: int,
+    def submit(self, src: RegionHandle, dst: MemoryDescriptor, src_offsets: Offsets,
+               dst_offsets: Offsets, lengths: Offsets, imm: int,
                timeout: float | None = None) -> asyncio.Future[Any]:
         """As ``FabricEngine.submit``; the writes are spread over the lanes both sides have."""
-        if not isinstance(src, StripedRegion):
-            raise OutOfRange("source region is not registered with this engine")
+        src = self.own(src)
         so, do, ln = check_writes(src.length, dst.length, src_offsets, dst_offsets, lengths)
         remote = lanes_of(dst)
         n = min(len(self.lanes), len(remote))

@@ -28,7 +28,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.fabric.striped import lanes_of
+from disagg.fabric.lanes import lanes_of
 from disagg.fabric.topology import MAX_LANES
 
 NONCE_BYTES = 16

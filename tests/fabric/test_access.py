@@ -127,14 +127,36 @@ def test_generations_are_random_and_fit_the_immediate() -> None:
     assert imm == (1 << 64) - 1
 
 
-def test_per_attempt_windows_by_provider() -> None:
-    from disagg.actors.transfer import per_attempt_windows
+def test_per_attempt_windows_by_what_the_backend_says() -> None:
+    from types import SimpleNamespace
 
-    assert per_attempt_windows("fabric", "tcp;ofi_rxm", "auto")
-    assert per_attempt_windows("fabric", "shm", "auto")
-    assert not per_attempt_windows("fabric", "verbs;ofi_rxm", "auto")
-    assert per_attempt_windows("fabric", "verbs;ofi_rxm", "on")
-    assert not per_attempt_windows("fabric", "tcp;ofi_rxm", "off")
-    assert not per_attempt_windows("cuda-ipc", "cuda-ipc", "on")  # IPC mappings: not revocable
+    from disagg.fabric.engine import cheap_registration
+    from disagg.transfer import per_attempt_windows
+
+    assert cheap_registration("tcp;ofi_rxm") and cheap_registration("shm")
+    assert not cheap_registration("verbs;ofi_rxm")
+
+    def backend(revocable: bool, provider: str) -> Any:
+        return SimpleNamespace(revocable_windows=revocable,
+                               cheap_registration=cheap_registration(provider))
+
+    assert per_attempt_windows(backend(True, "tcp;ofi_rxm"), "auto")
+    assert per_attempt_windows(backend(True, "shm"), "auto")
+    assert not per_attempt_windows(backend(True, "verbs;ofi_rxm"), "auto")
+    assert per_attempt_windows(backend(True, "verbs;ofi_rxm"), "on")
+    assert not per_attempt_windows(backend(True, "tcp;ofi_rxm"), "off")
+    assert not per_attempt_windows(backend(False, "tcp"), "on")  # IPC mappings: not revocable
     with pytest.raises(ValueError):
-        per_attempt_windows("fabric", "tcp", "yes")
+        per_attempt_windows(backend(True, "tcp"), "yes")
+
+
+def test_backends_declare_what_they_can_do() -> None:
+    """The wrapper asks these, never a backend's name (cuda-ipc's class needs no GPU)."""
+    from disagg.fabric.cuda_ipc import CudaIpcEngine
+    from disagg.fabric.engine import FabricEngine
+    from disagg.fabric.striped import StripedEngine
+
+    for cls in (FabricEngine, StripedEngine):
+        assert cls.backend == "fabric" and not cls.device_memory and cls.revocable_windows
+    assert CudaIpcEngine.backend == "cuda-ipc"
+    assert CudaIpcEngine.device_memory and not CudaIpcEngine.revocable_windows

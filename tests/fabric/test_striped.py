@@ -11,8 +11,9 @@ import pytest
 
 from disagg.fabric.descriptor import OutOfRange, decode_descriptor
 from disagg.fabric.engine import FabricEngine, discover
+from disagg.fabric.lanes import LANES_TAG, lanes_of
 from disagg.fabric.loopback import seeded_pages
-from disagg.fabric.striped import LANES_TAG, StripedEngine, discover_lanes, lanes_of
+from disagg.fabric.striped import StripedEngine, discover_lanes
 
 pytestmark = [pytest.mark.fabric, pytest.mark.procs]  # libfabric peers in child processes
 
@@ -106,8 +107,8 @@ def test_bench_fabric_runs_verified(lanes: int) -> None:
 
 def test_node_refuses_a_descriptor_with_a_bad_lane_list() -> None:
     """What a prefiller does with a PrefillRequest's descriptors: validate the lanes too."""
-    from disagg.actors.transfer import TransferEngine
     from disagg.fabric.descriptor import MemoryDescriptor
+    from disagg.transfer import TransferEngine
 
     good = MemoryDescriptor("fabric", "tcp;ofi_rxm", b"\x02" * 16, 0, 4096, 1,
                             handle=LANES_TAG + msgspec.msgpack.encode([[b"\x02" * 16, 0, 2]]))

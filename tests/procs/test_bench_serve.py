@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from tinymodels import TINY, free_port
+import nodes
+from tinymodels import TINY, free_port, make_tiny_model
 
 NUM = 16
 IN_LEN = 12
@@ -19,9 +20,12 @@ OUT_LEN = 6
 
 
 @pytest.fixture(scope="module")
-def node(shared_node):
-    """The shared mixed node: the benchmark's requests all end, leaving its pool free."""
-    return shared_node
+def node(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("bench") / "llama")
+    addr, proc = nodes.node("mixed", path, tmp_path_factory.mktemp("log"), "--num-pages", "256",
+                            "--max-model-len", "96", "--max-batch-tokens", "64")
+    with nodes.running([proc]):
+        yield addr
 
 
 def bench(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:

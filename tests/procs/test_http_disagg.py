@@ -9,7 +9,8 @@ import socket
 import pytest
 
 import nodes
-from nodes import node, openai_client, running, stats, wait_for
+from nodes import chat_model, node, openai_client, running, stats, wait_for
+from tinymodels import make_tiny_model
 
 pytestmark = pytest.mark.fabric
 
@@ -18,8 +19,10 @@ MAX_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def model_dir(chat_llama):
-    return chat_llama
+def model_dir(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("http-disagg") / "llama")
+    chat_model(path)
+    return path
 
 
 @pytest.fixture(scope="module")

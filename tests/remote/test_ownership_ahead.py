@@ -23,10 +23,10 @@ import zmq.asyncio
 
 from disagg.actors.decode_messenger import DecodeMessenger
 from disagg.actors.prefill_messenger import PrefillMessenger
-from disagg.actors.transfer import TransferEngine
 from disagg.protocol.inproc import AttemptEvent, PrefillJob, SendPrefill
 from disagg.protocol.peer import ChallengeAnswer, OwnershipOffer, Ping
 from disagg.remote.transfer_plan import make_key, new_generation
+from disagg.transfer import TransferEngine
 from remote.messengers import ENC, LAYOUT, SCHED, Counter
 
 pytestmark = pytest.mark.fabric

@@ -1,14 +1,16 @@
-"""Transfer engine actor: the node's one link to the fabric.
+"""The node's transfer engine: its one link to the fabric, over a transfer backend.
 
-Owns: the backend engine (libfabric endpoint, CQ, AV and progress thread, or cuda-ipc), the
-registrations of every executor's KV memory (mapped into this process) and of the context
+Not an actor: the messengers hold it and ``await`` it. Owns: the backend engine (built by
+name from ``disagg.fabric.registry``: libfabric endpoint, CQ, AV and progress thread, or
+cuda-ipc), the registrations of every executor's KV memory (mapped into this process) and of the context
 buffer. Turns planned writes into batches with immediate data and counts what lands here.
 Callers only ``await``; the engine's progress thread enters asyncio in one place.
 
-Backends and memory (``--transfer-backend``):
+Backends and memory (``--transfer-backend``); the wrapper asks the backend what it can do
+(``device_memory``, ``revocable_windows``), never its name:
 - ``fabric`` + host KV (CPU): the KV memory is registered with libfabric as it is.
-- ``fabric`` + CUDA KV: automatic host staging (libfabric without FI_HMEM cannot register GPU
-  memory): ``register`` makes a pinned host mirror of the tensor (same byte offsets) and
+- ``fabric`` + CUDA KV: automatic host staging (a backend without ``device_memory``: libfabric
+  without FI_HMEM cannot register GPU memory): ``register`` makes a pinned host mirror of the tensor (same byte offsets) and
   registers the mirror. ``write`` copies the runs it is about to send GPU -> mirror
   (``HostMirror.out``) before posting them; the decoder calls :meth:`stage_in_pages` once a
   transfer's units all landed, which copies its pages mirror -> GPU. The context buffers stay
@@ -29,16 +31,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
 
 import numpy as np
 import torch
 
+from disagg import trace
 from disagg.fabric import decode_descriptor, make_backend
-from disagg.fabric.backend import FabricBackend, TransferBackend
+from disagg.fabric.backend import Access, RegionHandle, TransferBackend
 from disagg.fabric.descriptor import MemoryDescriptor, OutOfRange, check_writes
-from disagg.fabric.expectations import NotPosted
+from disagg.fabric.expectations import Expectation, NotPosted
+from disagg.fabric.lanes import lanes_of
+from disagg.fabric.regions import Window
+from disagg.fabric.staging import HostMirror
 from disagg.protocol.peer import KVLayoutDesc
 from disagg.remote.transfer_plan import UNIT_BITS, Runs, make_imm, page_runs
 
@@ -46,19 +52,17 @@ log = logging.getLogger(__name__)
 
 STRIPE_BYTES = 1 << 20  # with several fabric lanes, runs are cut to at most this
 MR_PER_ATTEMPT = ("auto", "on", "off")
-# providers whose registrations pin nothing (measured on tcp: ~5 us a registration + close,
-# whatever the size): per-attempt windows by default
-CHEAP_REGISTRATION = ("tcp", "shm", "net", "udp", "sockets")
 
 
-def per_attempt_windows(backend: str, provider: str, mode: str) -> bool:
+def per_attempt_windows(engine: TransferBackend, mode: str) -> bool:
     """Whether a decoder registers its memory anew for each attempt (``--fabric-mr-per-attempt``):
-    ``auto`` where registration is cheap (pins nothing), never for cuda-ipc (not revocable)."""
+    ``auto`` where registration is cheap (pins nothing), never where windows cannot be revoked
+    (cuda-ipc)."""
     if mode not in MR_PER_ATTEMPT:
         raise ValueError(f"--fabric-mr-per-attempt must be one of {MR_PER_ATTEMPT}, got {mode!r}")
-    if backend != "fabric":
+    if not engine.revocable_windows:
         return False
-    return mode == "on" or (mode == "auto" and provider.split(";")[0] in CHEAP_REGISTRATION)
+    return mode == "on" or (mode == "auto" and engine.cheap_registration)
 
 
 def nearest_nics(device: torch.device) -> tuple[str, ...]:
@@ -81,18 +85,24 @@ def nearest_nics(device: torch.device) -> tuple[str, ...]:
 
 @dataclass(eq=False)
 class StagedRegion:
-    """A CUDA tensor on the fabric backend: ``region`` registers its pinned host ``mirror``."""
+    """A CUDA tensor on a backend without ``device_memory``: ``region`` registers its pinned
+    host ``mirror``."""
 
-    region: Any  # the fabric LocalRegion of mirror.host
-    mirror: Any  # disagg.fabric.staging.HostMirror
+    region: RegionHandle  # the backend's registration of mirror.host
+    mirror: HostMirror
 
     @property
     def descriptor(self) -> MemoryDescriptor:
-        return self.region.descriptor  # type: ignore[no-any-return]
+        return self.region.descriptor
 
     @property
     def length(self) -> int:
-        return int(self.region.length)
+        return self.region.length
+
+
+def backend_region(region: RegionHandle) -> RegionHandle:
+    """What the backend registered for ``region`` (the mirror's, for a staged one)."""
+    return region.region if isinstance(region, StagedRegion) else region
 
 
 class TransferEngine:
@@ -100,25 +110,21 @@ class TransferEngine:
                  device: torch.device | None = None, lanes: int = 1,
                  stripe_bytes: int = STRIPE_BYTES, mr_per_attempt: str = "auto",
                  address: str = ""):
-        kw: dict[str, Any] = {"weight_bits": UNIT_BITS, "default_timeout": timeout_s}
         self.device = device if device is not None else torch.device("cpu")
         self.lanes = lanes
         self.stripe_bytes = stripe_bytes
-        if backend == "cuda-ipc":
-            kw["device"] = (device.index or 0) if device is not None else 0
-            self.engine: TransferBackend = make_backend(backend, **kw)
-        else:
-            nearest = nearest_nics(self.device) if lanes > 1 else ()
-            self.engine = make_backend(backend, provider=provider, lanes=lanes, nearest=nearest,
-                                       address=address, **kw)
+        self.engine: TransferBackend = make_backend(
+            backend, provider=provider, lanes=lanes, nearest=lambda: nearest_nics(self.device),
+            address=address, device=self.device.index or 0, weight_bits=UNIT_BITS,
+            default_timeout=timeout_s, trace=trace.mark)
         self.backend = backend
         # "backend/provider": what a peer's engine must match (carried in Pong)
         self.transport = f"{backend}/{self.engine.provider}"
-        self.windows = per_attempt_windows(backend, self.engine.provider, mr_per_attempt)
+        self.windows = per_attempt_windows(self.engine, mr_per_attempt)
         self.timeout_s = timeout_s
         self.writes_sent = 0
         self.bytes_sent = 0
-        self._mirrors: list[Any] = []
+        self._mirrors: list[HostMirror] = []
 
     def start(self) -> TransferEngine:
         self.engine.start(asyncio.get_running_loop())
@@ -129,81 +135,65 @@ class TransferEngine:
         for m in self._mirrors:
             m.close()
 
-    def register(self, tensor: torch.Tensor, fd: int | None = None, access: str = "both") -> Any:
+    def register(self, tensor: torch.Tensor, fd: int | None = None,
+                 access: Access = "both") -> RegionHandle:
         """Register a tensor's memory once; returns the local region (``.descriptor`` for peers).
 
         ``fd``: for CUDA memory from cuMem (the node's KV), the allocation's POSIX fd, which
         cuda-ipc peers import; ignored elsewhere. ``access`` (fabric): ``source``, ``target``
         or ``both`` (see the module docstring)."""
-        if self.backend == "cuda-ipc":
-            from disagg.fabric.cuda_ipc import CudaIpcEngine
-
-            return cast(CudaIpcEngine, self.engine).register(tensor,
-                                                             fd=fd if tensor.is_cuda else None)
-        fabric = cast(FabricBackend, self.engine)
-        if tensor.is_cuda:
-            from disagg.fabric.staging import HostMirror
-
+        if tensor.is_cuda and not self.engine.device_memory:
             mirror = HostMirror(tensor)
             self._mirrors.append(mirror)
-            region = fabric.register_address(int(mirror.host.data_ptr()), mirror.nbytes,
-                                                  owner=mirror, access=access)
-            log.info("fabric over host staging: %d MiB pinned mirror of %s memory",
-                     mirror.nbytes >> 20, tensor.device)
+            region = self.engine.register(mirror.host, access=access)
+            log.info("%s over host staging: %d MiB pinned mirror of %s memory",
+                     self.backend, mirror.nbytes >> 20, tensor.device)
             return StagedRegion(region, mirror)
-        return fabric.register_address(int(tensor.data_ptr()),
-                                            tensor.numel() * tensor.element_size(), owner=tensor,
-                                            access=access)
+        return self.engine.register(tensor, fd=fd if tensor.is_cuda else None, access=access)
 
-    def window(self, regions: list[Any]) -> Any:
+    def window(self, regions: Sequence[RegionHandle]) -> Window:
         """One attempt's access to ``regions`` (registered here): ``.descriptors`` (in order)
         for the PrefillRequest, ``.close()`` when the attempt ends, after which the provider
         refuses its writes. Without per-attempt windows: the regions' own descriptors, and
         ``close`` revokes nothing."""
         if not self.windows:
-            from disagg.fabric.regions import Window
-
             return Window([r.descriptor for r in regions])
-        return self.engine.window([r.region if isinstance(r, StagedRegion) else r
-                                   for r in regions])
+        return self.engine.window([backend_region(r) for r in regions])
 
     def prepare(self, descriptors: list[MemoryDescriptor]) -> None:
         """Peer regions this engine will write into soon (their owner proved it owns them):
         cuda-ipc maps them now, on its progress thread, not at their first write; the fabric
         engines need nothing (the peer's address went in with the ownership check's write)."""
-        prepare = getattr(self.engine, "prepare", None)
-        if prepare is not None:
-            prepare(descriptors)
+        self.engine.prepare(descriptors)
 
     @property
     def junk(self) -> int:
         """Immediates refused by the receiving counter (unknown, finished, overflowing)."""
-        return int(self.engine.junk)
+        return self.engine.junk
 
     @property
     def delivery_complete(self) -> bool:
         """Whether a write's completion here means its data was placed at the target (else
         only that it was sent: the receiver counts its own immediates either way)."""
-        return bool(getattr(self.engine, "delivery_complete", False))
+        return self.engine.delivery_complete
 
     def context_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
         """A zeroed ``[rows, row_bytes]`` uint8 buffer for context rows, in memory this backend
-        can share: device memory for cuda-ipc, host memory for the fabric."""
-        if self.backend == "cuda-ipc" and self.device.type == "cuda":
+        can share: device memory where the backend registers it (cuda-ipc), else host memory
+        (the fabric)."""
+        if self.engine.device_memory and self.device.type == "cuda":
             return torch.zeros(rows, row_bytes, dtype=torch.uint8, device=self.device)
         return torch.zeros(rows, row_bytes, dtype=torch.uint8)
 
     @staticmethod
     def decode_descriptor(data: bytes) -> MemoryDescriptor:
-        """Decode and validate a peer's descriptor, lane list included (``OutOfRange``)."""
+        """Decode and validate a peer's descriptor, a fabric one's lane list included
+        (``OutOfRange``)."""
         desc = decode_descriptor(data)
-        if desc.backend == "fabric":
-            from disagg.fabric.striped import lanes_of
-
-            lanes_of(desc)
+        lanes_of(desc)
         return desc
 
-    def write(self, src: Any, dst: MemoryDescriptor, runs: Runs, key: int,
+    def write(self, src: RegionHandle, dst: MemoryDescriptor, runs: Runs, key: int,
               timeout: float | None = None, counted: bool = True) -> list[asyncio.Future[None]]:
         """Post ``runs`` (one batch per distinct unit count: the immediate carries it).
         Raises ``OutOfRange`` before posting anything that falls outside ``dst``. ``timeout``
@@ -215,8 +205,8 @@ class TransferEngine:
         groups = [(u, runs.units == u) for u in np.unique(runs.units).tolist()]
         futures: list[asyncio.Future[None]] = []
         if isinstance(src, StagedRegion):
-            if dst.backend != "fabric":
-                raise OutOfRange(f"descriptor is for {dst.backend}, engine is fabric")
+            if dst.backend != self.backend:
+                raise OutOfRange(f"descriptor is for {dst.backend}, engine is {self.backend}")
             check_writes(src.length, dst.length, runs.src_offset, runs.dst_offset, runs.length)
             t = self.timeout_s if timeout is None else timeout
             futures.append(asyncio.ensure_future(
@@ -242,16 +232,17 @@ class TransferEngine:
             src.region, dst, runs.src_offset[m], runs.dst_offset[m], runs.length[m],
             make_imm(key, units), timeout=left) for units, m in groups])
 
-    def expect(self, key: int, units: int, timeout: float) -> Any:
+    def expect(self, key: int, units: int, timeout: float) -> Expectation:
         """An awaitable that resolves when ``units`` units carrying ``key`` have landed."""
         return self.engine.expect(key, units, timeout=timeout)
 
-    async def stage_in(self, region: Any, offsets: list[int], lengths: list[int]) -> None:
+    async def stage_in(self, region: RegionHandle, offsets: list[int],
+                       lengths: list[int]) -> None:
         """Copy these byte runs of a staged region mirror -> GPU (no-op for other regions)."""
         if isinstance(region, StagedRegion) and offsets:
             await region.mirror.into(offsets, lengths)
 
-    async def stage_in_pages(self, region: Any, layout: KVLayoutDesc, pages: list[int],
+    async def stage_in_pages(self, region: RegionHandle, layout: KVLayoutDesc, pages: list[int],
                              lead: bool = False) -> None:
         """``stage_in`` of every layer of these KV pages (runs of adjacent pages coalesced);
         ``lead``: the lead rank's region, which also holds the speculative one after it."""
