@@ -1,7 +1,8 @@
 """In-process offline engine: the scheduler and a model runner in one Python process.
 
-The same logic the node runs across processes, driven synchronously; handy for scripts, and the
-fastest way to test scheduling and model parity.
+The engine core the node runs across processes (``disagg.engine.core``), driven synchronously
+over a ``ModelRunner``; handy for scripts, and the fastest way to test scheduling and model
+parity.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import torch
 
 from disagg.engine.attention import get_backend
 from disagg.engine.cache import PagePool
+from disagg.engine.core import EngineCore, drive
 from disagg.engine.kv_memory import KVLayout
-from disagg.engine.runner import Launched, ModelRunner
-from disagg.engine.scheduling import Batch, BatchScheduler, Sequence
+from disagg.engine.runner import ModelRunner
+from disagg.engine.scheduling import BatchScheduler, Sequence
 from disagg.engine.speculative import Speculation
 from disagg.kernels.kv_quant import kv_dtype
 from disagg.model.transformer import Transformer
 from disagg.protocol import SamplingParams
-from disagg.protocol.executor import StepPlan
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,8 @@ class LLM:
     ):
         """``speculative``: drafting (``Speculation``); with method ``draft``, ``draft_model``
         is the draft (same vocabulary, on the same device); ``overlap``: launch each decode step
-        before the previous one's tokens are taken (``disagg.actors.stepping``);
+        before the previous one's tokens are taken (``disagg.engine.core``);
         ``kv_cache_dtype``: ``--kv-cache-dtype`` (``fp8_e4m3``: FP8 pages, ``kv_quant``)."""
-        self.overlap = overlap
         arch = model.arch
         kv_dt = kv_dtype(kv_cache_dtype, model.dtype)
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
@@ -76,8 +76,8 @@ class LLM:
             prefix_caching=prefix_caching, cache_salt=arch.identity(str(kv_dt)),
             **(speculative.scheduler_args() if speculative else {}),
         )
+        self.core = EngineCore(self.scheduler, overlap)
         self._slots = itertools.count()
-        self._steps = itertools.count()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -90,30 +90,5 @@ class LLM:
             seq = Sequence(slot, str(slot), list(prompt), p, seed, arrival=slot)
             self.scheduler.add(seq)
             seqs.append(seq)
-        sched, runner = self.scheduler, self.runner
-        in_flight: tuple[Batch, Launched] | None = None  # a deferred decode step
-        while sched.has_work() or in_flight is not None:
-            if in_flight is not None:  # launch its successor first, then take its tokens
-                batch, launched = in_flight
-                in_flight = None
-                if (ahead := sched.schedule_ahead(batch)) is not None:
-                    sched.launched(ahead)
-                    in_flight = (ahead, runner.launch(self._plan(ahead, True)))
-                tokens, _, counts = launched.wait()
-                sched.landed(batch)
-                sched.update(batch, tokens, counts)
-                continue
-            if (scheduled := sched.schedule()) is None:
-                raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
-            batch = scheduled
-            if self.overlap and sched.can_defer(batch):
-                sched.launched(batch)
-                in_flight = (batch, runner.launch(self._plan(batch, True)))
-                continue
-            tokens, _, counts = runner.execute(self._plan(batch, False))
-            sched.update(batch, tokens, counts, runner.next_drafts)
+        drive(self.core, self.runner)
         return [Output(s.output_ids, s.finish_reason or "") for s in seqs]
-
-    def _plan(self, batch: Batch, defer: bool) -> StepPlan:
-        return StepPlan(next(self._steps), [c.to_wire() for c in batch.chunks], batch.num_decodes,
-                        defer=defer)

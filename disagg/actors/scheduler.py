@@ -32,6 +32,7 @@ from disagg.actors.sides import SchedulerSide
 from disagg.actors.sockets import pending
 from disagg.actors.stepping import Stepper
 from disagg.engine.cache import PagePool
+from disagg.engine.core import EngineCore
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
 from disagg.engine.speculative import Speculation
 from disagg.model.config import ModelArch
@@ -77,7 +78,7 @@ class SchedulerSetup:
     prefix_caching: bool = False  # reuse cached full pages of prompt prefixes
     cache_salt: bytes = b""  # the model's identity: parent of every first page hash
     speculative: Speculation | None = None  # drafting for speculative decoding
-    overlap: bool = False  # overlapped decoding (disagg.actors.stepping)
+    overlap: bool = False  # overlapped decoding (disagg.engine.core)
 
 
 class SchedulerActor(ClientIntake):
@@ -121,7 +122,9 @@ class SchedulerActor(ClientIntake):
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = Counters()
         self._slots = itertools.count()
-        self.stepper = Stepper(self, arch.num_layers, setup.overlap)
+        # the engine core plans and applies every step (a step spans layers + 1 counter values)
+        self.core = EngineCore(self.sched, setup.overlap, arch.num_layers + 1)
+        self.stepper = Stepper(self)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)
         self._in_vocab = msgspec.msgpack.Decoder(  # a client's prompt ids (FromClient.prompt)
@@ -135,27 +138,25 @@ class SchedulerActor(ClientIntake):
     # ------------------------------------------------------------------ loop
 
     async def run(self) -> None:
-        """Loop: 1. drain the inbox (admit, abort, stats); 2. schedule one step; 3. run it on
-        the executors (``disagg.actors.stepping``: with a step in flight, send its successor
-        or collect it); 4. stream tokens and finishes. Idle: block on the inbox."""
+        """Loop: 1. drain the inbox (admit, abort, stats); 2. the engine core's next command
+        (``disagg.engine.core``: one step, or with a step in flight its successor or
+        ``Collect``); 3. run it on the executors (``disagg.actors.stepping``); 4. stream
+        tokens and finishes. Idle: block on the inbox."""
         try:
             while not self._stopping:
-                idle = not self.sched.has_work() and self.stepper.in_flight is None
+                idle = not self.core.has_work()
                 await self._drain(block=idle, timeout_ms=self._idle_timeout_ms() if idle else None)
                 await self._expire(time.monotonic())
                 await self._feed()
                 # after feeding: a remote prefill's request reaches the messenger before the
                 # frontend's turn for the acks (its wake-up would come first in the loop)
                 await self._flush_acks()
-                if self.stepper.in_flight is not None:
-                    await self.stepper.advance()
-                    continue
-                batch = self.sched.schedule()
-                if batch is None:
+                cmd = self.core.next()
+                if cmd is None:
                     if self.sched.has_work():  # nothing fits now: wait for a change, bounded
                         await self._drain(block=True, timeout_ms=50)
                     continue
-                await self.stepper.run(batch)
+                await self.stepper.run(cmd)
         except ExecutorError as e:
             log.error("executor failure: %s", e)
             self.stepper.abandon()
@@ -343,7 +344,7 @@ class SchedulerActor(ClientIntake):
             started=c.started, finished=c.finished,
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
-            max_model_len=self.max_model_len, steps_overlapped=self.stepper.steps_ahead,
+            max_model_len=self.max_model_len, steps_overlapped=self.core.steps_ahead,
             **msgspec.structs.asdict(self.messenger_stats)
             | ({} if n is None else {"transfers_in_flight": n}),
         )

@@ -1,29 +1,25 @@
-"""Stepping the executors for the scheduler actor: one step at a time, or overlapped.
+"""Stepping the executors for the scheduler actor: the engine core's commands carried out.
 
-Overlapped decoding (``--overlap-schedule``, as SGLang's overlap scheduler and vLLM's async
-scheduling do it): a decode-only batch goes to the executors *deferred* (``StepPlan.defer``).
-While it runs, the stepper builds the next step without its tokens
-(``BatchScheduler.schedule_ahead``: follow chunks whose token the executor fills in on the
-device from the step before) and sends it; the executor launches that one before it answers
-the deferred step, so the host work of step N+1 (planning, messages, flattening, copies,
-launch) runs while the device computes step N. When the next step cannot be known ahead (new
-work arrived, a page is missing) the stepper sends ``Collect`` instead and steps normally
-afterwards. A sequence that stops in flight wastes its row of the step after; its pages stay
-out of the pool until every deferred step that writes them has landed
-(``BatchScheduler.launched`` / ``landed``).
+The core (``disagg.engine.core.EngineCore``) decides every step, overlapped decoding included
+(a deferred step's successor sent before its result is taken, or ``Collect``), and applies its
+results; the stepper is its driver on the node: it sends each command through
+``ExecutorGroup`` (``step``; overlapped: ``submit`` a deferred plan, ``collect``, ``result``),
+calls the scheduler side's hooks around each step (``before_step``: a prefill node announces
+its chunks; ``after_step``), logs slow steps, ends or hands to the side the sequences of a
+failed step, and streams every applied step's updates to the scheduler (``emit``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from typing import Protocol
 
 from disagg.actors.executor_group import ExecutorGroup
 from disagg.actors.sides import SchedulerSide
-from disagg.engine.scheduling import Batch, BatchScheduler, Sequence, SeqUpdate, Status
-from disagg.protocol.executor import StepPlan, StepResult
+from disagg.engine.core import Collect, Command, EngineCore, Launch, Run, Step
+from disagg.engine.scheduling import Sequence, SeqUpdate, Status
+from disagg.protocol.executor import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +29,7 @@ SLOW_STEP_S = 0.5  # a step slower than this is logged (compiles, stalls)
 class StepPort(Protocol):
     """The scheduler actor as the stepper sees it."""
 
-    sched: BatchScheduler
+    core: EngineCore
     executors: ExecutorGroup
     side: SchedulerSide
 
@@ -45,75 +41,56 @@ class StepPort(Protocol):
 
 
 class Stepper:
-    def __init__(self, port: StepPort, num_layers: int, overlap: bool):
+    def __init__(self, port: StepPort):
         self.port = port
-        self.num_layers = num_layers
-        self.overlap = overlap
-        self.in_flight: tuple[StepPlan, Batch, float] | None = None  # the deferred step
-        self.steps_ahead = 0  # steps sent before their predecessor's tokens were back
-        self._ids = itertools.count()
+        self._sent: dict[int, float] = {}  # deferred steps sent: step id -> when (monotonic)
 
-    def _plan(self, batch: Batch, defer: bool) -> StepPlan:
-        step_id = next(self._ids)
-        return StepPlan(step_id, [c.to_wire() for c in batch.chunks], batch.num_decodes,
-                        counter_base=step_id * (self.num_layers + 1), defer=defer)
-
-    async def _submit(self, batch: Batch) -> None:
-        plan = self._plan(batch, defer=True)
-        await self.port.side.before_step(plan, batch)
-        self.port.sched.launched(batch)
-        await self.port.executors.submit(plan)
-        self.in_flight = (plan, batch, time.monotonic())
-
-    async def run(self, batch: Batch) -> None:
-        """Run a newly scheduled batch: deferred when it may overlap its successor (then
-        ``advance`` takes its result), else to the end."""
-        if self.overlap and self.port.sched.can_defer(batch):
-            await self._submit(batch)
-            return
-        plan = self._plan(batch, defer=False)
-        await self.port.side.before_step(plan, batch)
-        started = time.monotonic()
-        result, hidden = await self.port.executors.step(plan)
-        await self._apply(plan, batch, result, hidden, started)
-
-    async def advance(self) -> None:
-        """With a step in flight: send its successor when it is known ahead (else ask for the
-        in-flight result alone), then apply the in-flight step's result."""
-        assert self.in_flight is not None
-        plan, batch, started = self.in_flight
-        self.in_flight = None
-        ahead = self.port.sched.schedule_ahead(batch)
-        if ahead is not None:
-            await self._submit(ahead)
-            self.steps_ahead += 1
-        else:
-            await self.port.executors.collect()
-        result, hidden = await self.port.executors.result(plan.step_id)
-        await self._apply(plan, batch, result, hidden, started)
+    async def run(self, cmd: Command) -> None:
+        """Carry out one command of the core: a step run to the end, a deferred one sent
+        (then its predecessor's result taken), or a deferred step's result collected."""
+        port = self.port
+        match cmd:
+            case Run(step):
+                await port.side.before_step(step.plan, step.batch)
+                started = time.monotonic()
+                result, hidden = await port.executors.step(step.plan)
+                await self._apply(step, result, hidden, started)
+            case Launch(step, then):
+                await port.side.before_step(step.plan, step.batch)
+                await port.executors.submit(step.plan)
+                self._sent[step.plan.step_id] = time.monotonic()
+                if then is not None:
+                    await self._take(then)
+            case Collect(step):
+                await port.executors.collect()
+                await self._take(step)
 
     def abandon(self) -> None:
         """The executors failed: nothing is in flight any more."""
-        if self.in_flight is not None:
-            self.port.sched.landed(self.in_flight[1])
-            self.in_flight = None
+        self.port.core.abandon()
+        self._sent.clear()
 
-    async def _apply(self, plan: StepPlan, batch: Batch, result: StepResult,
-                     hidden: bytes | None, started: float) -> None:
+    async def _take(self, step: Step) -> None:
+        """Wait for a deferred step's result and apply it."""
+        result, hidden = await self.port.executors.result(step.plan.step_id)
+        await self._apply(step, result, hidden, self._sent.pop(step.plan.step_id))
+
+    async def _apply(self, step: Step, result: StepResult, hidden: bytes | None,
+                     started: float) -> None:
+        plan, batch = step.plan, step.batch
         took = time.monotonic() - started
         if took > SLOW_STEP_S:
             log.warning("slow step %d: %.0f ms for %d tokens (%d decodes, %d chunks)",
                         plan.step_id, 1000 * took, batch.num_tokens, batch.num_decodes,
                         len(batch.chunks) - batch.num_decodes)
         port = self.port
-        if plan.defer:
-            port.sched.landed(batch)
+        port.core.land(step)  # before the side's hook: pages it parked are back
         await port.side.after_step(plan, batch, result, hidden)
         if result.error is not None:
             for c in batch.chunks:
                 if c.seq.status is Status.RUNNING:  # not ended by an earlier failed step
                     await port.step_failed(c.seq, result.error)
             return
-        for update in port.sched.update(batch, result.token_ids, result.counts, result.drafts):
+        for update in port.core.apply(step, result.token_ids, result.counts, result.drafts):
             await port.emit(update)
         await port.pages_changed()

@@ -1,0 +1,176 @@
+"""The engine core: what to run next and what a step's result does, for both drivers.
+
+Synchronous and socket-free, like the remote-prefill machines (``disagg.remote``): a driver
+asks ``EngineCore.next()`` for a command, carries it out on its executor and hands the result
+back (``apply``; ``land`` alone for a failed step). The core owns the batch scheduler
+(``disagg.engine.scheduling``: batches, preemption, speculative bookkeeping, prefix caching),
+the step ids and overlapped decoding with the page parking it needs. Two drivers carry the
+commands out, and nothing else steps: the in-process ``disagg.llm.LLM`` (``drive`` below, over
+a ``ModelRunner``) and the node's stepper (``disagg.actors.stepping``, over the executor
+processes; it adds the side hooks, slow-step logs and failed steps). Sequences join and leave
+through ``sched`` as before (admission, aborts, a remote prefill's landed KV); the next command
+takes them into account.
+
+The commands (``next()`` answers one, or None when nothing can run now):
+
+- ``Run(step)``: run ``step`` to the end, then ``apply`` its result.
+- ``Launch(step, then)``: send ``step`` deferred (``StepPlan.defer``: the executor answers it
+  only once the next command arrives, after launching that one); ``then``, when not None, is
+  the deferred step before it: take its result now and ``apply`` it.
+- ``Collect(step)``: the in-flight deferred ``step``'s successor cannot be known ahead: ask for
+  its result alone and ``apply`` it; the next command is planned normally.
+
+Overlapped decoding (``overlap``, as SGLang's overlap scheduler and vLLM's async scheduling do
+it): a decode-only batch that may overlap its successor (``BatchScheduler.can_defer``) goes out
+deferred. While it runs, the next step is built without its tokens
+(``BatchScheduler.schedule_ahead``: follow chunks whose token the executor fills in on the
+device from the step before) and sent before the deferred result is taken, so the host work of
+step N+1 (planning, messages, flattening, copies, launch) runs while the device computes step
+N. When the next step cannot be known ahead (new work arrived, a page is missing) the core
+answers ``Collect`` and plans normally afterwards. A sequence that stops in flight wastes its
+row of the step after; its pages stay out of the pool until every deferred step that writes
+them has landed (``BatchScheduler.launched`` / ``landed``, called here).
+
+Plans carry ``counter_base = step_id * counter_stride``: a node's executors bump the layer
+counter from there (stride: layers + 1); the in-process engine has no counter (stride 0).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from disagg.engine.scheduling import Batch, BatchScheduler, SeqUpdate
+from disagg.protocol.executor import StepPlan
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One step sent to the executor: its wire plan and the batch it was built from."""
+
+    plan: StepPlan
+    batch: Batch
+
+
+@dataclass(frozen=True)
+class Run:
+    step: Step
+
+
+@dataclass(frozen=True)
+class Launch:
+    step: Step
+    then: Step | None = None  # the deferred step before ``step``: take its result after sending
+
+
+@dataclass(frozen=True)
+class Collect:
+    step: Step
+
+
+Command = Run | Launch | Collect
+
+
+class EngineCore:
+    def __init__(self, sched: BatchScheduler, overlap: bool = False, counter_stride: int = 0):
+        """``overlap``: defer decode-only steps (overlapped decoding); ``counter_stride``: the
+        layer-counter values a step spans (``counter_base``)."""
+        self.sched = sched
+        self.overlap = overlap
+        self.counter_stride = counter_stride
+        self.in_flight: Step | None = None  # the newest deferred step, its result not asked for
+        self.steps_ahead = 0  # steps sent before their predecessor's tokens were back
+        self._on_device: list[Step] = []  # deferred steps sent and not landed (at most two)
+        self._ids = itertools.count()
+
+    def has_work(self) -> bool:
+        """Something to compute now, or a deferred step's result still to take."""
+        return self.sched.has_work() or self.in_flight is not None
+
+    def next(self) -> Command | None:
+        """The next command: with a deferred step in flight, its successor (built ahead) or
+        ``Collect``; else the next scheduled batch, deferred when it may overlap its successor.
+        None: nothing can be scheduled now."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None:
+            ahead = self.sched.schedule_ahead(prev.batch)
+            if ahead is None:
+                return Collect(prev)
+            self.steps_ahead += 1
+            return Launch(self._defer(ahead), prev)
+        batch = self.sched.schedule()
+        if batch is None:
+            return None
+        if self.overlap and self.sched.can_defer(batch):
+            return Launch(self._defer(batch))
+        return Run(self._step(batch, defer=False))
+
+    def _step(self, batch: Batch, defer: bool) -> Step:
+        step_id = next(self._ids)
+        return Step(StepPlan(step_id, [c.to_wire() for c in batch.chunks], batch.num_decodes,
+                             counter_base=step_id * self.counter_stride, defer=defer), batch)
+
+    def _defer(self, batch: Batch) -> Step:
+        step = self._step(batch, defer=True)
+        self.sched.launched(batch)
+        self._on_device.append(step)
+        self.in_flight = step
+        return step
+
+    def land(self, step: Step) -> None:
+        """``step`` is done on the device (its result came back, or it failed): pages its
+        sequences released meanwhile go back to the pool. Only a deferred step's first call
+        does anything."""
+        if step in self._on_device:
+            self._on_device.remove(step)
+            self.sched.landed(step.batch)
+
+    def apply(self, step: Step, tokens: list[int], counts: list[int] | None = None,
+              drafts: list[list[int]] | None = None) -> list[SeqUpdate]:
+        """Apply ``step``'s sampled tokens (``BatchScheduler.update``: ``counts`` per sampling
+        chunk with speculative decoding, ``drafts`` for MTP) once it has landed."""
+        self.land(step)
+        return self.sched.update(step.batch, tokens, counts, drafts)
+
+    def abandon(self) -> None:
+        """The executors failed: no step is on the device any more."""
+        for step in self._on_device:
+            self.sched.landed(step.batch)
+        self._on_device.clear()
+        self.in_flight = None
+
+
+class Pending(Protocol):
+    def wait(self) -> tuple[list[int], Any, list[int] | None]: ...
+
+
+class Runner(Protocol):
+    """What ``drive`` needs of an in-process runner (``disagg.engine.runner.ModelRunner``)."""
+
+    next_drafts: list[list[int]] | None  # mtp: the drafts the last step made
+
+    def execute(self, plan: StepPlan) -> tuple[list[int], Any, list[int] | None]: ...
+
+    def launch(self, plan: StepPlan) -> Pending: ...
+
+
+def drive(core: EngineCore, runner: Runner) -> None:
+    """Run ``core``'s commands on ``runner`` in this thread until it has no work left (the
+    in-process engine's loop). Raises RuntimeError when work cannot be scheduled."""
+    launched: dict[int, Pending] = {}
+    while core.has_work():
+        match core.next():
+            case None:
+                raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
+            case Run(step):
+                tokens, _, counts = runner.execute(step.plan)
+                core.apply(step, tokens, counts, runner.next_drafts)
+            case Launch(step, then):
+                launched[step.plan.step_id] = runner.launch(step.plan)
+                if then is not None:
+                    tokens, _, counts = launched.pop(then.plan.step_id).wait()
+                    core.apply(then, tokens, counts)
+            case Collect(step):
+                tokens, _, counts = launched.pop(step.plan.step_id).wait()
+                core.apply(step, tokens, counts)
