@@ -31,7 +31,7 @@ from disagg.actors.executor_group import ExecutorGroup
 from disagg.actors.front_door import FrontDoor
 from disagg.actors.frontend import FrontendActor
 from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
-from disagg.config import NodeConfig
+from disagg.config import ConfigError, NodeConfig
 from disagg.engine.speculative import speculation
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.config import ModelArch
@@ -62,6 +62,8 @@ class Node:
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None,
                  door: FrontDoor | None = None):
         cfg.validate()
+        if cfg.role == "router":
+            raise ConfigError("--role router runs a router (disagg.actors.router), not a Node")
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
         # the client socket of --listen: the supervisor's (kept across restarts), else our own

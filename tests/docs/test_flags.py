@@ -6,6 +6,7 @@ an intended change)."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def test_no_flag_changed_its_name_type_default_or_choices():
 
 
 def test_the_defaults_are_the_structs():
+    assert dict(flags.layers(NodeConfig)) == LAYERS
     args = build_parser().parse_args([])
     assert flags.from_flags(NodeConfig, args) == NodeConfig()
     for name, cls in LAYERS.items():
@@ -154,12 +156,19 @@ def test_router_settings_are_checked_with_the_node_config():
                  "--devices", "cuda:0").devices == ["cuda:0"]
 
 
+def test_a_router_config_starts_no_node():
+    from disagg.node import Node
+
+    with pytest.raises(ConfigError, match="--role router runs a router"):
+        Node(NodeConfig(role="router", router=RouterConfig(["tcp://127.0.0.1:1"])))
+
+
 def test_the_config_imports_nothing_above_it():
-    code = ("import sys, disagg.config; "
-            "print(sorted(m for m in sys.modules if m.startswith('disagg.')))")
+    code = ("import json, sys, disagg.config; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('disagg.'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    assert eval(out) == ["disagg.config", "disagg.peer_specs"]
+                         check=True, cwd=ROOT).stdout
+    assert json.loads(out) == ["disagg.config", "disagg.peer_specs"]
 
 
 if __name__ == "__main__":
