@@ -9,7 +9,9 @@ expectation completions from the transfer engine.
 Sends: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` / ``ChallengeAnswer`` /
 ``OwnershipOffer`` to prefillers; ``AttemptEvent`` / ``PeersAlive`` / ``MessengerStats`` to the
 scheduler.
-Owns: the prefill peers (liveness, load, health, challenge slots), and per attempt the wire
+Owns: the prefill peers (their sockets and challenge slots; their liveness, load and health
+in the pure ``disagg.remote.prefillers.PrefillerTable``, the choice among them
+``disagg.serving.routing.PrefillerChoice``), and per attempt the wire
 state: its peer and connection epoch, context slot, registrations and expectation. Whether
 an attempt is still wanted, when it times out, when its pages are free and whether it is
 retried is the scheduler's state machine's call, not this actor's.
@@ -24,12 +26,10 @@ refusals) is suspect for a back-off (``disagg.remote.peer_health``): others are 
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import itertools
 import logging
-import random
 import time
 from typing import Any
 
@@ -43,16 +43,15 @@ from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.prefill_peers import (
     OFFER_WINDOW_S,
+    Challenges,
     DialedPeers,
     Peer,
     Wire,
     close_offer,
-    make_offer,
     new_epoch,
     offer_due,
 )
 from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending, pending_frames
-from disagg.fabric.topology import MAX_LANES
 from disagg.protocol.inproc import (
     AttemptEvent,
     ForgetPrefill,
@@ -66,7 +65,6 @@ from disagg.protocol.peer import (
     AbortAck,
     AbortPrefill,
     Challenge,
-    ChallengeAnswer,
     KVLayoutDesc,
     PeerReply,
     Ping,
@@ -77,10 +75,11 @@ from disagg.protocol.peer import (
     PrefillRequestOut,
 )
 from disagg.remote.discovery import split_specs
-from disagg.remote.ownership import CHALLENGE_UNITS, NONCE_BYTES, area_rows, nonce_offset
-from disagg.remote.transfer_plan import incompatibility, make_key, new_generation, request_units
+from disagg.remote.ownership import area_rows
+from disagg.remote.prefillers import PrefillerTable
+from disagg.remote.transfer_plan import request_units
 from disagg.serving.metrics import Metrics
-from disagg.serving.routing import PrefixIndex
+from disagg.serving.routing import PrefillerChoice
 from disagg.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -88,10 +87,6 @@ log = logging.getLogger(__name__)
 FORGOTTEN_KEPT = 4096  # attempts remembered after they ended, for a trailing PrefillDone
 
 FENCE_GRACE_S = 1.0  # after a peer's connection went down, for bytes already on their way
-PREFIX_SLACK_TOKENS = 4096  # queue a prefiller holding the prefix may have beyond the shortest
-CHALLENGE_WAIT_S = 2.0  # for a challenge's nonce to land before reading it anyway
-CHALLENGE_ARMED_S = 3600.0  # an armed challenge key is re-armed after this
-CHALLENGE_SLOT = (1 << 8) - 1  # the slot bits of challenge keys (logs only: generations are random)
 
 
 class DecodeMessenger(MessengerBase):
@@ -115,20 +110,21 @@ class DecodeMessenger(MessengerBase):
         self.register_access = "source" if transfer.windows else "target"
         self.ctx = ctx
         static, names = split_specs(peers)
-        self.dialed = DialedPeers(ctx, static)
+        self.prefillers = PrefillerTable(layout, transfer.transport, peer_timeout_s)
+        self.dialed = DialedPeers(ctx, static, self.prefillers)
         self.peers = self.dialed.peers  # the same list, kept current by self.dialed
         self.discovery = PeerDiscovery(names, static, self.dialed.update, resolve_interval_s)
         # context slots, then the challenge area (its last bytes), never a context slot
         super().__init__(sched_sock, transfer, layout, kvs, kv_fds,
                          max_slots + area_rows(layout.context_bytes), metrics)
         self.ctx_free = [s for s in self.ctx_free if s < max_slots]
+        self.challenges = Challenges(transfer, self.kv_regions, self.ctx_region, self.ctx_buf)
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
         self.wires: dict[str, Wire] = {}  # by request id
         # forgotten attempts -> their peer: a PrefillDone may trail the KV that ended them
         self.forgotten: collections.OrderedDict[str, Peer] = collections.OrderedDict()
-        self.prefixes = PrefixIndex()  # which prefiller got each prompt prefix last
+        self.choice = PrefillerChoice()
         self._ping = itertools.count()
         self._peer_dec = msgspec.msgpack.Decoder(PeerReply)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
@@ -187,19 +183,12 @@ class DecodeMessenger(MessengerBase):
                 continue
             match msg:
                 case Pong() as pong:
-                    peer.last_pong = time.monotonic()
-                    peer.queued_tokens, peer.sent_tokens = pong.queued_tokens, 0
-                    why = incompatibility(pong.layout, self.layout)
-                    if pong.transport != self.transfer.transport:
-                        why = (f"transport mismatch: prefiller uses {pong.transport}, "
-                               f"this decoder {self.transfer.transport}")
-                    if why and why != peer.incompatible:
+                    now = time.monotonic()
+                    if why := self.prefillers.pong(peer.address, now, pong.queued_tokens,
+                                                   pong.layout, pong.transport):
                         log.error("prefiller %s refused: %s", peer.address, why)
-                    peer.incompatible = why
-                    peer.layout = pong.layout
-                    peer.alive = peer.incompatible is None and not peer.removed
-                    if peer.alive and offer_due(peer, peer.last_pong):
-                        await self._offer(peer)
+                    if self.prefillers.alive(peer.address) and offer_due(peer, now):
+                        await self.challenges.offer(peer)
                     await self._report_alive()
                 case Challenge() as ch:
                     self._spawn(self._answer(peer, ch))
@@ -208,7 +197,7 @@ class DecodeMessenger(MessengerBase):
                         log.warning("prefiller %s: %s: %s", peer.address, code, message)
                     w = self._of(rid, peer)
                     if w is not None and w.wanted:
-                        peer.health.failed(time.monotonic())
+                        self.prefillers.failed(peer.address, time.monotonic())
                     if w is not None:  # no write of it can land any more
                         await self._settled(rid, "failed", code, message)
                 case PrefillDone(request_id=rid) as done:
@@ -237,67 +226,16 @@ class DecodeMessenger(MessengerBase):
     # ------------------------------------------------------------------ attempts
 
     def pick(self, keys: list[bytes] | None = None) -> Peer | None:
-        """The live, compatible prefiller for a prompt with prefix ``keys``, among those not
-        suspect if there are any: the one that got its longest known prefix (its prefix
-        cache likely holds it) unless its queue exceeds the shortest by more than
-        ``PREFIX_SLACK_TOKENS`` (or half of it), else the one with the fewest queued tokens
-        (ties at random)."""
-        live = [p for p in self.peers if p.alive]
-        if not live:
-            return None
-        now = time.monotonic()
-        healthy = [p for p in live if not p.health.suspect(now)] or live
-        least = min(healthy, key=lambda p: (p.queued_tokens + p.sent_tokens, random.random()))
-        load = {p.address: p.queued_tokens + p.sent_tokens for p in healthy}
-        chosen = self.prefixes.prefer(keys or [], least.address, load, PREFIX_SLACK_TOKENS)
-        return next(p for p in healthy if p.address == chosen)
-
-    def _challenge_key(self, peer: Peer) -> int:
-        """The key ``peer``'s next challenge writes carry: expected before any request names
-        it (only arrivals after ``expect`` count); a fresh one once it was used or expired."""
-        if peer.challenge is None or peer.challenge[1].future.done():
-            key = make_key(CHALLENGE_SLOT, new_generation())
-            exp = self.transfer.expect(key, CHALLENGE_UNITS, timeout=CHALLENGE_ARMED_S)
-            exp.future.add_done_callback(lambda f: f.cancelled() or f.exception())
-            peer.challenge = (key, exp)
-        return int(peer.challenge[0])
-
-    async def _offer(self, peer: Peer) -> None:
-        """Offer ``peer`` (just found compatible on this connection) this decoder's endpoints,
-        so that it checks ownership before any request waits on it (``OwnershipOffer``)."""
-        offer = make_offer(peer, self.transfer, self.kv_regions, self.ctx_region,
-                           self._challenge_key(peer), time.monotonic())
-        with contextlib.suppress(zmq.ZMQError):
-            await peer.sock.send(self._enc.encode(offer), zmq.NOBLOCK)
+        """The prefiller for a prompt with prefix ``keys`` (``PrefillerChoice`` among the
+        table's candidates), or None when none is alive."""
+        chosen = self.choice.pick(self.prefillers.candidates(time.monotonic()), keys)
+        return next((p for p in self.peers if p.address == chosen), None)
 
     async def _answer(self, peer: Peer, ch: Challenge) -> None:
-        """Read back the nonce ``peer`` wrote into its challenge slot (once it landed, or
-        after ``CHALLENGE_WAIT_S``) and send it: proof that this process owns the memory.
-        The slot is read even when the wait timed out: a nonce written under a challenge key
-        this side had already rotated lands (counted as junk) without completing the wait.
-        Abstains (empty answer) when the request named no longer wants KV: it was aborted,
-        and its registration may have closed before the nonce could land."""
+        """Answer ``peer``'s check (``Challenges.answer``); abstain when the request named no
+        longer wants KV."""
         w = self.wires.get(ch.request_id) if ch.request_id else None
-        if ch.request_id and (w is None or not w.wanted):
-            with contextlib.suppress(zmq.ZMQError):
-                await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, b"")), zmq.NOBLOCK)
-            return
-        if peer.challenge is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(peer.challenge[1].future), CHALLENGE_WAIT_S)
-        n = NONCE_BYTES * max(1, min(ch.lanes, MAX_LANES))
-        start = nonce_offset(self.ctx_buf.numel(), peer.slot, 0)
-        deadline = time.monotonic() + CHALLENGE_WAIT_S
-        # the slot still holds the last nonce answered: this check's writes carry a key whose
-        # expectation an earlier check completed, and may not have landed yet
-        while (nonce := bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes())
-               ) == peer.answered_nonce and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        peer.answered_nonce = nonce
-        with contextlib.suppress(zmq.ZMQError):
-            await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
-        if not ch.request_id:  # the check of our offer: its window is done with
-            close_offer(peer)
+        await self.challenges.answer(peer, ch, bool(ch.request_id) and (w is None or not w.wanted))
 
     async def _send_request(self, msg: SendPrefill) -> None:
         trace.mark("dm.woke", msg.request_id, at=self._woke)
@@ -307,15 +245,16 @@ class DecodeMessenger(MessengerBase):
             why = "no prefiller is alive" if peer is None else "no free context slot"
             await self._event(AttemptEvent(msg.request_id, "failed", "no_prefiller", why))
             return
-        assert peer.layout is not None  # alive means it answered a Ping
-        units = request_units(peer.layout, self.layout, msg.num_tokens, msg.skip_pages)
+        theirs = self.prefillers[peer.address].layout
+        assert theirs is not None  # alive means it answered a Ping
+        units = request_units(theirs, self.layout, msg.num_tokens, msg.skip_pages)
         ctx_slot = self.ctx_free.pop()
         exp = self.transfer.expect(msg.key, units, timeout=msg.cap_s)  # the engine's cap
         window = self.transfer.window(self.kv_regions + [self.ctx_region])
         w = Wire(msg.request_id, peer, peer.epoch, ctx_slot, exp, window, msg.num_tokens,
                  time.monotonic())
         self.wires[w.request_id] = w
-        peer.sent_tokens += msg.num_tokens
+        self.prefillers.sent(peer.address, msg.num_tokens)
         req = PrefillRequestOut(  # the prompt's msgpack as the scheduler encoded it
             request_id=msg.request_id, key=msg.key, prompt_ids=msgspec.Raw(msg.prompt),
             dst_pages=msg.dst_pages, dst_layout=self.layout,
@@ -324,7 +263,7 @@ class DecodeMessenger(MessengerBase):
             dst_ctx=window.descriptors[-1].encode(),
             ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s,
             deadline_unix=time.time() + msg.cap_s, challenge_slot=peer.slot,
-            challenge_key=self._challenge_key(peer), skip_pages=msg.skip_pages,
+            challenge_key=self.challenges.key(peer), skip_pages=msg.skip_pages,
             cache_salt=msg.cache_salt)
         await peer.sock.send(self._enc.encode(req))
         trace.mark("dm.req_out", msg.request_id)
@@ -344,7 +283,7 @@ class DecodeMessenger(MessengerBase):
             await self.transfer.stage_in_pages(region, self.layout, dst_pages, lead=rank == 0)
         if not w.wanted:
             return
-        w.peer.health.succeeded()
+        self.prefillers.succeeded(w.peer.address)
         self.units_received += units
         if self.metrics is not None:  # units: pages per layer, plus one context
             nbytes = (units - 1) * self.layout.page_bytes + self.layout.context_bytes
@@ -365,12 +304,12 @@ class DecodeMessenger(MessengerBase):
             return
         w.wanted = False
         if blame:  # timed out, or its prefiller died
-            w.peer.health.failed(time.monotonic())
+            self.prefillers.failed(w.peer.address, time.monotonic())
         w.expectation.cancel()
         w.window.close()
         with contextlib.suppress(zmq.ZMQError):
             await w.peer.sock.send(self._enc.encode(AbortPrefill(rid)), zmq.NOBLOCK)
-        if not w.peer.alive and not w.dead_reported:
+        if not self.prefillers.alive(w.peer.address) and not w.dead_reported:
             w.dead_reported = True
             await self._event(AttemptEvent(rid, "peer_dead", "prefiller_dead",
                                            f"prefiller {w.peer.address} is not answering"))
@@ -401,8 +340,10 @@ class DecodeMessenger(MessengerBase):
 
     async def _heartbeat(self, now: float) -> None:
         seq = next(self._ping)
+        for address in self.prefillers.expire(now):
+            log.warning("prefiller %s is not answering; declaring it dead", address)
         for p in self.peers:
-            if p.removed:
+            if self.prefillers[p.address].removed:
                 continue
             if p.redial:  # something else answered on its address: dial again, from scratch
                 p.redial = False
@@ -411,17 +352,14 @@ class DecodeMessenger(MessengerBase):
                 p.sock.connect(p.address)
             if p.offer_window is not None and now - p.offered_at > OFFER_WINDOW_S:
                 close_offer(p)  # no check came
-            if p.alive and now - p.last_pong > self.peer_timeout_s:
-                log.warning("prefiller %s is not answering; declaring it dead", p.address)
-                p.alive = False
             try:
                 await p.sock.send(self._enc.encode(Ping(seq)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         for w in list(self.wires.values()):
-            if not w.peer.alive and not w.dead_reported:
+            if not self.prefillers.alive(w.peer.address) and not w.dead_reported:
                 w.dead_reported = True
-                gone = "left the peer set" if w.peer.removed else "died"
+                gone = "left the peer set" if self.prefillers[w.peer.address].removed else "died"
                 await self._event(AttemptEvent(w.request_id, "peer_dead", "prefiller_dead",
                                                f"prefiller {w.peer.address} {gone}"))
             elif (not w.wanted and not w.down_reported and w.peer.epoch > w.epoch
@@ -440,7 +378,7 @@ class DecodeMessenger(MessengerBase):
             await self._to_scheduler(self.stats())
 
     async def _report_alive(self) -> None:
-        n = sum(p.alive for p in self.peers)
+        n = self.prefillers.alive_count()
         if n != self._alive_reported:
             self._alive_reported = n
             await self._to_scheduler(PeersAlive(n))
@@ -452,7 +390,7 @@ class DecodeMessenger(MessengerBase):
         self._junk_reported = self.transfer.junk
         return MessengerStats(transfers_in_flight=len(self.wires),
                               kv_units_received=self.units_received,
-                              prefill_peers_alive=sum(p.alive for p in self.peers),
+                              prefill_peers_alive=self.prefillers.alive_count(),
                               kv_junk_immediates=self._junk_reported)
 
     async def _connection_events(self, peer: Peer) -> None:

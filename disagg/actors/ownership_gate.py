@@ -27,6 +27,7 @@ import torch
 
 from disagg.fabric.expectations import NotPosted, TransferTimeout
 from disagg.protocol.peer import Challenge, OwnershipOffer, PrefillFailed, PrefillRequest
+from disagg.remote.admission import NOT_OWNED
 from disagg.remote.check_quotas import CheckQuotas, CheckWaits, Outcome
 from disagg.remote.ownership import (
     CHALLENGE_AREA_BYTES,
@@ -276,9 +277,7 @@ class OwnershipGate:
         descriptors failed it, refused)."""
         for peer, req in self.parked.pop(conn, []):
             if req is failed:
-                await self.reply(peer, PrefillFailed(
-                    req.request_id, "bad_request",
-                    "descriptor not owned by the requester (it failed the ownership check)"))
+                await self.reply(peer, PrefillFailed(req.request_id, "bad_request", NOT_OWNED))
             else:
                 await self.accept(peer, req, conn)
 

@@ -1,6 +1,7 @@
-"""What the prefill messenger (``disagg.actors.prefill_messenger``) holds per job and per
-step: the request and where its writes go, and which layers of a step went out; and how it
-posts a job's writes (``JobWriter``): layer by layer as the layer counter moves, except for a
+"""What the prefill messenger (``disagg.actors.prefill_messenger``) holds per job (``Job``: the
+request and where its writes go), and the object that owns its writes (``JobWrites``: what
+was posted of each job, ``Posted``, and which layers of each announced step went out,
+``Step``), posting them layer by layer as the layer counter moves, except for a
 short step (fewer prompt tokens than ``layerwise_min_tokens``, 0 by default), whose layers go
 out together in one write per destination after its last layer: one post instead of one per
 layer, where the link is fast enough that the step's whole KV costs little exposed."""
@@ -30,17 +31,25 @@ from disagg.remote.transfer_plan import (
 log = logging.getLogger("disagg.actors.prefill_messenger")
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Job:
-    """What this messenger holds for one job: the request and where its writes go. Its
-    lifecycle (state, deadlines, quota) is ``self.life`` (``disagg.remote.prefill``)."""
+    """What the messenger holds for one job: the request and where its writes go. Its
+    lifecycle (state, deadlines, quota) is ``self.life`` (``disagg.remote.prefill``); what was
+    posted of it, ``JobWrites``."""
 
     id: int
     peer: bytes  # decoder's ROUTER identity
     req: PrefillRequest
     dst_kv: list[Any]  # decoded MemoryDescriptor per decoder rank
     dst_ctx: Any
-    futures: list[asyncio.Future[None]] = field(default_factory=list)
+
+
+@dataclass
+class Posted:
+    """What was posted of one job's writes (``JobWrites``), until its answer."""
+
+    job: Job
+    futures: list[asyncio.Future[None]] = field(default_factory=list)  # every write posted
     first_post_at: float | None = None
     cached_tokens: int = 0  # prompt tokens this node's prefix cache held (not computed)
     writes: int = 0  # posted so far
@@ -71,15 +80,17 @@ def layer_spans(next_layer: int, layers_done: int, num_layers: int,
     return [(i, i + 1) for i in range(next_layer, layers_done)]
 
 
-class JobWriter:
-    """Posts the prefill messenger's job writes to the transfer engine: each step's layers as
-    the layer counter reports them (``on_layers``), a job's cached pages at once, the
-    speculative region, the context write. It shares the messenger's ``jobs`` and ``steps``
-    and tells it of a refused write (``fail``) and of progress (``progressed``)."""
+class JobWrites:
+    """The prefill messenger's job writes: owns what was posted of each job (``add`` to
+    ``finish``) and each announced step (``announce`` to ``step_done``), and posts them to the
+    transfer engine: each step's layers as the layer counter reports them (``on_layers``), a
+    job's cached pages at once, the speculative region, the context write. Whether a job may
+    still be written is asked of the job machine ``life``; a refused or overdue job is told
+    to the messenger (``fail``), and so is progress (``progressed``)."""
 
     def __init__(self, layout: KVLayoutDesc, life: PrefillJobs, transfer: Any,
-                 kv_regions: list[Any], ctx_region: Any, zero_slot: int, jobs: dict[int, Job],
-                 steps: dict[int, Step], fail: Callable[[Job, PrefillFailCode, str], None],
+                 kv_regions: list[Any], ctx_region: Any, zero_slot: int,
+                 fail: Callable[[int, PrefillFailCode, str], None],
                  progressed: Callable[[float], None], metrics: Any = None,
                  layerwise_min_tokens: int = 0) -> None:
         self.layout = layout
@@ -88,39 +99,90 @@ class JobWriter:
         self.kv_regions = kv_regions
         self.ctx_region = ctx_region
         self.zero_slot = zero_slot  # a context row never written: the source of markers
-        self.jobs = jobs
-        self.steps = steps
+        self.jobs: dict[int, Posted] = {}  # by job id
+        self.steps: dict[int, Step] = {}  # by step id, announced until done
         self._fail = fail
         self._progressed = progressed
         self.metrics = metrics  # disagg.serving.metrics.Metrics | None
         self.layerwise_min_tokens = layerwise_min_tokens  # shorter steps: all layers at once
         self.layerwise_steps = 0  # steps that began shipping before their last layer
 
-    def post_context(self, job: Job, slot: int | None = None) -> None:
+    # ------------------------------------------------------------------ what it owns
+
+    def add(self, job: Job) -> None:
+        """A job accepted: nothing of it posted yet."""
+        self.jobs[job.id] = Posted(job)
+
+    def finish(self, job_id: int) -> Posted:
+        """The job was answered: what was posted of it, forgotten here."""
+        return self.jobs.pop(job_id)
+
+    def futures(self, job_id: int) -> list[asyncio.Future[None]]:
+        """The job's writes posted so far (the list grows as more are posted)."""
+        return self.jobs[job_id].futures
+
+    def announce(self, a: StepAnnounce) -> None:
+        """A step is about to run: its layers go out as the layer counter reports them."""
+        self.steps[a.step_id] = Step(a)
+
+    def step_done(self, step_id: int, ok: bool) -> StepAnnounce | None:
+        """The step ended (``ok``: computed): whatever layers the poller missed go out, and
+        with MTP the speculative region computed after the last layer; the step is forgotten.
+        Its announcement, or None when it is not known."""
+        step = self.steps.get(step_id)
+        if step is None:
+            return None
+        if ok:
+            self.on_layers(step_id, self.layout.num_layers)
+            if self.layout.spec_method == "mtp":  # computed after the model's last layer
+                for c in step.announce.chunks:
+                    if (w := self.jobs.get(c.job)) and self.life.may_write(c.job,
+                                                                          time.monotonic()):
+                        self.ship_spec(w, self.spec_plan(w, c))
+        del self.steps[step_id]
+        return step.announce
+
+    def in_flight(self) -> int:
+        """Jobs with writes posted."""
+        return sum(1 for w in self.jobs.values() if w.futures)
+
+    def layer_lag(self, counter: int) -> int:
+        """The most layers of a step computed (the layer counter at ``counter``) but not yet
+        handed to the engine."""
+        lag = 0
+        for s in self.steps.values():
+            done = max(0, min(self.layout.num_layers, counter - s.announce.counter_base))
+            lag = max(lag, done - s.next_layer)
+        return lag
+
+    # ------------------------------------------------------------------ posting
+
+    def post_context(self, job_id: int, slot: int | None = None) -> None:
         """The job's context write, once: its hidden row at ``slot`` (MTP reads it), else a
         zero-row marker, posted with the last layer's KV so the decoder's count ends there."""
-        if job.context_posted or (slot is None and self.layout.spec_method == "mtp") or \
-                not self.life.may_write(job.id, time.monotonic()):
+        w = self.jobs.get(job_id)
+        if w is None or w.context_posted or (slot is None and self.layout.spec_method == "mtp") \
+                or not self.life.may_write(job_id, time.monotonic()):
             return
-        job.context_posted, n = True, self.layout.context_bytes
-        self.post(job, self.ctx_region, job.dst_ctx, Runs.of([context_write(
-            (self.zero_slot if slot is None else slot) * n, job.req.ctx_offset, n)]))
+        w.context_posted, n = True, self.layout.context_bytes
+        self.post(w, self.ctx_region, w.job.dst_ctx, Runs.of([context_write(
+            (self.zero_slot if slot is None else slot) * n, w.job.req.ctx_offset, n)]))
 
-    def post(self, job: Job, src: Any, dst: Any, runs: Runs) -> None:
+    def post(self, w: Posted, src: Any, dst: Any, runs: Runs) -> None:
         """Hand ``runs`` to the transfer engine (the caller checked ``may_write``); no write
         may still be queued or posted past the job's absolute deadline."""
         now = time.monotonic()
-        if job.first_post_at is None:
-            job.first_post_at = now
-        job.writes += len(runs)
-        job.bytes += int(runs.length.sum())
-        left = self.life.time_left(job.id, now)
+        if w.first_post_at is None:
+            w.first_post_at = now
+        w.writes += len(runs)
+        w.bytes += int(runs.length.sum())
+        left = self.life.time_left(w.job.id, now)
         try:
-            job.futures.extend(self.transfer.write(src, dst, runs, job.req.key,
-                                                   timeout=min(left, self.transfer.timeout_s)))
+            w.futures.extend(self.transfer.write(src, dst, runs, w.job.req.key,
+                                                 timeout=min(left, self.transfer.timeout_s)))
         except Exception as e:  # out of range: refuse, never write outside
-            log.error("job %d: refused writes: %s", job.id, e)
-            self._fail(job, "transfer_failed", str(e))
+            log.error("job %d: refused writes: %s", w.job.id, e)
+            self._fail(w.job.id, "transfer_failed", str(e))
 
     def on_layers(self, step_id: int, layers_done: int, seen_at: float | None = None) -> None:
         """Called in the loop by the poller: ship the step's newly finished layers
@@ -143,53 +205,53 @@ class JobWriter:
         self._progressed(now)
         for lo, hi in spans:
             for i, chunk in enumerate(step.announce.chunks):
-                job = self.jobs.get(chunk.job)
-                if job is None or not self.life.may_write(job.id, now):
-                    if job is not None and (why := self.life.overdue(job.id, now)):
-                        self._fail(job, "timeout", why)  # the decoder may reuse the pages
+                w = self.jobs.get(chunk.job)
+                if w is None or not self.life.may_write(chunk.job, now):
+                    if w is not None and (why := self.life.overdue(chunk.job, now)):
+                        self._fail(chunk.job, "timeout", why)  # the decoder may reuse the pages
                     continue
-                plan = self._plan(step, i, job)
+                plan = self._plan(step, i, w.job)
                 if plan is None:
                     continue
                 for sr, dr in plan.by_pair:  # every source rank sends in parallel
-                    self.post(job, self.kv_regions[sr], job.dst_kv[dr],
-                               plan.layers((sr, dr), lo, hi))
+                    self.post(w, self.kv_regions[sr], w.job.dst_kv[dr],
+                              plan.layers((sr, dr), lo, hi))
                 if lo == 0 and self.layout.spec_method == "draft":  # computed before it
-                    self.ship_spec(job, self.spec_plan(job, chunk))
+                    self.ship_spec(w, self.spec_plan(w, chunk))
         if step.next_layer < num_layers <= layers_done:  # last layer out: markers
             trace.mark("p.last_layer_posted", "s", step_id)
             for c in step.announce.chunks:
-                if c.start + c.count == c.total and (job := self.jobs.get(c.job)):
-                    self.post_context(job)
+                if c.start + c.count == c.total:
+                    self.post_context(c.job)
         step.next_layer = max(step.next_layer, layers_done)
 
-    def ship_spec(self, job: Job, plan: ChunkPlan | None) -> None:
+    def ship_spec(self, w: Posted, plan: ChunkPlan | None) -> None:
         """Every layer of a chunk's pages in the speculative region (a draft model's KV,
         computed before the step's first layer; the MTP layers', after its last)."""
         if plan is None:
             return
-        self.post(job, self.kv_regions[0], job.dst_kv[0], plan.layers((0, 0), 0,
-                                                                        plan.num_layers))
+        self.post(w, self.kv_regions[0], w.job.dst_kv[0], plan.layers((0, 0), 0,
+                                                                      plan.num_layers))
 
     def ship_cached(self, chunk: ChunkInfo, now: float) -> None:
         """A job's first chunk starts after pages this node had in its prefix cache: they are
         complete for every layer, so they go out at once (those the decoder does not hold)."""
-        job = self.jobs.get(chunk.job)
-        if job is None or not self.life.may_write(job.id, now):
+        w = self.jobs.get(chunk.job)
+        if w is None or not self.life.may_write(chunk.job, now):
             return
-        job.cached_tokens = chunk.start
-        plan = job_pages_plan(self.layout, job.req, chunk.pages,
+        w.cached_tokens = chunk.start
+        plan = job_pages_plan(self.layout, w.job.req, chunk.pages,
                               range(chunk.start // self.layout.page_size))
         if plan is None:
             return
         for sr, dr in plan.by_pair:  # every layer in one write per destination
-            self.post(job, self.kv_regions[sr], job.dst_kv[dr],
-                       plan.layers((sr, dr), 0, self.layout.num_layers))
-        self.ship_spec(job, spec_pages_plan(self.layout, job.req, chunk.pages,
-                                             range(chunk.start // self.layout.page_size)))
+            self.post(w, self.kv_regions[sr], w.job.dst_kv[dr],
+                      plan.layers((sr, dr), 0, self.layout.num_layers))
+        self.ship_spec(w, spec_pages_plan(self.layout, w.job.req, chunk.pages,
+                                          range(chunk.start // self.layout.page_size)))
 
-    def spec_plan(self, job: Job, c: ChunkInfo) -> ChunkPlan | None:
-        return spec_pages_plan(self.layout, job.req, c.pages, pages_to_send(
+    def spec_plan(self, w: Posted, c: ChunkInfo) -> ChunkPlan | None:
+        return spec_pages_plan(self.layout, w.job.req, c.pages, pages_to_send(
             c.start, c.start + c.count, c.total, self.layout.page_size))
 
     def _plan(self, step: Step, i: int, job: Job) -> ChunkPlan | None:

@@ -9,7 +9,8 @@ writes through the transfer engine, layer by layer as the layer counter advances
 Owns: the jobs (one per accepted PrefillRequest), the layer-counter poller thread, the context
 staging buffer.
 
-Requests pass ``remote.requests`` checks and the ownership gate (``actors.ownership_gate``)
+Requests get a verdict (``remote.admission``: the ``remote.requests`` checks, the ownership
+gate's status, the job table's room) and pass the ownership gate (``actors.ownership_gate``)
 before they become jobs; each job's lifecycle (peer shares, deadlines, one answer, pages
 released after it) is ``remote.prefill.PrefillJobs``. Pages a job's first chunk starts after
 (this node's prefix cache) go out at once; the rest layer by layer; none the decoder holds.
@@ -34,7 +35,7 @@ from disagg import trace
 from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.ownership_gate import OwnershipGate
-from disagg.actors.prefill_jobs import Job, JobWriter, Step
+from disagg.actors.prefill_jobs import Job, JobWrites
 from disagg.actors.sockets import (
     PEER_FRAME_BYTES,
     disconnected_fds,
@@ -71,11 +72,17 @@ from disagg.protocol.peer import (
     PrefillRequest,
     in_vocab_requests,
 )
-from disagg.remote.deadlines import job_cap_s
-from disagg.remote.ownership import (
-    Conn,
-    endpoints,
+from disagg.remote.admission import (
+    Admit,
+    Destinations,
+    Facts,
+    Park,
+    Refuse,
+    Verdict,
+    destinations,
+    verdict,
 )
+from disagg.remote.ownership import Conn
 from disagg.remote.peer_quota import PeerQuota
 from disagg.remote.prefill import Command as LifeCommand
 from disagg.remote.prefill import (
@@ -88,7 +95,6 @@ from disagg.remote.prefill import (
     Unschedule,
     wire_reply,
 )
-from disagg.remote.requests import descriptor_problem, request_problem
 from disagg.serving.metrics import Metrics
 from disagg.transfer import TransferEngine
 
@@ -113,7 +119,7 @@ class PrefillMessenger(MessengerBase):
         peer_share: float = 0.5,  # of the job slots and the page pool, per peer connection
         ownership_timeout_s: float = 5.0,  # a peer proves it owns its endpoint within this
         metrics: Metrics | None = None,
-        layerwise_min_tokens: int = 0,  # shorter steps ship all layers at once (JobWriter)
+        layerwise_min_tokens: int = 0,  # shorter steps ship all layers at once (JobWrites)
     ):
         self.vocab_size = vocab_size
         # decoders' node keys only
@@ -129,7 +135,6 @@ class PrefillMessenger(MessengerBase):
         self.counter = counter
         self.jobs: dict[int, Job] = {}
         self.by_peer: dict[tuple[bytes, str], int] = {}
-        self.steps: dict[int, Step] = {}
         self.queued_tokens = 0
         self.stats_waiting: dict[bytes, int] = {}  # peer -> StatsRequests its query answers
         self.conns: set[tuple[bytes, int | None]] = set()  # connections frames came on
@@ -138,9 +143,9 @@ class PrefillMessenger(MessengerBase):
         checked, self._in_vocab = in_vocab_requests(vocab_size)
         self._checked_dec = msgspec.msgpack.Decoder(checked)
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
-        self.writes = JobWriter(layout, self.life, transfer, self.kv_regions, self.ctx_region,
-                                zero_slot, self.jobs, self.steps, self._fail, self._progressed,
-                                metrics, layerwise_min_tokens)
+        self.writes = JobWrites(layout, self.life, transfer, self.kv_regions, self.ctx_region,
+                                zero_slot, self._fail, self._progressed, metrics,
+                                layerwise_min_tokens)
         self.poller: LayerPoller | None = None
 
     # ------------------------------------------------------------------ loop
@@ -219,7 +224,7 @@ class PrefillMessenger(MessengerBase):
             frames = [f.bytes for f in zframes]
             match self._sched_dec.decode(frames[0]):
                 case StepAnnounce() as a:
-                    self.steps[a.step_id] = Step(a)
+                    self.writes.announce(a)
                     now = time.monotonic()
                     for c in a.chunks:
                         if trace.enabled() and c.job in self.jobs:
@@ -252,52 +257,32 @@ class PrefillMessenger(MessengerBase):
     async def _accept(self, peer: bytes, req: PrefillRequest, conn: Conn,
                       arrived: float | None = None) -> None:
         """Take a request (``arrived``: when its frame was read; None after the ownership
-        check it waited for: now) or answer why not."""
-        why = request_problem(self.layout, self.vocab_size, req,
-                              ids_in_vocab=isinstance(req, self._in_vocab))
-        dst_kv: list[Any] = []
-        dst_ctx = None
-        lanes: list[Any] = []
-        if why is None:
-            try:
-                dst_kv = [self.transfer.decode_descriptor(d)
-                          for d in req.dst_kv_ranks or [req.dst_kv]]
-                dst_ctx = self.transfer.decode_descriptor(req.dst_ctx)
-                why = descriptor_problem(self.layout, req, dst_kv, dst_ctx)
-                if why is None:
-                    lanes, why = endpoints(dst_kv, dst_ctx, self.transfer.lanes)
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-                why = f"bad memory descriptor: {e}"
-        if why is None and (peer, req.request_id) in self.by_peer:
-            why = f"duplicate request id {req.request_id!r}"
+        check it waited for: now), park it for that check, or answer why not: the verdict
+        is ``remote.admission``'s, on the facts gathered here."""
+        v: Verdict | Destinations = destinations(self.layout, self.vocab_size, req, self.transfer.decode_descriptor,
+                         self.transfer.lanes, ids_in_vocab=isinstance(req, self._in_vocab))
         now = time.monotonic()
-        owned = self.gate.status(conn, frozenset(d.address for d in lanes), now)
-        if why is None and owned == "refused":
-            why = "descriptor not owned by the requester (it failed the ownership check)"
-        if why is not None:
-            await self._reply(peer, PrefillFailed(req.request_id, "bad_request", why))
-            return
-        if owned == "unknown":  # no job, no pages before the check
-            await self.gate.park(peer, conn, req, dst_ctx, lanes)
-            return
-        pages = -(-len(req.prompt_ids) // self.layout.page_size)
-        busy = self.life.refusal(peer) or (None if self.ctx_free else "too many jobs")
-        if busy:
-            await self._reply(peer, PrefillFailed(req.request_id, "overloaded", busy))
-            return
-        cap_s = job_cap_s(req.timeout_s, len(req.prompt_ids), req.deadline_unix, time.time())
-        if cap_s <= 0:
-            await self._reply(peer, PrefillFailed(req.request_id, "timeout",
-                                                  "the request's deadline passed before it was read"))
-            return
-        job = Job(next(self._ids), peer, req, dst_kv, dst_ctx)
-        self.jobs[job.id] = job
-        self.by_peer[(peer, req.request_id)] = job.id
-        self.ctx_of[job.id] = self.ctx_free.pop()
-        self.queued_tokens += len(req.prompt_ids)
-        self._carry_out(self.life.accept(job.id, peer, pages, req.timeout_s, cap_s,
-                                         now if arrived is None else arrived))
-        trace.mark("p.accepted", req.request_id)
+        if isinstance(v, Destinations):
+            v = verdict(self.layout, req, v, Facts(
+                duplicate=(peer, req.request_id) in self.by_peer,
+                owned=self.gate.status(conn, v.addresses, now),
+                busy=self.life.refusal(peer), free_slots=len(self.ctx_free),
+                now_unix=time.time()))
+        match v:
+            case Refuse(code=code, message=message):
+                await self._reply(peer, PrefillFailed(req.request_id, code, message))
+            case Park(dest=dest):  # no job, no pages before the check
+                await self.gate.park(peer, conn, req, dest.ctx, dest.lanes)
+            case Admit(dest=dest, pages=pages, cap_s=cap_s):
+                job = Job(next(self._ids), peer, req, dest.kv, dest.ctx)
+                self.jobs[job.id] = job
+                self.writes.add(job)
+                self.by_peer[(peer, req.request_id)] = job.id
+                self.ctx_of[job.id] = self.ctx_free.pop()
+                self.queued_tokens += len(req.prompt_ids)
+                self._carry_out(self.life.accept(job.id, peer, pages, req.timeout_s, cap_s,
+                                                 now if arrived is None else arrived))
+                trace.mark("p.accepted", req.request_id)
 
     def _carry_out(self, commands: list[LifeCommand]) -> None:
         """Do what the job machine decided, in its order."""
@@ -309,7 +294,7 @@ class PrefillMessenger(MessengerBase):
                 case Unschedule(job=j):
                     self._send_soon(CancelJob(j))
                 case Settle(job=j):
-                    self._spawn(self._settle(self.jobs[j]))
+                    self._spawn(self._settle(self.jobs[j], self.writes.futures(j)))
                 case Reply() as r:
                     self._answer(r)
                 case Release(job=j, outcome=outcome):
@@ -328,32 +313,23 @@ class PrefillMessenger(MessengerBase):
             return
         self._carry_out(self.life.cancel(job_id, "acked"))
 
-    def _fail(self, job: Job, code: PrefillFailCode, message: str) -> None:
+    def _fail(self, job_id: int, code: PrefillFailCode, message: str) -> None:
         """Stop a job that cannot go on: no new writes; answered once posted writes settle."""
-        self._carry_out(self.life.cancel(job.id, "failed", code, message))
+        self._carry_out(self.life.cancel(job_id, "failed", code, message))
 
     # ------------------------------------------------------------------ layers and steps
 
     def _step_done(self, done: StepDone, hidden: bytes | None) -> None:
-        step = self.steps.get(done.step_id)
-        if step is None:
+        announce = self.writes.step_done(done.step_id, done.ok)
+        if announce is None:
             return
-        if done.ok:
-            self.writes.on_layers(done.step_id, self.layout.num_layers)  # whatever the poller missed
-            if self.layout.spec_method == "mtp":  # computed after the model's last layer
-                for c in step.announce.chunks:
-                    if (job := self.jobs.get(c.job)) and self.life.may_write(job.id,
-                                                                            time.monotonic()):
-                        self.writes.ship_spec(job, self.writes.spec_plan(job, c))
-        del self.steps[done.step_id]
-        if done.ok:
-            self._progressed(time.monotonic())
         if not done.ok:
-            for c in step.announce.chunks:
+            for c in announce.chunks:
                 if c.job in self.jobs:
-                    self._fail(self.jobs[c.job], "internal", f"step failed: {done.error}")
+                    self._fail(c.job, "internal", f"step failed: {done.error}")
             return
-        for c in step.announce.chunks:
+        self._progressed(time.monotonic())
+        for c in announce.chunks:
             self.queued_tokens -= c.count
         row_bytes = self.layout.context_bytes
         for i, job_id in enumerate(done.context_jobs):
@@ -361,20 +337,21 @@ class PrefillMessenger(MessengerBase):
             now = time.monotonic()
             if job is None or hidden is None or not self.life.may_write(job_id, now):
                 if job is not None and (why := self.life.overdue(job_id, now)):
-                    self._fail(job, "timeout", why)
+                    self._fail(job_id, "timeout", why)
                 continue
             slot = None  # without MTP its marker went out with the last layer
             if self.layout.spec_method == "mtp":  # the decoder's MTP layer reads this row
                 slot = self.ctx_of[job_id]
                 self.ctx_buf[slot] = torch.frombuffer(
                     bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]), dtype=torch.uint8)
-            self.writes.post_context(job, slot)
+            self.writes.post_context(job_id, slot)
             self._carry_out(self.life.computed(job_id, now))
         self._send_soon(self.stats())
 
-    async def _settle(self, job: Job) -> None:
-        """Wait for every write of ``job`` posted so far to settle; tell the machine."""
-        results = await asyncio.gather(*job.futures, return_exceptions=True)
+    async def _settle(self, job: Job, futures: list[asyncio.Future[None]]) -> None:
+        """Wait for every write of ``job`` posted so far (``futures``) to settle; tell the
+        machine."""
+        results = await asyncio.gather(*futures, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         trace.mark("p.settled", job.req.request_id)
         self._carry_out(self.life.settled(job.id, str(errors[0]) if errors else None,
@@ -382,12 +359,12 @@ class PrefillMessenger(MessengerBase):
 
     def _answer(self, r: Reply) -> None:
         """The decoder's one answer about a job (sent soon); the job is gone here now."""
-        job = self.jobs.pop(r.job)
+        job, posted = self.jobs.pop(r.job), self.writes.finish(r.job)
         rid = job.req.request_id
-        msg = wire_reply(r, rid, job.cached_tokens)
+        msg = wire_reply(r, rid, posted.cached_tokens)
         if r.kind == "done" and self.metrics is not None:
-            self.metrics.observe_transfer("sent", job.bytes, job.writes, time.monotonic()
-                                          - (job.first_post_at or time.monotonic()))
+            self.metrics.observe_transfer("sent", posted.bytes, posted.writes, time.monotonic()
+                                          - (posted.first_post_at or time.monotonic()))
         self.by_peer.pop((job.peer, rid), None)
         self.ctx_free.append(self.ctx_of.pop(job.id))
         self._spawn(self._reply(job.peer, msg))
@@ -403,14 +380,11 @@ class PrefillMessenger(MessengerBase):
     # ------------------------------------------------------------------ plumbing
 
     def stats(self) -> MessengerStats:
-        lag = 0
-        for s in self.steps.values():
-            done = max(0, min(self.layout.num_layers, self.counter.read() - s.announce.counter_base))
-            lag = max(lag, done - s.next_layer)
         return MessengerStats(
-            transfers_in_flight=sum(1 for j in self.jobs.values() if j.futures),
+            transfers_in_flight=self.writes.in_flight(),
             kv_writes_sent=self.transfer.writes_sent, kv_bytes_sent=self.transfer.bytes_sent,
-            layer_lag=lag, layerwise_steps=self.writes.layerwise_steps)
+            layer_lag=self.writes.layer_lag(self.counter.read()),
+            layerwise_steps=self.writes.layerwise_steps)
 
     async def _reply(self, peer: bytes, msg: Any) -> None:
         try:

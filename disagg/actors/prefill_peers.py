@@ -1,47 +1,52 @@
 """The decode messenger's prefill peers: what it holds per peer and per attempt (``Peer``,
-``Wire``), dialing and closing peers as the set changes at run time (``DialedPeers``,
-discovery), and the
-ownership offer a decoder makes a compatible peer ahead of its requests."""
+``Wire``: sockets, connection epochs, challenge and offer state), dialing and closing peers as
+the set changes at run time (``DialedPeers``, discovery), and the ownership offer a decoder
+makes a compatible peer ahead of its requests. Their liveness, load and health are the pure
+``disagg.remote.prefillers.PrefillerTable``, kept in step here as peers are dialed and closed."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+import torch
 import zmq
 import zmq.asyncio
 
 from disagg.actors.sockets import dialing
-from disagg.protocol.peer import KVLayoutDesc, OwnershipOffer
-from disagg.remote.ownership import CHALLENGE_SLOTS
-from disagg.remote.peer_health import PeerHealth
+from disagg.fabric.topology import MAX_LANES
+from disagg.protocol.peer import Challenge, ChallengeAnswer, OwnershipOffer
+from disagg.remote.ownership import CHALLENGE_SLOTS, CHALLENGE_UNITS, NONCE_BYTES, nonce_offset
+from disagg.remote.prefillers import PrefillerTable
+from disagg.remote.transfer_plan import make_key, new_generation
 
 log = logging.getLogger(__name__)
 
 REOFFER_S = 150.0  # an OwnershipOffer is repeated this often (a prefiller's binding: 300 s)
 OFFER_WINDOW_S = 30.0  # an offer's window is revoked after this if no check came
+CHALLENGE_WAIT_S = 2.0  # for a challenge's nonce to land before reading it anyway
+CHALLENGE_ARMED_S = 3600.0  # an armed challenge key is re-armed after this
+CHALLENGE_SLOT = (1 << 8) - 1  # the slot bits of challenge keys (logs only: generations are random)
 
 
 @dataclass
 class Peer:
+    """The sockets and wire state of one prefiller (its liveness: ``PrefillerTable``)."""
+
     address: str
     sock: zmq.asyncio.Socket
-    alive: bool = False
-    last_pong: float = 0.0
-    queued_tokens: int = 0  # from its last Pong
-    sent_tokens: int = 0  # tokens we sent since that Pong
-    incompatible: str | None = None
-    layout: KVLayoutDesc | None = None  # from its last Pong: sizes the expected units
     monitor: Any = None  # zmq monitor socket: connection events of ``sock``
     epoch: int = 0  # connections to this address that went down (a dead process's did)
     down_at: float = 0.0  # when the last one went down (monotonic)
     redial: bool = False  # a handshake failed: libzmq may not retry by itself (NOTES.md)
     slot: int = 0  # its challenge slot in the context buffer's challenge area
     challenge: Any = None  # (key, Expectation) a challenge's nonce writes land under
-    health: PeerHealth = field(default_factory=PeerHealth)
-    removed: bool = False  # left the peer set (discovery): dead for good, closed once unused
     offered_epoch: int = -1  # the connection epoch its last OwnershipOffer went out on
     offered_at: float = 0.0  # when (monotonic)
     offer_window: Any = None  # that offer's registrations, until the check is answered
@@ -80,13 +85,17 @@ def dial(ctx: zmq.asyncio.Context, address: str, peers: list[Peer], after: int =
 class DialedPeers:
     """The prefillers this decoder dials: the static ``--prefill-peer`` addresses, then those
     discovery reports appearing (dialed) or vanishing (dead from then on, as if silent, and
-    closed once no attempt names them). ``peers`` is one list for the messenger's lifetime."""
+    closed once no attempt names them). ``peers`` is one list for the messenger's lifetime;
+    ``table`` gets an entry for each peer while it is dialed."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, static: list[str]) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, static: list[str],
+                 table: PrefillerTable) -> None:
         self.ctx = ctx
+        self.table = table
         self.peers: list[Peer] = []
         for address in static:
             self.peers.append(dial(ctx, address, self.peers, len(self.peers) - 1))
+            table.add(address)
         self._changes: list[tuple[str, bool]] = []  # (address, appeared) not yet applied
         self._last_slot = len(self.peers) - 1  # challenge slot of the peer dialed last
 
@@ -108,14 +117,17 @@ class DialedPeers:
                 p = dial(self.ctx, address, self.peers, self._last_slot)
                 self._last_slot = p.slot
                 self.peers.append(p)
+                self.table.add(address)
                 self.register(poller, p)
-            elif p is not None:  # one back before it was closed: its next Pong revives it
-                p.removed, p.alive = not appeared, p.alive and appeared
-                if not appeared:
-                    log.warning("prefiller %s left the peer set; treating it as dead", address)
+            elif p is not None and appeared:  # back before it was closed: its Pong revives it
+                self.table.appeared(address)
+            elif p is not None:
+                self.table.vanished(address)
+                log.warning("prefiller %s left the peer set; treating it as dead", address)
         self._changes.clear()
-        for p in [p for p in self.peers if p.removed and not in_use(p)]:
+        for p in [p for p in self.peers if self.table[p.address].removed and not in_use(p)]:
             self.peers.remove(p)
+            self.table.drop(p.address)
             poller.unregister(p.sock)
             poller.unregister(p.monitor)
             close_peer(p)
@@ -123,6 +135,64 @@ class DialedPeers:
     def close(self) -> None:
         for p in self.peers:
             close_peer(p)
+
+
+class Challenges:
+    """This decoder's side of the ownership checks its prefillers run: the key each peer's
+    challenge writes carry, the offer of its endpoints, and the answers read back from the
+    challenge area of the context buffer ``ctx_buf``."""
+
+    def __init__(self, transfer: Any, kv_regions: list[Any], ctx_region: Any,
+                 ctx_buf: torch.Tensor) -> None:
+        self.transfer = transfer  # disagg.transfer.TransferEngine
+        self.kv_regions, self.ctx_region, self.ctx_buf = kv_regions, ctx_region, ctx_buf
+        self._enc = msgspec.msgpack.Encoder()
+
+    def key(self, peer: Peer) -> int:
+        """The key ``peer``'s next challenge writes carry: expected before any request names
+        it (only arrivals after ``expect`` count); a fresh one once it was used or expired."""
+        if peer.challenge is None or peer.challenge[1].future.done():
+            key = make_key(CHALLENGE_SLOT, new_generation())
+            exp = self.transfer.expect(key, CHALLENGE_UNITS, timeout=CHALLENGE_ARMED_S)
+            exp.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            peer.challenge = (key, exp)
+        return int(peer.challenge[0])
+
+    async def offer(self, peer: Peer) -> None:
+        """Offer ``peer`` (just found compatible on this connection) this decoder's endpoints,
+        so that it checks ownership before any request waits on it (``OwnershipOffer``)."""
+        offer = make_offer(peer, self.transfer, self.kv_regions, self.ctx_region,
+                           self.key(peer), time.monotonic())
+        with contextlib.suppress(zmq.ZMQError):
+            await peer.sock.send(self._enc.encode(offer), zmq.NOBLOCK)
+
+    async def answer(self, peer: Peer, ch: Challenge, abstain: bool) -> None:
+        """Read back the nonce ``peer`` wrote into its challenge slot (once it landed, or
+        after ``CHALLENGE_WAIT_S``) and send it: proof that this process owns the memory.
+        The slot is read even when the wait timed out: a nonce written under a challenge key
+        this side had already rotated lands (counted as junk) without completing the wait.
+        ``abstain`` (an empty answer): the request named no longer wants KV (aborted; its
+        registration may have closed before the nonce could land)."""
+        if abstain:
+            with contextlib.suppress(zmq.ZMQError):
+                await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, b"")), zmq.NOBLOCK)
+            return
+        if peer.challenge is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(peer.challenge[1].future), CHALLENGE_WAIT_S)
+        n = NONCE_BYTES * max(1, min(ch.lanes, MAX_LANES))
+        start = nonce_offset(self.ctx_buf.numel(), peer.slot, 0)
+        deadline = time.monotonic() + CHALLENGE_WAIT_S
+        # the slot still holds the last nonce answered: this check's writes carry a key whose
+        # expectation an earlier check completed, and may not have landed yet
+        while (nonce := bytes(self.ctx_buf.view(-1)[start:start + n].cpu().numpy().tobytes())
+               ) == peer.answered_nonce and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        peer.answered_nonce = nonce
+        with contextlib.suppress(zmq.ZMQError):
+            await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
+        if not ch.request_id:  # the check of our offer: its window is done with
+            close_offer(peer)
 
 
 def offer_due(peer: Peer, now: float) -> bool:

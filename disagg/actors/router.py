@@ -162,7 +162,7 @@ class Router(RouterFront):
         for addr in vanished:
             if addr not in self.peers:
                 continue
-            self.balancer.peers[addr].alive = False
+            self.balancer.vanished(addr)
             await self._peer_died(addr, "left the peer set")
             self.balancer.remove(addr)
             task = self._peer_tasks.pop(addr)
@@ -252,7 +252,7 @@ class Router(RouterFront):
     async def _place(self, f: Flight) -> None:
         """Send ``f`` to the least loaded live peer it has not tried, or end it."""
         keys = prefix_keys(f.req.prompt_token_ids, f.req.prompt, f.req.cache_salt)
-        peer = self.balancer.pick(f.tried, keys) or self.balancer.pick(frozenset(), keys)
+        peer = self.balancer.place(f.tried, keys)
         if peer is None:
             await self._end(f, Error("unavailable", "no decode node is available", f.client_id))
             return

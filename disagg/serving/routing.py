@@ -1,4 +1,6 @@
-"""Which decode node gets the next request: the router's pure policy (no sockets, no asyncio).
+"""The choice policies (pure: no sockets, no asyncio): which decode node gets a router's next
+request (``LoadBalancer``), and which prefiller a decoder's remote prefill (``PrefillerChoice``,
+over the candidates of ``disagg.remote.prefillers.PrefillerTable``).
 
 Load of a peer = requests this router has live on it (exact, updated at once) + the load its
 last ``Stats`` showed beyond those (``running + waiting`` minus what this router had in flight
@@ -14,13 +16,19 @@ request goes to the live peer that got its longest known prefix, that peer's pre
 being the likeliest to hold it, unless that peer's load exceeds the least loaded one's by more
 than ``max(SLACK_REQUESTS, SLACK_RATIO x least)``: then, as without a known prefix, the least
 loaded live peer wins (ties rotate), so one hot prefix cannot pile onto one decoder.
+
+A decoder chooses among its prefillers the same way, by queued prompt tokens rather than
+requests (a slack of ``PREFILLER_SLACK_TOKENS``, ties at random), over prefixes of the
+encoded prompt it sends (``encoded_prefix_keys``).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import random
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ROUTE_BLOCK = 64  # prompt tokens per prefix block
@@ -31,6 +39,7 @@ MAX_BLOCKS = 64  # leading blocks looked at per request
 INDEX_ENTRIES = 1 << 17  # prefix blocks remembered, all peers
 SLACK_REQUESTS = 4
 SLACK_RATIO = 0.5
+PREFILLER_SLACK_TOKENS = 4096  # queue a prefiller holding the prefix may have beyond the least
 
 
 def route_root(salt: str | None) -> bytes:
@@ -202,6 +211,17 @@ class LoadBalancer:
         self._turn = (self.order.index(best.address) + 1) % n
         return best.address
 
+    def place(self, tried: set[str] | frozenset[str], keys: list[bytes] | None = None
+              ) -> str | None:
+        """The peer for a request that went to ``tried`` before: one it has not tried if any
+        is live, else any live one (``pick``); None if none is live."""
+        return self.pick(tried, keys) or self.pick(frozenset(), keys)
+
+    def vanished(self, peer: str) -> None:
+        """``peer`` left the peer set: dead at once (then its requests are moved or ended,
+        and it is removed)."""
+        self.peers[peer].alive = False
+
     def add(self, peer: str) -> bool:
         """A new peer (not live before its first Stats); False if it is known already."""
         if peer in self.peers:
@@ -225,3 +245,23 @@ class LoadBalancer:
 
     def alive(self) -> list[str]:
         return [a for a in self.order if self.peers[a].alive]
+
+
+class PrefillerChoice:
+    """A decoder's choice of prefiller for each remote prefill, remembering which one got
+    each prompt prefix last."""
+
+    def __init__(self, tiebreak: Callable[[], float] = random.random) -> None:
+        self.index = PrefixIndex()  # which prefiller got each prompt prefix last
+        self.tiebreak = tiebreak  # orders prefillers of equal load
+
+    def pick(self, loads: dict[str, int], keys: list[bytes] | None = None) -> str | None:
+        """Among the candidates of ``loads`` (address -> queued tokens), the one that got the
+        longest known prefix of ``keys`` (its prefix cache likely holds it) unless its queue
+        exceeds the shortest by more than ``PREFILLER_SLACK_TOKENS`` (or half of it), else the
+        one with the fewest queued tokens (ties at random); None without candidates. The
+        choice is recorded for the prefix."""
+        if not loads:
+            return None
+        least = min(loads, key=lambda a: (loads[a], self.tiebreak()))
+        return self.index.prefer(keys or [], least, loads, PREFILLER_SLACK_TOKENS)

@@ -108,7 +108,7 @@ def test_a_new_decoder_is_checked_and_served_during_a_closed_port_offer_flood(mo
                                 max_slots=4, heartbeat_s=0.1)
             tasks.append(asyncio.ensure_future(d.run()))
             deadline = time.monotonic() + 20
-            while not any(peer.alive for peer in d.peers):
+            while not d.prefillers.alive_count():
                 assert time.monotonic() < deadline, "the prefiller never answered a Ping"
                 await asyncio.sleep(0.05)
             for i in range(2):  # its share of the 4 job slots

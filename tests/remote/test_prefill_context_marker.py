@@ -99,6 +99,7 @@ async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int, min_tokens: int =
                              dst_pages=list(range(n_pages)), dst_layout=lay, dst_kv=b"",
                              dst_ctx=b"", ctx_offset=0, timeout_s=60.0)
         m.jobs[1] = Job(1, b"peer", req, ["kv"], "ctx")
+        m.writes.add(m.jobs[1])
         m.ctx_of[1] = m.ctx_free.pop()
         m._carry_out(m.life.accept(1, b"peer", n_pages, 60.0, 60.0, time.monotonic()))
         src = list(range(10, 10 + n_pages))
@@ -164,10 +165,10 @@ def test_a_jobs_queue_clock_starts_when_its_frame_arrived(monkeypatch) -> None:
     read, before its checks (decoding, bounds, descriptors): that work is the prefiller's, not
     the transfer tail's (the decoder's exposed transfer is its KV wait minus queue and
     compute)."""
-    import disagg.actors.prefill_messenger as pm
+    import disagg.remote.admission as admission
 
-    monkeypatch.setattr(pm, "descriptor_problem", lambda *a: None)
-    monkeypatch.setattr(pm, "endpoints", lambda kv, ctx, lanes: ([ctx], None))
+    monkeypatch.setattr(admission, "descriptor_problem", lambda *a: None)
+    monkeypatch.setattr(admission, "endpoints", lambda kv, ctx, lanes: ([ctx], None))
 
     class Transfer(RecordingTransfer):
         def decode_descriptor(self, raw: bytes) -> MemoryDescriptor:
