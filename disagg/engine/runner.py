@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -31,10 +31,17 @@ from disagg.protocol.executor import SeqChunk, StepPlan
 
 if TYPE_CHECKING:
     from disagg.engine.cuda_graphs import DecodeGraphs
-    from disagg.engine.drafting import DraftModel
-    from disagg.engine.mtp_drafting import MTPDrafter
 
 log = logging.getLogger(__name__)
+
+
+class Drafter(Protocol):  # engine/drafting.py's DraftModel: fills drafts before the target runs
+    def fill(self, plan: StepPlan) -> StepPlan: ...
+
+
+class StepDrafter(Protocol):  # engine/mtp_drafting.py's MTPDrafter: drafts after each step
+    def after_step(self, plan: StepPlan, hidden: torch.Tensor,
+                   emitted: list[list[int]]) -> list[list[int]]: ...
 
 
 @dataclass
@@ -157,8 +164,8 @@ class ModelRunner:
         self.split_bound = 0  # CUDA: decode split count chosen for this bound (graph-stable)
         self.graphs: DecodeGraphs | None = None  # disagg.engine.cuda_graphs.DecodeGraphs once enabled (CUDA only)
         self.spec_graphs: DecodeGraphs | None = None  # decode steps carrying drafts
-        self.drafter: DraftModel | None = None  # draft-model speculation (sees every step)
-        self.mtp_drafter: MTPDrafter | None = None  # MTP speculation (after every step)
+        self.drafter: Drafter | None = None  # draft-model speculation (sees every step)
+        self.mtp_drafter: StepDrafter | None = None  # MTP speculation (after every step)
         self.next_drafts: list[list[int]] | None = None  # mtp: the last step's drafts
         # a prefill node's draft model: prefilled over each step's chunks, first (drafting)
         self.spec_prefill: Callable[[StepPlan], None] | None = None

@@ -14,12 +14,33 @@ handled here (``supported``): ``route`` keeps them.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
 
 from disagg.kernels import checks
-from disagg.model.config import MoEArch
+
+
+class Routing(Protocol):
+    """The routing settings read here: ``disagg.model.config.MoEArch`` has them (kernels sit
+    below the model and do not import it)."""
+
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def scoring(self) -> str: ...  # softmax | sigmoid
+    @property
+    def n_group(self) -> int: ...
+    @property
+    def correction_bias(self) -> bool: ...
+    @property
+    def norm_topk_prob(self) -> bool: ...
+    @property
+    def routed_scaling_factor(self) -> float: ...
+    @property
+    def router_fp32(self) -> bool: ...
 
 
 @triton.jit
@@ -53,13 +74,13 @@ def _route_kernel(logits_ptr, w_ptr, e_ptr, stride_l, num_experts, scale, eps,
     tl.store(e_ptr + t * TOP_K + k, experts, mask=kmask)
 
 
-def supported(moe: MoEArch, correction_bias: torch.Tensor | None) -> bool:
+def supported(moe: Routing, correction_bias: torch.Tensor | None) -> bool:
     """Whether ``route_fused`` computes this routing (softmax, no groups, no bias)."""
     return (moe.scoring == "softmax" and moe.n_group <= 1 and not moe.correction_bias
             and correction_bias is None)
 
 
-def route_fused(logits: torch.Tensor, moe: MoEArch) -> tuple[torch.Tensor, torch.Tensor]:
+def route_fused(logits: torch.Tensor, moe: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     """``route(logits, moe)`` for a ``supported`` set-up: ``logits [T, E]`` (unit stride along
     E) -> ``(weights [T, k], experts [T, k] int64)``; weights in float32 when the router runs
     in float32 (``router_fp32``), else in the logits' dtype."""

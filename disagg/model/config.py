@@ -265,3 +265,19 @@ def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEArch | None:
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
             router_fp32=True)
     return None
+
+
+def shard_kv_heads(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(kv heads per rank, kv_replicas) of a model with ``total_kv_heads`` over ``tp_size``
+    ranks: heads split evenly when TP divides them, else each head replicated on
+    ``tp_size // total_kv_heads`` consecutive ranks (TP must then be a multiple). The one rule
+    the model's shards (``disagg.model.tp``) and the KV transfer planner
+    (``disagg.remote.transfer_plan``) both follow."""
+    if total_kv_heads < 1 or tp_size < 1:
+        raise ValueError(f"kv heads ({total_kv_heads}) and tp size ({tp_size}) must be >= 1")
+    if total_kv_heads % tp_size == 0:
+        return total_kv_heads // tp_size, 1
+    if tp_size % total_kv_heads == 0:
+        return 1, tp_size // total_kv_heads
+    raise ValueError(f"{total_kv_heads} kv heads cannot be sharded over --tp {tp_size}: "
+                     "one must divide the other")

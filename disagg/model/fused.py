@@ -3,7 +3,7 @@
 The eager model spends a large share of a step in small elementwise kernels (an RMSNorm in
 float32 is eight of them; rotary embedding six per tensor; the gated MLP two). Each kernel here
 does one of those in a single pass and rounds to the model dtype at the same points as the torch
-code in ``disagg.model.transformer``, so outputs match it up to the float32 sum order:
+code in ``disagg.model.layer``, so outputs match it up to the float32 sum order:
 
 - ``rms_norm(x, w, eps, residual=None)``: with ``residual``, first ``x = x + residual`` (rounded,
   returned as the new residual stream), then ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``.

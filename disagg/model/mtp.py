@@ -25,6 +25,7 @@ from torch import nn
 
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import ModelArch
+from disagg.model.layer import DecoderLayer
 from disagg.model.ops import add_norm
 from disagg.model.rotary import rms_norm
 from disagg.model.tp import TensorParallel
@@ -42,8 +43,6 @@ def mtp_arch(arch: ModelArch) -> ModelArch:
 class MTPLayer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel | None = None):
-        from disagg.model.transformer import DecoderLayer
-
         super().__init__()
         h = arch.hidden_size
         self.eps = arch.rms_norm_eps

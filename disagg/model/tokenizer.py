@@ -68,14 +68,6 @@ class Tokenizer:
         )
 
 
-def too_long_to_fit(chars: int, tokenizer: Any, max_tokens: int) -> bool:
-    """True when a text of ``chars`` characters surely needs more than ``max_tokens`` tokens:
-    each token spells at most ``tokenizer.max_token_chars`` of them (judged without
-    tokenizing; False for tokenizers that do not say)."""
-    per_token = getattr(tokenizer, "max_token_chars", None)
-    return per_token is not None and chars > max_tokens * per_token
-
-
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")

@@ -4,7 +4,7 @@ Attention heads and the MLP's intermediate dimension are split over the ranks (M
 style): q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel (their
 partial outputs are summed with an all-reduce). Rank ``r`` holds query heads
 ``[r*Hq/tp, (r+1)*Hq/tp)`` and the kv heads those use; when kv heads < tp each kv head is
-replicated on ``tp / Hkv`` consecutive ranks (``disagg.remote.transfer_plan.shard_kv_heads`` and
+replicated on ``tp / Hkv`` consecutive ranks (``disagg.model.config.shard_kv_heads`` and
 ``KVLayoutDesc.rank_heads`` describe the same mapping). Embeddings, norms and the LM head are
 replicated.
 
@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from disagg.model.config import ModelArch
-from disagg.remote.transfer_plan import shard_kv_heads
+from disagg.model.config import ModelArch, shard_kv_heads
 
 
 class TPError(ValueError):

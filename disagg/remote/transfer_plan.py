@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagg.engine.cache import pages_needed
+from disagg.model.config import shard_kv_heads as shard_kv_heads  # the model's sharding rule
 from disagg.protocol.peer import KVLayoutDesc, PrefillRequest
 
 # An immediate (64 bits): slot (low SLOT_BITS of the request's slot, for logs) | generation
@@ -62,20 +63,6 @@ LAYOUT_KINDS = {"gqa": (2, "K/V heads"), "mla": (1, "latent")}  # kind: (kv_part
 # KVLayoutDesc.spec_method: speculative decoding whose KV moves with the model's
 SPEC_REGIONS = {"": "no speculative KV", "draft": "a draft model's KV",
                 "mtp": "the MTP layers' KV"}
-
-
-def shard_kv_heads(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
-    """(kv heads per rank, kv_replicas) of a model with ``total_kv_heads`` over ``tp_size``
-    ranks: heads split evenly when TP divides them, else each head replicated on
-    ``tp_size // total_kv_heads`` consecutive ranks (TP must then be a multiple)."""
-    if total_kv_heads < 1 or tp_size < 1:
-        raise ValueError(f"kv heads ({total_kv_heads}) and tp size ({tp_size}) must be >= 1")
-    if total_kv_heads % tp_size == 0:
-        return total_kv_heads // tp_size, 1
-    if tp_size % total_kv_heads == 0:
-        return 1, tp_size // total_kv_heads
-    raise ValueError(f"{total_kv_heads} kv heads cannot be sharded over --tp {tp_size}: "
-                     "one must divide the other")
 
 
 def layout_problem(layout: KVLayoutDesc) -> str | None:

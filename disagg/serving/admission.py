@@ -22,10 +22,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from disagg.model.tokenizer import Tokenizer, too_long_to_fit
 from disagg.protocol import ErrorCode, GenerateRequest
+
+if TYPE_CHECKING:  # a type only: this policy imports without the tokenizers library
+    from disagg.model.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
@@ -346,6 +348,14 @@ class Counters:
     aborted: int = 0
     errored: int = 0
     rejected: int = 0
+
+
+def too_long_to_fit(chars: int, tokenizer: Any, max_tokens: int) -> bool:
+    """True when a text of ``chars`` characters surely needs more than ``max_tokens`` tokens:
+    each token spells at most ``tokenizer.max_token_chars`` of them (judged without
+    tokenizing; False for tokenizers that do not say)."""
+    per_token = getattr(tokenizer, "max_token_chars", None)
+    return per_token is not None and chars > max_tokens * per_token
 
 
 def prompt_size_problem(prompt: str, tokenizer: Tokenizer | None, max_model_len: int) -> str | None:

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from disagg.model.tokenizer import too_long_to_fit
 from disagg.protocol import MAX_CACHE_SALT, SamplingParams, Usage
+from disagg.serving.admission import too_long_to_fit
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

@@ -11,7 +11,7 @@ SCRIPT = r"""
 import torch
 import torch.nn.functional as F
 from disagg.model import fused
-from disagg.model.transformer import rms_norm, rotate_half
+from disagg.model.rotary import rms_norm, rotate_half
 
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
@@ -83,7 +83,7 @@ MODEL_SCRIPT = r"""
 import torch
 from disagg.kernels.backends import TritonBackend
 from disagg.kernels.interface import AttentionMetadata
-from disagg.model import ops, transformer
+from disagg.model import layer, ops
 from disagg.model.config import ModelArch
 from disagg.model.loader import random_model
 
@@ -99,7 +99,7 @@ steps = [  # (ids, positions, slots, seq_len, decodes)
 ]
 outs = {}
 for fuse in (False, True):
-    ops.fused_on = transformer.fused_on = (lambda x: True) if fuse else (lambda x: False)
+    ops.fused_on = layer.fused_on = (lambda x: True) if fuse else (lambda x: False)
     kv = torch.zeros(arch.num_layers, 2, 2, arch.num_kv_heads, 4, arch.head_dim)
     got = []
     for ids, pos, slots, n, nd in steps:
