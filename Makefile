@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# ruff, then the layer contract ([tool.importlinter] in pyproject.toml; docs/ARCHITECTURE.md, Layers)
 lint: install
 	$(VENV)/bin/ruff check disagg tests examples bench
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: install
 	$(VENV)/bin/mypy disagg
