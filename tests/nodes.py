@@ -1,5 +1,6 @@
 """Helpers for tests that run nodes as real processes: start a set of them, ask a node its
-Stats, wait for a condition, run a request in a thread, put the HTTP gateway in front."""
+Stats, wait for a condition, run a request in a thread, put the HTTP gateway in front; the
+shape of the mixed node the process tests share (``shared_node`` in tests/procs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from disagg.protocol import SamplingParams, Stats, TokenChunk
 from tinymodels import NodeProcess, add_word_tokenizer, free_port
 
 PAGE = 4
+# the shared mixed node: the chat llama's name behind its gateway, its pool, its context limit
+SHARED_MODEL = "tiny-llama"
+SHARED_PAGES = 160
+SHARED_MAX_LEN = 512
 CHAT_TEMPLATE = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
                  "{% if add_generation_prompt %}w5{% endif %}")
 

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-import nodes
-from tinymodels import TINY, free_port, make_tiny_model
+from tinymodels import TINY, free_port
 
 NUM = 16
 IN_LEN = 12
@@ -20,12 +19,9 @@ OUT_LEN = 6
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("bench") / "llama")
-    addr, proc = nodes.node("mixed", path, tmp_path_factory.mktemp("log"), "--num-pages", "256",
-                            "--max-model-len", "96", "--max-batch-tokens", "64")
-    with nodes.running([proc]):
-        yield addr
+def node(shared_node):
+    """The shared mixed node: the benchmark's requests all end, leaving its pool free."""
+    return shared_node
 
 
 def bench(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:

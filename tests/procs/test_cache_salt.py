@@ -19,9 +19,8 @@ from disagg.serving.routing import ROUTE_BLOCK
 from disagg.serving.security import CurveKeys, load_client, load_node
 from nodes import (
     PAGE,
+    SHARED_MODEL,
     LoopThread,
-    chat_model,
-    gateway,
     greedy,
     node,
     openai_client,
@@ -30,7 +29,7 @@ from nodes import (
     running,
     wait_for,
 )
-from tinymodels import free_port, make_tiny_model
+from tinymodels import free_port
 
 NEW = 3
 
@@ -60,33 +59,30 @@ def node_stats(addr: str, keys: CurveKeys | None = None):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    model = make_tiny_model("llama", tmp_path_factory.mktemp("salt") / "llama")
-    chat_model(model)  # a tokenizer for the HTTP gateway
-    return model
+def model_dir(chat_llama) -> Path:
+    return chat_llama
 
 
-def test_another_salt_gets_no_cached_token_over_zmq_and_http(model_dir, tmp_path):
-    addr, proc = node("mixed", model_dir, tmp_path, "--num-pages", "64")
-    with running([proc]):
-        secret = prompt(4 * PAGE + 1, salt=35)
-        full = 4 * PAGE
-        owner, cached = run(addr, secret, "tenant-a")
-        assert cached == 0
-        assert run(addr, secret, "tenant-b")[1] == 0  # the probe: nothing cached for it
-        assert run(addr, secret)[1] == 0  # nor unsalted
-        again, cached = run(addr, secret, "tenant-a")
-        assert cached == full and again == owner  # the owner's repeat hits, same tokens
-        assert run(addr, secret, "tenant-b")[1] == full  # b's own pages by now
-        with gateway(addr, model_dir, "tiny") as gw, openai_client(gw.url) as oai:
-            def cached_over_http(salt: str) -> int:
-                r = oai.completions.create(model="tiny", prompt=[secret], max_tokens=NEW,
-                                           extra_body={"cache_salt": salt, "ignore_eos": True})
-                return r.usage.prompt_tokens_details.cached_tokens
-            assert cached_over_http("http-c") == 0
-            assert cached_over_http("http-d") == 0
-            assert cached_over_http("http-c") == full
-        wait_for(lambda: pools_full(addr), what="every page free")
+def test_another_salt_gets_no_cached_token_over_zmq_and_http(shared_node, shared_gateway):
+    addr = shared_node  # a prompt of this test's own: nothing of it cached before
+    secret = prompt(4 * PAGE + 1, salt=35)
+    full = 4 * PAGE
+    owner, cached = run(addr, secret, "tenant-a")
+    assert cached == 0
+    assert run(addr, secret, "tenant-b")[1] == 0  # the probe: nothing cached for it
+    assert run(addr, secret)[1] == 0  # nor unsalted
+    again, cached = run(addr, secret, "tenant-a")
+    assert cached == full and again == owner  # the owner's repeat hits, same tokens
+    assert run(addr, secret, "tenant-b")[1] == full  # b's own pages by now
+    with openai_client(shared_gateway.url) as oai:
+        def cached_over_http(salt: str) -> int:
+            r = oai.completions.create(model=SHARED_MODEL, prompt=[secret], max_tokens=NEW,
+                                       extra_body={"cache_salt": salt, "ignore_eos": True})
+            return r.usage.prompt_tokens_details.cached_tokens
+        assert cached_over_http("http-c") == 0
+        assert cached_over_http("http-d") == 0
+        assert cached_over_http("http-c") == full
+    wait_for(lambda: pools_full(addr), what="every page free")
 
 
 @pytest.fixture(scope="module")

@@ -12,20 +12,18 @@ import pytest
 import nodes
 from disagg.client import Client, RequestError
 from disagg.protocol import SamplingParams
-from nodes import chat_model, prompt
-from tinymodels import TINY, make_tiny_model
+from nodes import prompt
+from tinymodels import TINY
 
 MODEL = "tiny-llama"
 PAGES = 32  # 32 pages of 4 tokens: a 128-token pool, under the model's 512 positions
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("ctx") / "llama")
-    chat_model(path)
-    addr, proc = nodes.node("mixed", path, tmp_path_factory.mktemp("ctx-log"),
+def node(chat_llama, tmp_path_factory):
+    addr, proc = nodes.node("mixed", chat_llama, tmp_path_factory.mktemp("ctx-log"),
                             "--num-pages", str(PAGES))
-    with nodes.running([proc]), nodes.gateway(addr, path, MODEL) as gw:
+    with nodes.running([proc]), nodes.gateway(addr, chat_llama, MODEL) as gw:
         yield addr, gw
 
 

@@ -21,9 +21,22 @@ FP8 = ("--kv-cache-dtype", "fp8_e4m3")
 COMMON = ("--num-pages", "64", "--no-prefix-caching")
 
 
-def test_an_fp8_pair_matches_an_fp8_mixed_node_and_ships_a_quarter_of_the_bytes(tmp_path):
-    model = make_tiny_model("llama", tmp_path / "m")
-    m_addr, m8 = node("mixed", model, tmp_path, *COMMON, *FP8)
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("fp8-kv") / "m")
+
+
+@pytest.fixture(scope="module")
+def m_addr(model, tmp_path_factory):
+    """The reference both FP8 pairs are held to: a mixed node with FP8 pages that neither
+    caches nor drafts (so what ran on it before changes nothing)."""
+    addr, m8 = node("mixed", model, tmp_path_factory.mktemp("fp8-kv-mixed"), *COMMON, *FP8)
+    with running([m8]):
+        yield addr
+
+
+def test_an_fp8_pair_matches_an_fp8_mixed_node_and_ships_a_quarter_of_the_bytes(model, m_addr,
+                                                                                tmp_path):
     p8_addr, p8 = node("prefill", model, tmp_path, *COMMON, *FP8)
     p32_addr, p32 = node("prefill", model, tmp_path, *COMMON)
     d8_addr, d8 = node("decode", model, tmp_path, *COMMON, *FP8, "--prefill-peer", p8_addr,
@@ -31,7 +44,7 @@ def test_an_fp8_pair_matches_an_fp8_mixed_node_and_ships_a_quarter_of_the_bytes(
     # a float32 decoder offered both: the FP8 prefiller is refused by name, the other serves
     d32_addr, d32 = node("decode", model, tmp_path, *COMMON, "--prefill-peer", p8_addr,
                          "--prefill-peer", p32_addr, "--heartbeat", "0.2")
-    with running([m8, p8, p32, d8, d32], [d8_addr, d32_addr]):
+    with running([p8, p32, d8, d32], [d8_addr, d32_addr]):
         wait_for(lambda: "KV dtype mismatch: the prefiller's pages are float8_e4m3fn and the "
                  "decoder's float32" in d32.log_path.read_text(), what="the refusal logged")
         want = [tokens(m_addr, p, NEW) for p in PROMPTS]
@@ -53,18 +66,16 @@ def test_an_fp8_pair_matches_an_fp8_mixed_node_and_ships_a_quarter_of_the_bytes(
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
 
 
-def test_fp8_pages_with_prefix_caching_and_drafts_across_the_split(tmp_path):
+def test_fp8_pages_with_prefix_caching_and_drafts_across_the_split(model, m_addr, tmp_path):
     """A conversation resent each turn to a drafting (ngram) decoder with FP8 pages: the pages
     it holds in its prefix cache are not written again, drafts are made, and every turn's
     tokens equal a mixed FP8 node's that neither caches nor drafts."""
-    model = make_tiny_model("llama", tmp_path / "m")
     spec = ("--speculative-method", "ngram", "--num-speculative-tokens", "3")
-    m_addr, m8 = node("mixed", model, tmp_path, *COMMON, *FP8)
     p_addr, p8 = node("prefill", model, tmp_path, "--num-pages", "64", *FP8)
     d_addr, d8 = node("decode", model, tmp_path, "--num-pages", "64", *FP8, *spec,
                       "--prefill-peer", p_addr, "--heartbeat", "0.2")
     history = [5, 6, 7, 8] * 3 + [9, 10]
-    with running([m8, p8, d8], [d_addr]):
+    with running([p8, d8], [d_addr]):
         client = Client(d_addr)
         try:
             for turn in range(3):

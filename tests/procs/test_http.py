@@ -14,33 +14,25 @@ from prometheus_client.parser import text_string_to_metric_families
 import nodes
 from disagg.client import Client
 from disagg.model.tokenizer import Tokenizer
-from nodes import chat_model
-from tinymodels import make_tiny_model
 
-MODEL = "tiny-llama"
-PAGES = 160
-MAX_LEN = 512
+MODEL = nodes.SHARED_MODEL
+PAGES = nodes.SHARED_PAGES
+MAX_LEN = nodes.SHARED_MAX_LEN
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("http") / "llama")
-    chat_model(path)
-    return path
+def model_dir(chat_llama):
+    return chat_llama
 
 
 @pytest.fixture(scope="module")
-def node(model_dir, tmp_path_factory):
-    addr, proc = nodes.node("mixed", model_dir, tmp_path_factory.mktemp("log"), "--num-pages",
-                            str(PAGES), "--max-model-len", str(MAX_LEN))
-    with nodes.running([proc]):
-        yield addr
+def node(shared_node):
+    return shared_node
 
 
 @pytest.fixture(scope="module")
-def gateway(node, model_dir):
-    with nodes.gateway(node, model_dir, MODEL) as gw:
-        yield gw
+def gateway(shared_gateway):
+    return shared_gateway
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@ import socket
 import pytest
 
 import nodes
-from nodes import chat_model, node, openai_client, running, stats, wait_for
-from tinymodels import make_tiny_model
+from nodes import node, openai_client, running, stats, wait_for
 
 pytestmark = pytest.mark.fabric
 
@@ -19,10 +18,8 @@ MAX_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("http-disagg") / "llama")
-    chat_model(path)
-    return path
+def model_dir(chat_llama):
+    return chat_llama
 
 
 @pytest.fixture(scope="module")

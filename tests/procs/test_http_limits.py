@@ -20,8 +20,7 @@ import pytest
 import nodes
 from disagg.client import Client
 from disagg.serving.http_limits import fd_reserve
-from nodes import chat_model
-from tinymodels import NodeProcess, free_port, make_tiny_model
+from tinymodels import NodeProcess, free_port
 
 MODEL = "tiny-llama"
 NOFILE = (960, 2048)  # the node starts with a soft limit of 960 and may raise it to 2048
@@ -42,10 +41,8 @@ class LimitedNode(NodeProcess):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("httplim") / "llama")
-    chat_model(path)
-    return path
+def model_dir(chat_llama):
+    return chat_llama
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import zmq
 
 import nodes
 from disagg.protocol import Error, Finished, TokenChunk
-from tinymodels import make_tiny_model
 
 N = 32
 POISON_AT = 13
@@ -18,12 +17,9 @@ MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    model_dir = make_tiny_model("llama", tmp_path_factory.mktemp("poison") / "llama")
-    addr, proc = nodes.node("mixed", model_dir, tmp_path_factory.mktemp("log"), "--num-pages",
-                            "160", "--max-model-len", "64", "--max-batch-tokens", "512")
-    with nodes.running([proc]):
-        yield addr
+def node(shared_node):
+    """The shared mixed node (its default step budget takes all 32 prompts in one step)."""
+    return shared_node
 
 
 def ordinary(i: int) -> dict:

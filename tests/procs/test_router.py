@@ -13,18 +13,16 @@ import zmq
 from disagg.actors.router import start_router
 from disagg.client import Client, RequestError
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
-from nodes import LoopThread, chat_model, node, openai_client, running, stats, wait_for
-from tinymodels import free_port, make_tiny_model
+from nodes import LoopThread, node, openai_client, running, stats, wait_for
+from tinymodels import free_port
 
 MODEL = "tiny-llama"
 MAX_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("router") / "llama")
-    chat_model(path)
-    return path
+def model_dir(chat_llama):
+    return chat_llama
 
 
 @pytest.fixture(scope="module")
