@@ -9,9 +9,10 @@ built, so a host without libfabric (or without CUDA) still builds the others.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from disagg.fabric.backend import BackendOptions, TransferBackend
+if TYPE_CHECKING:  # importing the package stays light (no asyncio, numpy): see __init__
+    from disagg.fabric.backend import TransferBackend
 
 BACKENDS: dict[str, str] = {
     "fabric": "disagg.fabric.striped",  # libfabric: one endpoint, or striped over lanes
@@ -26,6 +27,8 @@ def make_backend(name: str = "fabric", provider: str | None = "tcp",
     module = BACKENDS.get(name)
     if module is None:
         raise ValueError(f"unknown transfer backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    from disagg.fabric.backend import BackendOptions
+
     create = importlib.import_module(module).create
     engine: TransferBackend = create(BackendOptions(provider=provider, **options))
     return engine

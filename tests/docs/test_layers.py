@@ -18,12 +18,10 @@ import disagg.remote
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
 
-# What a pure module must load without: sockets, the tokenizer library, the libfabric build
-# (the compiled cffi module and cffi itself), torch and Triton (so no CUDA). Not asyncio:
-# disagg.fabric's __init__ loads it (fabric/backend.py) for any fabric module, such as the
-# pure lanes and descriptors that remote/ownership.py uses; lint-imports forbids what the
-# pure modules themselves import of it.
-BLOCKED = ("zmq", "tokenizers", "disagg.fabric._libfabric_cffi", "cffi", "torch", "triton")
+# What a pure module must load without: sockets, asyncio, the tokenizer library, the libfabric
+# build (the compiled cffi module and cffi itself), torch and Triton (so no CUDA).
+BLOCKED = ("zmq", "asyncio", "tokenizers", "disagg.fabric._libfabric_cffi", "cffi", "torch",
+           "triton")
 PURE = sorted(f"disagg.remote.{m.name}" for m in pkgutil.iter_modules(disagg.remote.__path__)) + [
     "disagg.serving.routing", "disagg.serving.admission", "disagg.serving.http_limits"]
 
