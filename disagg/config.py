@@ -315,7 +315,7 @@ def check_devices(devices: list[str], cuda_devices: int) -> None:
 
 class NodeConfig(msgspec.Struct, frozen=True):
     """One ``disagg-node`` process: a node (``disagg.node.Node``, any role but router) or a
-    router (``disagg.actors.router``), and what serves beside it (HTTP, metrics)."""
+    router (``disagg.actors.router.router``), and what serves beside it (HTTP, metrics)."""
 
     role: Annotated[Role, Flag("mixed: prefill and decode in one node; prefill or decode: "
                                "one half of a split; router: spreads requests over decode "

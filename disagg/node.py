@@ -27,10 +27,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg.actors.executor_group import ExecutorGroup
-from disagg.actors.front_door import FrontDoor
-from disagg.actors.frontend import FrontendActor
-from disagg.actors.scheduler import SchedulerActor, SchedulerSetup
+from disagg.actors.executor.executor_group import ExecutorGroup
+from disagg.actors.frontend.front_door import FrontDoor
+from disagg.actors.frontend.frontend import FrontendActor
+from disagg.actors.scheduler.scheduler import SchedulerActor, SchedulerSetup
 from disagg.config import ConfigError, NodeConfig
 from disagg.engine.speculative import speculation
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
@@ -63,7 +63,7 @@ class Node:
                  door: FrontDoor | None = None):
         cfg.validate()
         if cfg.role == "router":
-            raise ConfigError("--role router runs a router (disagg.actors.router), not a Node")
+            raise ConfigError("--role router runs a router (disagg.actors.router.router), not a Node")
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
         # the client socket of --listen: the supervisor's (kept across restarts), else our own
@@ -201,8 +201,8 @@ class Node:
 
     async def _start_prefill(self, cfg: NodeConfig, arch: ModelArch, setup: SchedulerSetup,
                              actors: list) -> None:
-        from disagg.actors.prefill_messenger import PrefillMessenger
-        from disagg.actors.prefill_scheduler import PrefillSide
+        from disagg.actors.prefill_messenger.prefill_messenger import PrefillMessenger
+        from disagg.actors.scheduler.prefill_scheduler import PrefillSide
         from disagg.kernels.counter import LayerCounter
 
         assert self.executors is not None
@@ -222,8 +222,8 @@ class Node:
 
     async def _start_decode(self, cfg: NodeConfig, arch: ModelArch, sched_sock: zmq.asyncio.Socket,
                             setup: SchedulerSetup, actors: list) -> None:
-        from disagg.actors.decode_messenger import DecodeMessenger
-        from disagg.actors.decode_scheduler import DecodeSide
+        from disagg.actors.decode_messenger.decode_messenger import DecodeMessenger
+        from disagg.actors.scheduler.decode_scheduler import DecodeSide
 
         d = cfg.disagg
         m_sock, s_sock = self._pair("messenger")

@@ -3,7 +3,7 @@ on the same addresses, a bounded number of times.
 
 ``RestartPolicy`` is the rule (at most N restarts within any window), ``Supervisor`` runs one
 ``Node`` after another under it. A mixed or decode node's client socket stays bound throughout
-(``actors/front_door.py``): while no node serves, every client frame is answered ``unavailable``
+(``actors/frontend/front_door.py``): while no node serves, every client frame is answered ``unavailable``
 with a retry-after hint (about as long as the last start took), none is lost to a closed port.
 A prefill node's peer socket is re-bound: decoders' DEALERs reconnect by themselves. The HTTP
 gateway and metrics endpoint, clients of ``--listen``, stay up throughout.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from disagg.actors.front_door import FrontDoor
+from disagg.actors.frontend.front_door import FrontDoor
 from disagg.config import ConfigError, NodeConfig
 from disagg.node import Node
 from disagg.serving.metrics import Metrics

@@ -166,7 +166,7 @@ def chat_model(path: Path) -> None:
 @contextmanager
 def gateway(addr: str, model_dir: Path, model_name: str) -> Iterator[Any]:
     """The OpenAI gateway (in a loop thread) in front of the node at ``addr``."""
-    from disagg.actors.http import start_http_gateway
+    from disagg.actors.http.http import start_http_gateway
 
     lt = LoopThread()
     gw = lt.run(start_http_gateway(addr, "127.0.0.1:0", str(model_dir), model_name=model_name,

@@ -127,13 +127,13 @@ async def launch(cfg: NodeConfig, policy: RestartPolicy | None = None,
     what = ""
     try:
         if cfg.metrics_listen:
-            from disagg.actors.metrics_server import MetricsServer
+            from disagg.actors.http.metrics_server import MetricsServer
 
             what = "the metrics endpoint"
             servers.append(MetricsServer(address, cfg.metrics_listen, sup.metrics))
             await servers[-1].start()
         if cfg.http_listen:
-            from disagg.actors.http import start_http_gateway
+            from disagg.actors.http.http import start_http_gateway
 
             what = "the HTTP gateway"
             servers.append(await start_http_gateway(
@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 async def run_router(cfg: NodeConfig, http_limits: HttpLimits) -> int:
-    """``--role router``: ``disagg.actors.router.run_router`` over ``cfg.router``'s peers."""
-    from disagg.actors import router
+    """``--role router``: ``disagg.actors.router.router.run_router`` over ``cfg.router``'s peers."""
+    from disagg.actors.router import router
     from disagg.serving.advice import Slo
 
     r = cfg.router

@@ -6,7 +6,7 @@ back (``apply``; ``land`` alone for a failed step). The core owns the batch sche
 (``disagg.engine.scheduling``: batches, preemption, speculative bookkeeping, prefix caching),
 the step ids and overlapped decoding with the page parking it needs. Two drivers carry the
 commands out, and nothing else steps: the in-process ``disagg.llm.LLM`` (``drive`` below, over
-a ``ModelRunner``) and the node's stepper (``disagg.actors.stepping``, over the executor
+a ``ModelRunner``) and the node's stepper (``disagg.actors.scheduler.stepping``, over the executor
 processes; it adds the side hooks, slow-step logs and failed steps). Sequences join and leave
 through ``sched`` as before (admission, aborts, a remote prefill's landed KV); the next command
 takes them into account.

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API as pure functions: request validation and translation into the
 client protocol, stop-string matching over a text stream, response and SSE chunk shapes.
 
-No sockets and no asyncio here; ``disagg/actors/http.py`` drives these. Every problem with a
+No sockets and no asyncio here; ``disagg/actors/http/http.py`` drives these. Every problem with a
 request raises ``ApiError`` carrying the HTTP status and the OpenAI error body.
 """
 

@@ -79,7 +79,7 @@ def test_a_pure_module_imports_without_sockets_tokenizers_libfabric_or_torch(
 
 
 def test_the_decode_side_imports_without_tokenizers():
-    assert _import_with(["disagg.actors.decode_scheduler"], ("tokenizers",)) == {}
+    assert _import_with(["disagg.actors.scheduler.decode_scheduler"], ("tokenizers",)) == {}
 
 
 def _documented_layers() -> list[str]:

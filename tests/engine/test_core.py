@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from disagg.actors.sides import SchedulerSide
-from disagg.actors.stepping import Stepper
+from disagg.actors.scheduler.sides import SchedulerSide
+from disagg.actors.scheduler.stepping import Stepper
 from disagg.engine.cache import PagePool, pages_needed
 from disagg.engine.core import Collect, EngineCore, Launch, Run, drive
 from disagg.engine.scheduling import BatchScheduler, Sequence, Status

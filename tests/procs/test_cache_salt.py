@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.actors.router import start_router
+from disagg.actors.router.router import start_router
 from disagg.client import Client
 from disagg.protocol import Finished, TokenChunk
 from disagg.serving.routing import ROUTE_BLOCK

@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 
 import nodes
-from disagg.actors.executor_group import ExecutorError, ExecutorGroup, exit_reason
-from disagg.actors.front_door import FrontDoor, refusal
+from disagg.actors.executor.executor_group import ExecutorError, ExecutorGroup, exit_reason
+from disagg.actors.frontend.front_door import FrontDoor, refusal
 from disagg.client import Client, RequestError
 from disagg.config import ConfigError, NodeConfig
 from disagg.protocol import Abort, Error, GenerateRequest, NodeReply, StatsRequest, TokenChunk
@@ -111,7 +111,7 @@ def test_a_front_door_answers_while_no_node_serves_and_hands_its_socket_on():
 
 def test_the_metrics_endpoint_keeps_polling_a_node_that_answers_with_errors():
     # a restarting node answers Stats with `unavailable`: the poller skips, it must not stop
-    from disagg.actors.metrics_server import MetricsServer
+    from disagg.actors.http.metrics_server import MetricsServer
     from disagg.serving.metrics import Metrics
 
     async def main() -> None:

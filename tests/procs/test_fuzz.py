@@ -224,7 +224,7 @@ def executors(model_dir, tmp_path_factory):
     side of the ``ipc://`` control link)."""
     import zmq.asyncio
 
-    from disagg.actors.executor_group import ExecutorGroup
+    from disagg.actors.executor.executor_group import ExecutorGroup
     from disagg.config import CacheConfig, ExecutorConfig, NodeConfig
 
     cfg = NodeConfig(executor=ExecutorConfig(model=str(model_dir), threads=1),
@@ -309,7 +309,7 @@ def test_garbage_on_the_executor_control_socket(executors):
 def test_garbage_command_to_the_executor_process(model_dir, tmp_path):
     import zmq.asyncio
 
-    from disagg.actors.executor_group import ExecutorError, ExecutorGroup
+    from disagg.actors.executor.executor_group import ExecutorError, ExecutorGroup
     from disagg.config import CacheConfig, ExecutorConfig, NodeConfig
 
     cfg = NodeConfig(executor=ExecutorConfig(model=str(model_dir), threads=1),

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 import nodes
-from disagg.actors.executor import cpu_threads
+from disagg.actors.executor.executor import cpu_threads
 from disagg.client import Client, RequestError
 from disagg.config import ConfigError, check_devices
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk

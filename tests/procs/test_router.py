@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from disagg.actors.router import start_router
+from disagg.actors.router.router import start_router
 from disagg.client import Client, RequestError
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
 from nodes import LoopThread, node, openai_client, running, stats, wait_for
@@ -150,7 +150,7 @@ def test_requests_refused_by_a_restarting_node_go_to_the_other(router, nodes, ca
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
     outcomes = []
     deadline = time.monotonic() + 60
-    with caplog.at_level("INFO", logger="disagg.actors.router"):
+    with caplog.at_level("INFO", logger="disagg.actors.router.router"):
         while starts() == before and time.monotonic() < deadline:  # until it serves again
             c = Client(router[0].address)
             try:

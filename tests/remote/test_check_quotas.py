@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.actors.ownership_gate import known_dead
+from disagg.actors.prefill_messenger.ownership_gate import known_dead
 from disagg.fabric.expectations import NotPosted, TransferTimeout
 from disagg.fabric.lib import FabricError
 from disagg.remote.check_quotas import CheckQuotas, CheckWaits

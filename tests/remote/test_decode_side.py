@@ -8,7 +8,7 @@ import time
 
 import msgspec
 
-from disagg.actors.decode_scheduler import DecodeSide
+from disagg.actors.scheduler.decode_scheduler import DecodeSide
 from disagg.engine.cache import PagePool, page_hashes
 from disagg.engine.scheduling import BatchScheduler, Sequence, Status
 from disagg.protocol import Error, Finished, SamplingParams
@@ -326,7 +326,7 @@ def test_a_finish_before_prefilldone_waits_for_its_timings_and_hit():
     """The KV landed, the request finished, and only then the prefiller's PrefillDone came:
     the Finished carries the prefiller's timings and prefix-cache hit anyway, whatever the
     order; without any PrefillDone it goes out after the hold bound, without them."""
-    from disagg.actors.decode_scheduler import HOLD_FINISH_S
+    from disagg.actors.scheduler.decode_scheduler import HOLD_FINISH_S
 
     async def go(done_first: bool, done: bool):
         side, port = side_with()

@@ -1,4 +1,4 @@
-"""Which layers a prefill step posts when (``disagg.actors.prefill_jobs.layer_spans``), and a
+"""Which layers a prefill step posts when (``disagg.actors.prefill_messenger.prefill_jobs.layer_spans``), and a
 span of layers as one ``Runs`` (``ChunkPlan.layers``): the same writes as its layers one by
 one."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from disagg.actors.prefill_jobs import layer_spans
+from disagg.actors.prefill_messenger.prefill_jobs import layer_spans
 from disagg.remote.transfer_plan import ChunkPlan, Runs
 
 

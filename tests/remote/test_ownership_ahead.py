@@ -21,8 +21,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg.actors.decode_messenger import DecodeMessenger
-from disagg.actors.prefill_messenger import PrefillMessenger
+from disagg.actors.decode_messenger.decode_messenger import DecodeMessenger
+from disagg.actors.prefill_messenger.prefill_messenger import PrefillMessenger
 from disagg.protocol.inproc import AttemptEvent, PrefillJob, SendPrefill
 from disagg.protocol.peer import ChallengeAnswer, OwnershipOffer, Ping
 from disagg.remote.transfer_plan import make_key, new_generation

@@ -19,8 +19,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg.actors.decode_messenger import DecodeMessenger
-from disagg.actors.prefill_messenger import PrefillMessenger
+from disagg.actors.decode_messenger.decode_messenger import DecodeMessenger
+from disagg.actors.prefill_messenger.prefill_messenger import PrefillMessenger
 from disagg.protocol.inproc import PrefillJob, SendPrefill
 from disagg.protocol.peer import OwnershipOffer
 from disagg.remote.ownership import endpoints

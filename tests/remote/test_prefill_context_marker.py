@@ -18,8 +18,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg.actors.prefill_jobs import Job
-from disagg.actors.prefill_messenger import PrefillMessenger
+from disagg.actors.prefill_messenger.prefill_jobs import Job
+from disagg.actors.prefill_messenger.prefill_messenger import PrefillMessenger
 from disagg.fabric.descriptor import MemoryDescriptor
 from disagg.protocol.inproc import ChunkInfo, StepAnnounce, StepDone
 from disagg.protocol.peer import KVLayoutDesc, PrefillRequest

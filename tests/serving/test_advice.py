@@ -229,8 +229,8 @@ async def fake_decoder(sock: zmq.asyncio.Socket, stats: Stats) -> None:
 async def test_router_serves_advice_over_http_and_as_gauges():
     import aiohttp
 
-    from disagg.actors.http import Gateway
-    from disagg.actors.router import Router
+    from disagg.actors.http.http import Gateway
+    from disagg.actors.router.router import Router
 
     ctx = zmq.asyncio.Context()
     peer = ctx.socket(zmq.ROUTER)

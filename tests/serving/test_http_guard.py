@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from disagg.actors.http import Gateway
+from disagg.actors.http.http import Gateway
 from disagg.serving.http_limits import MIN_CONNECTIONS, HttpLimits
 
 CAP = MIN_CONNECTIONS

@@ -39,9 +39,7 @@ import zmq
 import zmq.asyncio
 
 from disagg import trace
-from disagg.actors.messenger_base import MessengerBase
-from disagg.actors.peer_discovery import PeerDiscovery
-from disagg.actors.prefill_peers import (
+from disagg.actors.decode_messenger.prefill_peers import (
     OFFER_WINDOW_S,
     Challenges,
     DialedPeers,
@@ -51,6 +49,8 @@ from disagg.actors.prefill_peers import (
     new_epoch,
     offer_due,
 )
+from disagg.actors.messenger_base import MessengerBase
+from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending, pending_frames
 from disagg.protocol.inproc import (
     AttemptEvent,

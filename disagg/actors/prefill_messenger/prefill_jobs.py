@@ -1,4 +1,4 @@
-"""What the prefill messenger (``disagg.actors.prefill_messenger``) holds per job (``Job``: the
+"""What the prefill messenger (``disagg.actors.prefill_messenger.prefill_messenger``) holds per job (``Job``: the
 request and where its writes go), and the object that owns its writes (``JobWrites``: what
 was posted of each job, ``Posted``, and which layers of each announced step went out,
 ``Step``), posting them layer by layer as the layer counter moves, except for a
@@ -28,7 +28,7 @@ from disagg.remote.transfer_plan import (
     spec_pages_plan,
 )
 
-log = logging.getLogger("disagg.actors.prefill_messenger")
+log = logging.getLogger("disagg.actors.prefill_messenger.prefill_messenger")
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,4 +1,4 @@
-"""The decode node's side of the scheduler: remote prefill (``disagg.actors.sides``).
+"""The decode node's side of the scheduler: remote prefill (``disagg.actors.scheduler.sides``).
 
 Receives (through the scheduler): ``AttemptEvent`` / ``PeersAlive`` from the messenger.
 Sends: ``SendPrefill`` / ``StopPrefill`` / ``ForgetPrefill`` to the messenger.
@@ -23,7 +23,7 @@ import time
 import msgspec
 
 from disagg import trace
-from disagg.actors.sides import SchedulerPort, SchedulerSide
+from disagg.actors.scheduler.sides import SchedulerPort, SchedulerSide
 from disagg.engine.cache import pages_needed
 from disagg.engine.scheduling import Batch, Sequence, Status
 from disagg.protocol import Error, Finished, Usage

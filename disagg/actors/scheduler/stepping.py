@@ -15,8 +15,8 @@ import logging
 import time
 from typing import Protocol
 
-from disagg.actors.executor_group import ExecutorGroup
-from disagg.actors.sides import SchedulerSide
+from disagg.actors.executor.executor_group import ExecutorGroup
+from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.engine.core import Collect, Command, EngineCore, Launch, Run, Step
 from disagg.engine.scheduling import Sequence, SeqUpdate, Status
 from disagg.protocol.executor import StepResult

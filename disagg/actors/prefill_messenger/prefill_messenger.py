@@ -32,10 +32,10 @@ import zmq
 import zmq.asyncio
 
 from disagg import trace
-from disagg.actors.layer_poller import LayerPoller
 from disagg.actors.messenger_base import MessengerBase
-from disagg.actors.ownership_gate import OwnershipGate
-from disagg.actors.prefill_jobs import Job, JobWrites
+from disagg.actors.prefill_messenger.layer_poller import LayerPoller
+from disagg.actors.prefill_messenger.ownership_gate import OwnershipGate
+from disagg.actors.prefill_messenger.prefill_jobs import Job, JobWrites
 from disagg.actors.sockets import (
     PEER_FRAME_BYTES,
     disconnected_fds,

@@ -15,7 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg.actors.frontend import decode_client_frames
+from disagg.actors.frontend.frontend import decode_client_frames
 from disagg.protocol import Abort, Error, GenerateRequest, NodeReply, Stats, StatsRequest
 from disagg.serving.admission import MAX_REQUEST_ID
 from disagg.serving.metrics import Metrics, RequestTimer
@@ -23,7 +23,7 @@ from disagg.serving.routing import LoadBalancer
 from disagg.serving.salting import TenantSalting
 from disagg.serving.security import ClientKeyIds
 
-log = logging.getLogger("disagg.actors.router")
+log = logging.getLogger("disagg.actors.router.router")
 
 
 @dataclass

@@ -8,7 +8,7 @@ Owns: the page pool, the batch scheduler, every live request and its detokenizer
 queue of admitted requests that have not started (round robin over clients, each entry with
 its deadline). Admission is bounded per client and in total (``overloaded``); long prompt texts
 are tokenized off the event loop, after a size check that needs no tokenizing (the client
-frames' part: ``disagg.actors.intake``).
+frames' part: ``disagg.actors.scheduler.intake``).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg.actors.executor_group import ExecutorError, ExecutorGroup
-from disagg.actors.intake import ClientIntake, Live
-from disagg.actors.sides import SchedulerSide
+from disagg.actors.executor.executor_group import ExecutorError, ExecutorGroup
+from disagg.actors.scheduler.intake import ClientIntake, Live
+from disagg.actors.scheduler.sides import SchedulerSide
+from disagg.actors.scheduler.stepping import Stepper
 from disagg.actors.sockets import pending
-from disagg.actors.stepping import Stepper
 from disagg.engine.cache import PagePool
 from disagg.engine.core import EngineCore
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
@@ -87,7 +87,7 @@ class SchedulerActor(ClientIntake):
                  side: Callable[[SchedulerActor], SchedulerSide] | None = None):
         """``inbox``: the frontend link (None on a prefill node: it has no clients);
         ``mbox``: the messenger link; ``side``: builds what a prefill or decode node adds
-        (``disagg.actors.sides``; None on a mixed node)."""
+        (``disagg.actors.scheduler.sides``; None on a mixed node)."""
         self.role = role
         self.limits = setup.limits
         self.inbox = inbox
@@ -140,7 +140,7 @@ class SchedulerActor(ClientIntake):
     async def run(self) -> None:
         """Loop: 1. drain the inbox (admit, abort, stats); 2. the engine core's next command
         (``disagg.engine.core``: one step, or with a step in flight its successor or
-        ``Collect``); 3. run it on the executors (``disagg.actors.stepping``); 4. stream
+        ``Collect``); 3. run it on the executors (``disagg.actors.scheduler.stepping``); 4. stream
         tokens and finishes. Idle: block on the inbox."""
         try:
             while not self._stopping:

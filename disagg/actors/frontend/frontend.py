@@ -71,7 +71,7 @@ class FrontendActor:
                  salt_by_tenant: SaltByTenant = "auto",
                  lent: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None):
         # ``lent``: the bound ROUTER of ``listen`` and its monitor on ``ctx``, lent by a
-        # FrontDoor (actors/front_door.py) that keeps them across restarts and closes them
+        # FrontDoor (actors/frontend/front_door.py) that keeps them across restarts and closes them
         self.lent = lent is not None
         self.sock, self.monitor = lent or listening(ctx, listen, max_frame=CLIENT_FRAME_BYTES,
                                                     mandatory=True)

@@ -41,7 +41,7 @@ from disagg.serving.admission import (
     prompt_size_problem,
 )
 
-log = logging.getLogger("disagg.actors.scheduler")
+log = logging.getLogger("disagg.actors.scheduler.scheduler")
 
 INLINE_TOKENIZE_CHARS = 16 << 10  # longer prompt texts are tokenized on a worker thread
 

@@ -9,7 +9,7 @@ Sends: client-protocol ``GenerateRequest`` / ``Abort`` / ``StatsRequest`` throug
 Owns: the HTTP listener, the tokenizer (chat templates, prompt token counts), the process's
 ``Metrics`` (latency histograms from the streams it relays; gauges from Stats it polls).
 What HTTP clients can hold of it (connections, header/body/write time, body bytes) is bounded
-by ``HttpLimits`` (``disagg.actors.http_guard``).
+by ``HttpLimits`` (``disagg.actors.http.http_guard``).
 
 Validation and response shapes are pure functions in ``disagg.serving.openai_api``.
 """
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
-from disagg.actors.http_guard import (
+from disagg.actors.http.http_guard import (
     LINGER_S,
     BodyError,
     ConnectionGate,

@@ -7,7 +7,7 @@ Sends: each ``GenerateRequest`` to the least loaded live peer (``disagg.serving.
 router-unique request id; ``Abort`` to the peer holding the request; ``StatsRequest`` to every
 peer every ``poll_interval`` seconds; replies back to clients under their own request ids.
 Owns: the in-flight table (router id -> client, peer); its client-protocol front (the frames
-of ``listen``, salted by client key) is ``disagg.actors.router_front``. A peer silent for
+of ``listen``, salted by client key) is ``disagg.actors.router.router_front``. A peer silent for
 ``dead_after`` seconds is dead: its requests that have not streamed a token yet are resent to
 another peer, the others end with ``Error`` code ``unavailable``. A dead peer that answers
 again is used again. A request a peer refuses with ``unavailable`` (it is restarting after an
@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.peer_discovery import PeerDiscovery
-from disagg.actors.router_front import Flight, RouterFront
+from disagg.actors.router.router_front import Flight, RouterFront
 from disagg.actors.sockets import CLIENT_FRAME_BYTES
 from disagg.client import RequestError
 from disagg.protocol import (
@@ -377,7 +377,7 @@ async def start_router(listen: str | None, decode_peers: list[str], http_listen:
                        http_limits: HttpLimits | None = None) -> tuple[Router, Any]:
     """Start a router (and its HTTP gateway when ``http_listen`` is set). Returns
     ``(router, gateway or None)``; stop the gateway first, then the router."""
-    from disagg.actors.http import Gateway
+    from disagg.actors.http.http import Gateway
 
     router = Router(decode_peers, listen, poll_interval=poll_interval, dead_after=dead_after,
                     resolve_interval=resolve_interval, slo=slo, salt_by_tenant=salt_by_tenant)

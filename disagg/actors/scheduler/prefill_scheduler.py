@@ -1,4 +1,4 @@
-"""The prefill node's side of the scheduler (``disagg.actors.sides``).
+"""The prefill node's side of the scheduler (``disagg.actors.scheduler.sides``).
 
 Receives (through the scheduler): ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` /
 ``StatsQuery`` from the messenger. Sends: ``StepAnnounce`` BEFORE each step and ``StepDone``
@@ -14,7 +14,7 @@ import logging
 import msgspec
 
 from disagg import trace
-from disagg.actors.sides import SchedulerPort, SchedulerSide
+from disagg.actors.scheduler.sides import SchedulerPort, SchedulerSide
 from disagg.engine.scheduling import Batch, Sequence, Status
 from disagg.protocol import SamplingParams
 from disagg.protocol.executor import StepPlan, StepResult

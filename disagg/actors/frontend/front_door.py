@@ -1,6 +1,6 @@
 """The client-protocol socket across restarts: ``FrontDoor``.
 
-A node's frontend (``actors/frontend.py``) is lent the bound ROUTER socket of ``--listen`` (and
+A node's frontend (``actors/frontend/frontend.py``) is lent the bound ROUTER socket of ``--listen`` (and
 its monitor) by a door instead of binding its own. The supervisor keeps one door for the life
 of the process, so the socket and every client's connection to it outlive a node that fails:
 while no node serves (the failed one stopping, the next one starting) ``refuse`` answers each
@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from disagg.actors.frontend import READ_BATCH, decode_client_frames
+from disagg.actors.frontend.frontend import READ_BATCH, decode_client_frames
 from disagg.actors.sockets import CLIENT_FRAME_BYTES, listening, monitor_events, pending_frames
 from disagg.protocol import Abort, ClientMessage, Error, ErrorCode, GenerateRequest
 from disagg.serving import security

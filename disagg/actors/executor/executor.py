@@ -7,7 +7,7 @@ Sends: ``ExecutorReady`` once (plus the KV memory fd over a unix socket, SCM_RIG
 decoding) when the next command arrives, after that command's step has been launched.
 Owns: the model (shard), the KV cache allocation, the layer counter.
 
-The main-process side is ``disagg.actors.executor_group.ExecutorGroup``.
+The main-process side is ``disagg.actors.executor.executor_group.ExecutorGroup``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from disagg import trace
-from disagg.actors.executor_group import ExecutorError, rendezvous_path
+from disagg.actors.executor.executor_group import ExecutorError, rendezvous_path
 from disagg.config import NodeConfig
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.tp import TensorParallel

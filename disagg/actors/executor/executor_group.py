@@ -1,5 +1,5 @@
 """The main-process side of the executors: ``ExecutorGroup`` spawns one executor process per
-device (``disagg.actors.executor``), waits for their handshake, maps their KV memory, watches
+device (``disagg.actors.executor.executor``), waits for their handshake, maps their KV memory, watches
 them (a death raises at once) and runs steps with a deadline: one at a time (``step``), or
 overlapped (``submit`` a deferred plan, then ``result``; ``collect`` asks for a deferred
 step's result without launching another).
@@ -88,7 +88,7 @@ class ExecutorGroup:
             os.unlink(rendezvous_path(self.control))
         for rank in range(len(self.cfg.devices)):
             parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            cmd = [sys.executable, "-m", "disagg.actors.executor", "--config", cfg_json,
+            cmd = [sys.executable, "-m", "disagg.actors.executor.executor", "--config", cfg_json,
                    "--rank", str(rank), "--control", self.control,
                    "--fd-sock", str(child_sock.fileno())]
             proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),))

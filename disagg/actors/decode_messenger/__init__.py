@@ -1,0 +1,1 @@
+"""The decode messenger actor and its parts (docs/ARCHITECTURE.md)."""

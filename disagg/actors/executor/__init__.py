@@ -1,0 +1,1 @@
+"""The executor actor and its parts (docs/ARCHITECTURE.md)."""

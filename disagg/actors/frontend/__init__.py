@@ -1,0 +1,1 @@
+"""The frontend actor and its parts (docs/ARCHITECTURE.md)."""

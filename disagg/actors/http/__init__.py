@@ -1,0 +1,1 @@
+"""The http actor and its parts (docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""The prefill messenger actor and its parts (docs/ARCHITECTURE.md)."""

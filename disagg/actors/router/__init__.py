@@ -1,0 +1,1 @@
+"""The router actor and its parts (docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""The scheduler actor and its parts (docs/ARCHITECTURE.md)."""
