@@ -114,3 +114,56 @@ def test_no_module_is_over_about_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "disagg").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 490}
     assert not long, long
+
+
+def _definitions() -> tuple[set[str], dict[str, set[str]], set[str]]:
+    """(every name disagg defines, class -> the names its body and methods set, module paths)."""
+    import ast
+
+    names: set[str] = set()
+    members: dict[str, set[str]] = {}
+    modules: set[str] = set()
+    for path in (ROOT / "disagg").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules |= {".".join(parts[i:]) for i in range(len(parts))} - {"__init__"}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.ClassDef):
+                names.add(node.name)
+                own = members.setdefault(node.name, set())
+                for sub in ast.walk(node):
+                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        own.add(sub.name)
+                    elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                        own.add(sub.attr)
+                    elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                        own.add(sub.id)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return names, members, modules
+
+
+OUTSIDE = {"LogitsProcessor"}  # transformers' names the document points at
+
+
+def test_every_class_and_member_the_architecture_names_exists():
+    """Each `Name` (a class) and `Name.member` in ARCHITECTURE.md is defined in disagg, the
+    member in that class; a dotted module prefix (`remote.decode.DecodeRemote`) must be a
+    module. So a rename that forgets the document fails here."""
+    names, members, modules = _definitions()
+    bad = []
+    for token in set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)`", ARCH)):
+        parts = token.split(".")
+        if parts[-1] in {"py", "json", "toml", "md"} or token in OUTSIDE:
+            continue
+        if not (parts[0][:1].isupper() or len(parts) > 1):
+            continue  # a lowercase word: a value, a flag's argument, a field
+        lead = next((i for i in range(len(parts), 0, -1)
+                     if ".".join(parts[:i]) in modules), 0)
+        rest = parts[lead:]
+        if not rest or rest[0] not in names:
+            bad.append(token)
+        elif len(rest) > 1 and rest[0] in members and rest[1] not in members[rest[0]]:
+            bad.append(token)
+    assert not bad, sorted(bad)
