@@ -105,3 +105,47 @@ def paged_decode_attention(
     batch = q.shape[0]
     cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale, kv_scales)
+
+
+# Block-FP8 linear layers (disagg.kernels.fp8_gemm): 128-column activation groups, 128 x 128
+# weight blocks; a scale multiplies its FP8 values back (x = x_fp8 * scale).
+FP8_GROUP = 128
+FP8_AMAX_FLOOR = 1e-10  # an all-zero group's scale is FP8_AMAX_FLOOR / 448, not 0
+
+
+def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block_rows: int) -> torch.Tensor:
+    """``scale [ceil(rows/block_rows), ceil(cols/128)]`` -> one value per element, float32."""
+    s = scale.to(torch.float32).repeat_interleave(block_rows, dim=0)[:rows]
+    return s.repeat_interleave(FP8_GROUP, dim=1)[:, :cols]
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(x_fp8 [M, K] float8_e4m3fn, x_scale [M, ceil(K/128)] float32)``:
+    each row's 128-column group (the last partial) scaled by ``max(amax, floor) / 448``."""
+    m, k = x.shape
+    groups = -(-k // FP8_GROUP)
+    xf = torch.zeros(m, groups * FP8_GROUP, dtype=torch.float32, device=x.device)
+    xf[:, :k] = x.to(torch.float32)
+    amax = xf.view(m, groups, FP8_GROUP).abs().amax(dim=-1)
+    scale = amax.clamp_min(FP8_AMAX_FLOOR) / 448.0
+    q = (xf[:, :k] / _expand_blocks(scale, m, k, 1)).clamp(-448.0, 448.0)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def fp8_block_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor,
+                     w_scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+                     ) -> torch.Tensor:
+    """``(x_fp8 * x_scale) @ (w_fp8 * w_scale_inv).T`` in float32, returned in ``out_dtype``."""
+    m, k = x_fp8.shape
+    n = w_fp8.shape[0]
+    a = x_fp8.to(torch.float32) * _expand_blocks(x_scale, m, k, 1)
+    w = w_fp8.to(torch.float32) * _expand_blocks(w_scale_inv, n, k, FP8_GROUP)
+    return (a @ w.T).to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T`` as the FP8 kernels compute it: activations quantized by
+    ``quantize_groups``, the block-FP8 weight dequantized by its ``weight_scale_inv``."""
+    q, s = quantize_groups(x)
+    return fp8_block_matmul(q, s, w_fp8, w_scale_inv, out_dtype or x.dtype)

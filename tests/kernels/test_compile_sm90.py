@@ -127,3 +127,30 @@ def test_fp8_mla_kernels_compile_for_sm90() -> None:
              "stride_cp": "i64", "scale_ptr": "*fp32"}
     assert "cubin" in compile_sm90(mla._append_latent_kernel, types, dict(
         PAGE=16, WIDTH=576, WIDTH_PAD=1024, FP8=True))
+
+
+# Block-FP8 linear layers (disagg.kernels.fp8_gemm): every tile of the table, fp8 wgmma dots
+@pytest.mark.parametrize("entry", range(4))
+def test_fp8_gemm_compiles_for_sm90(entry: int) -> None:
+    from disagg.kernels import fp8_gemm
+
+    tile = fp8_gemm.TILE_TABLE[entry][1]
+    types = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
+             "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+             "stride_asm": "i32", "stride_bn": "i32", "stride_bsn": "i32", "stride_cm": "i32"}
+    asm = compile_sm90(fp8_gemm._fp8_gemm_kernel, types, dict(
+        EVEN_K=entry != 1, F32_DOT=False, GROUP=fp8_gemm.GROUP, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, GROUP_M=tile.group_m))
+    assert "cubin" in asm
+    if tile.block_m >= 64:  # Hopper's FP8 tensor-core instruction, not an upcast
+        assert "wgmma" in asm["ptx"] and "e4m3" in asm["ptx"]
+
+
+def test_fp8_quantize_groups_compiles_for_sm90() -> None:
+    from disagg.kernels import fp8_gemm
+
+    types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32",
+             "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32"}
+    asm = compile_sm90(fp8_gemm._quantize_groups_kernel, types,
+                       dict(ROWS=16, GROUP=fp8_gemm.GROUP))
+    assert "cubin" in asm and "div.rn.f32" in asm["ptx"]
