@@ -1,8 +1,14 @@
-"""What the scheduler does with each client frame (``ClientIntake``, a base of
-``SchedulerActor``): a generate request is admitted (limits per client and in total, duplicate
-ids, its prompt checked, a long text tokenized off the event loop) into the fair queue, or
-refused; an abort ends a live or tokenizing request; a stats request is answered; a client that
-left or stopped reading has its requests ended."""
+"""What the scheduler does with each client frame (``ClientIntake``, an object the scheduler
+owns): a generate request is admitted (limits per client and in total, duplicate ids, its
+prompt checked, a long text tokenized off the event loop) into the fair queue, or refused; an
+abort ends a live or tokenizing request; a stats request is answered; a client that left or
+stopped reading has its requests ended.
+
+The intake owns what is about client frames and admission: the fair queue of admitted
+requests not handed to batching yet, the live count of each tenant, the tenants, the requests
+being tokenized, and the frames of each client handled but not yet counted in a reply (acks).
+The live requests are the scheduler's: the intake sees them, and replies, through
+``IntakeHost``."""
 
 from __future__ import annotations
 
@@ -11,17 +17,16 @@ import collections
 import logging
 import random
 import time
-from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, Protocol
 
 import msgspec
 
 from disagg.engine.scheduling import Sequence
-from disagg.model.config import ModelArch
-from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from disagg.model.tokenizer import Tokenizer
 from disagg.protocol import (
     Abort,
+    ClientMessage,
     Error,
     ErrorCode,
     Finished,
@@ -46,46 +51,93 @@ log = logging.getLogger("disagg.actors.scheduler.scheduler")
 INLINE_TOKENIZE_CHARS = 16 << 10  # longer prompt texts are tokenized on a worker thread
 
 
-@dataclass
-class Live:
-    identity: bytes
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    admitted_at: float = 0.0  # monotonic
+class IntakeHost(Protocol):
+    """The scheduler as its intake sees it."""
+
+    def live_request(self, key: tuple[bytes, str]) -> Sequence | None: ...
+
+    def requests_of(self, identity: bytes) -> list[Sequence]: ...
+
+    def make_live(self, identity: bytes, seq: Sequence, admitted_at: float) -> None: ...
+
+    def next_slot(self) -> int: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+
+    def usage(self, seq: Sequence) -> Usage: ...
+
+    def stats(self) -> Stats: ...
+
+    async def send(self, identity: bytes, msg: NodeReply) -> None: ...
+
+    async def end(self, seq: Sequence, terminal: Finished | Error) -> None: ...
 
 
 class ClientIntake:
-    """Admission and the other client frames; the scheduler's state it works on is declared
-    here and set up by ``SchedulerActor``."""
+    def __init__(self, host: IntakeHost, limits: Limits, counters: Counters,
+                 tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 raise_hint: str):
+        """``counters``: the scheduler's (the intake counts what it starts, refuses and ends);
+        ``raise_hint``: what a user raises for longer contexts."""
+        self.host = host
+        self.limits = limits
+        self.counters = counters
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.raise_hint = raise_hint
+        self.per_client: collections.Counter[bytes] = collections.Counter()  # live + tokenizing
+        self.tenant_of: dict[bytes, bytes] = {}  # identity -> its tenant (a client key)
+        self.queue: FairQueue[Sequence] = FairQueue()  # admitted, not handed to batching yet
+        self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}
+        self._acks: dict[bytes, int] = {}  # client frames handled, not yet counted in a reply
+        self._in_vocab = msgspec.msgpack.Decoder(  # a client's prompt ids (FromClient.prompt)
+            list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]])
 
-    limits: Limits
-    arch: ModelArch
-    tokenizer: Tokenizer | None
-    max_model_len: int
-    raise_hint: str
-    live: dict[tuple[bytes, str], Live]
-    by_slot: dict[int, tuple[bytes, str]]
-    per_client: collections.Counter[bytes]  # live + tokenizing, per tenant
-    tenant_of: dict[bytes, bytes]  # identity -> its tenant (a client key), as first seen
-    queue: FairQueue[Sequence]  # admitted, not handed to batching yet
-    tokenizing: dict[tuple[bytes, str], GenerateRequest]
-    counters: Counters
-    _acks: dict[bytes, int]
-    _slots: Iterator[int]
-    _in_vocab: msgspec.msgpack.Decoder[list[int]]
+    # ------------------------------------------------------------------ the scheduler's reads
 
-    if TYPE_CHECKING:  # SchedulerActor's
-        def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
-        def stats(self) -> Stats: ...
-        def _usage(self, seq: Sequence) -> Usage: ...
-        async def _send(self, identity: bytes, msg: NodeReply) -> None: ...
-        async def _end(self, seq: Sequence, terminal: Finished | Error) -> None: ...
+    def take_acks(self, identity: bytes) -> int:
+        """The frames of ``identity`` handled since its last reply (the reply now counts them)."""
+        return self._acks.pop(identity, 0)
+
+    def pop_acks(self) -> tuple[bytes, int] | None:
+        """A client with handled frames no reply counted yet, and their number."""
+        return self._acks.popitem() if self._acks else None
+
+    def queued(self) -> int:
+        return len(self.queue)
+
+    def next_queued(self) -> Sequence | None:
+        """The next queued request to hand to batching (round robin over tenants)."""
+        return self.queue.pop()
+
+    def expired(self, now: float) -> list[Sequence]:
+        return self.queue.expired(now)
+
+    def next_deadline(self) -> float | None:
+        return self.queue.next_deadline()
+
+    def has_tokenizing(self) -> bool:
+        return bool(self.tokenizing)
+
+    def waiting(self) -> int:
+        """Admitted requests not handed to batching, tokenizing ones included (Stats)."""
+        return len(self.queue) + len(self.tokenizing)
+
+    def ended(self, identity: bytes, seq: Sequence) -> None:
+        """A live request of ``identity`` ended: no longer counted, no longer queued."""
+        self._forget_client(identity)
+        self.queue.remove(self._tenant(identity), seq)
+
+    # ------------------------------------------------------------------ client frames
 
     def _tenant(self, identity: bytes) -> bytes:
         """The unit of fairness of ``identity``'s requests: its client key, else itself."""
         return self.tenant_of.get(identity, identity)
 
     async def handle(self, env: FromClient) -> None:
+        """One client frame (counted as handled: the next reply to its client acks it)."""
+        self._acks[env.identity] = self._acks.get(env.identity, 0) + 1
         if env.tenant is not None and env.identity not in self.tenant_of:
             # a NUL first byte: no routing id a client may choose (libzmq reserves those)
             self.tenant_of[env.identity] = b"\0" + env.tenant
@@ -98,27 +150,33 @@ class ClientIntake:
                 await self._admit(env.identity, req, env.prompt, in_vocab)
             case Abort(request_id=rid):
                 key = (env.identity, rid)
-                live = self.live.get(key)
+                seq = self.host.live_request(key)
                 if key in self.tokenizing:  # dropped when its tokens come back
                     del self.tokenizing[key]
                     self._forget_client(env.identity)
                     self.counters.aborted += 1
-                    await self._send(env.identity, Finished(rid, "abort", Usage(0, 0)))
+                    await self.host.send(env.identity, Finished(rid, "abort", Usage(0, 0)))
                     return
-                if live is None:
-                    await self._send(env.identity, Error("unknown_request",
-                                                         f"no live request {rid!r}", rid))
+                if seq is None:
+                    await self.host.send(env.identity, Error("unknown_request",
+                                                             f"no live request {rid!r}", rid))
                     return
-                await self._end(live.seq, Finished(rid, "abort", self._usage(live.seq)))
+                await self.host.end(seq, Finished(rid, "abort", self.host.usage(seq)))
             case StatsRequest():
-                await self._send(env.identity, self.stats())
+                await self.host.send(env.identity, self.host.stats())
+
+    async def refuse_frame(self, env: FromClient, refuse: Callable[[ClientMessage], Error]
+                           ) -> None:
+        """Answer a frame with ``refuse``'s Error, unhandled (the node is stopping)."""
+        self._acks[env.identity] = self._acks.get(env.identity, 0) + 1
+        await self.host.send(env.identity, refuse(env.msg))
 
     async def _admit(self, identity: bytes, req: GenerateRequest,
                      encoded: memoryview | None = None, in_vocab: bool = False) -> None:
         """Make ``req`` live or refuse it (``encoded``: its prompt ids as they came, msgpack;
         ``in_vocab``: its prompt ids were checked against the vocabulary as they were decoded)."""
         key = (identity, req.request_id)
-        if key in self.live or key in self.tokenizing:
+        if self.host.live_request(key) is not None or key in self.tokenizing:
             await self._refuse(identity, req, "duplicate_request",
                                f"request_id {req.request_id!r} is already live")
             return
@@ -140,10 +198,10 @@ class ClientIntake:
             self.tokenizing[key] = req  # counted live for its client from now on
             self.per_client[tenant] += 1
             self.counters.started += 1
-            self.spawn(self._tokenize_then_admit(identity, req))
+            self.host.spawn(self._tokenize_then_admit(identity, req))
             return
         try:
-            ids = prepare_prompt(req, self.tokenizer, self.arch.vocab_size, self.max_model_len,
+            ids = prepare_prompt(req, self.tokenizer, self.vocab_size, self.max_model_len,
                                  self.raise_hint, ids_in_vocab=in_vocab)
         except RequestRejected as e:
             await self._refuse(identity, req, e.code, str(e))
@@ -158,10 +216,9 @@ class ClientIntake:
         """The queue is full and a client below its share came: the newest queued request
         of the client holding the most ends ``overloaded`` to make room."""
         seq = self.queue.newest_of_largest()
-        key = self.by_slot.get(seq.slot) if seq is not None else None
-        if seq is None or key is None:
+        if seq is None:
             return
-        await self._end(seq, Error(
+        await self.host.end(seq, Error(  # a request no longer live is not ended again
             "overloaded", f"{self.limits.queued} requests are queued (--max-queued-requests) "
             "and this client holds more than its share: its newest queued request gave way "
             "to another client's; retry later", seq.request_id))
@@ -169,19 +226,19 @@ class ClientIntake:
     async def _refuse(self, identity: bytes, req: GenerateRequest, code: ErrorCode,
                       why: str) -> None:
         self.counters.rejected += 1
-        await self._send(identity, Error(code, why, req.request_id))
+        await self.host.send(identity, Error(code, why, req.request_id))
 
     async def _tokenize_then_admit(self, identity: bytes, req: GenerateRequest) -> None:
         key = (identity, req.request_id)
         try:
             ids = await asyncio.to_thread(prepare_prompt, req, self.tokenizer,
-                                          self.arch.vocab_size, self.max_model_len,
+                                          self.vocab_size, self.max_model_len,
                                           self.raise_hint)
         except RequestRejected as e:
             if self.tokenizing.pop(key, None) is not None:
                 self._forget_client(identity)
                 self.counters.errored += 1
-                await self._send(identity, Error(e.code, str(e), req.request_id))
+                await self.host.send(identity, Error(e.code, str(e), req.request_id))
             return
         if self.tokenizing.pop(key, None) is None:
             return  # aborted (or its client left) meanwhile
@@ -196,15 +253,13 @@ class ClientIntake:
     def _accept(self, identity: bytes, req: GenerateRequest, ids: list[int],
                 encoded: memoryview | None = None) -> None:
         """Make a validated request live and queue it fairly among its client's others."""
-        key = (identity, req.request_id)
         p = req.sampling
         seed = p.seed if p.seed is not None else random.getrandbits(63)
-        slot = next(self._slots)
+        slot = self.host.next_slot()
         seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot, prompt_msgpack=encoded,
                        cache_salt=req.cache_salt)
         now = time.monotonic()
-        self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer, ids), now)
-        self.by_slot[slot] = key
+        self.host.make_live(identity, seq, now)
         self.queue.push(self._tenant(identity), seq, now + self.limits.queue_timeout_s)
 
     async def client_gone(self, msg: ClientGone) -> None:
@@ -213,15 +268,23 @@ class ClientIntake:
             del self.tokenizing[key]
             self._forget_client(msg.identity)
             self.counters.aborted += 1
-        lives = [live for key, live in self.live.items() if key[0] == msg.identity]
-        if lives:
-            log.info("ending %d requests of client %r: %s", len(lives), msg.identity, msg.reason)
-        for live in lives:
-            rid = live.seq.request_id
+        seqs = self.host.requests_of(msg.identity)
+        if seqs:
+            log.info("ending %d requests of client %r: %s", len(seqs), msg.identity, msg.reason)
+        for seq in seqs:
+            rid = seq.request_id
             if msg.reason == "stalled":
-                await self._end(live.seq, Error("overloaded", "the client stopped reading its "
-                                                "replies; its requests were ended", rid))
+                await self.host.end(seq, Error("overloaded", "the client stopped reading its "
+                                               "replies; its requests were ended", rid))
             else:
-                await self._end(live.seq, Finished(rid, "abort", self._usage(live.seq)))
+                await self.host.end(seq, Finished(rid, "abort", self.host.usage(seq)))
         self._acks.pop(msg.identity, None)
         self.tenant_of.pop(msg.identity, None)
+
+    async def fail_tokenizing(self, code: ErrorCode, message: str) -> None:
+        """End every request being tokenized with an Error (shutdown, executor failure)."""
+        for identity, rid in list(self.tokenizing):
+            del self.tokenizing[(identity, rid)]
+            self._forget_client(identity)
+            self.counters.errored += 1
+            await self.host.send(identity, Error(code, message, rid))

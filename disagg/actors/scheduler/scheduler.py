@@ -4,30 +4,29 @@ Receives: ``FromClient`` (generate / abort / stats) and ``ClientGone`` from the 
 ``inproc://``.
 Sends: ``ToClient`` (token chunks, finished, errors, stats; each counts the client frames it
 finishes handling) back to the frontend; ``StepPlan`` to the executors through ``ExecutorGroup``.
-Owns: the page pool, the batch scheduler, every live request and its detokenizer, and the fair
-queue of admitted requests that have not started (round robin over clients, each entry with
-its deadline). Admission is bounded per client and in total (``overloaded``); long prompt texts
-are tokenized off the event loop, after a size check that needs no tokenizing (the client
-frames' part: ``disagg.actors.scheduler.intake``).
+Owns: the page pool, the batch scheduler, every live request and its detokenizer, and its
+intake (``disagg.actors.scheduler.intake.ClientIntake``): the client frames, admission bounded
+per client and in total (``overloaded``), long prompt texts tokenized off the event loop, and
+the fair queue of admitted requests that have not started (round robin over clients, each
+entry with its deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from disagg.actors.executor.executor_group import ExecutorError, ExecutorGroup
-from disagg.actors.scheduler.intake import ClientIntake, Live
+from disagg.actors.scheduler.intake import ClientIntake
 from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.actors.scheduler.stepping import Stepper
 from disagg.actors.sockets import pending
@@ -36,13 +35,12 @@ from disagg.engine.core import EngineCore
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
 from disagg.engine.speculative import Speculation
 from disagg.model.config import ModelArch
-from disagg.model.tokenizer import Tokenizer
+from disagg.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.protocol import (
     ClientMessage,
     Error,
     ErrorCode,
     Finished,
-    GenerateRequest,
     NodeReply,
     Stats,
     TokenChunk,
@@ -55,13 +53,18 @@ from disagg.protocol.inproc import (
     ToClient,
     ToScheduler,
 )
-from disagg.serving.admission import (
-    Counters,
-    FairQueue,
-    Limits,
-)
+from disagg.serving.admission import Counters, Limits
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Live:
+    identity: bytes
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    admitted_at: float = 0.0  # monotonic
+
 
 @dataclass(frozen=True)
 class SchedulerSetup:
@@ -81,7 +84,7 @@ class SchedulerSetup:
     overlap: bool = False  # overlapped decoding (disagg.engine.core)
 
 
-class SchedulerActor(ClientIntake):
+class SchedulerActor:
     def __init__(self, role: str, setup: SchedulerSetup, inbox: zmq.asyncio.Socket | None = None,
                  mbox: zmq.asyncio.Socket | None = None,
                  side: Callable[[SchedulerActor], SchedulerSide] | None = None):
@@ -114,21 +117,16 @@ class SchedulerActor(ClientIntake):
                                        if setup.speculative else {}))
         self.live: dict[tuple[bytes, str], Live] = {}
         self.by_slot: dict[int, tuple[bytes, str]] = {}
-        self.per_client: collections.Counter[bytes] = collections.Counter()  # live + tokenizing
-        self.tenant_of: dict[bytes, bytes] = {}  # identity -> its tenant (intake.py)
-        self.queue: FairQueue[Sequence] = FairQueue()  # admitted, not handed to batching yet
-        self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}
-        self._acks: dict[bytes, int] = {}  # client frames handled, not yet counted in a reply
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = Counters()
         self._slots = itertools.count()
+        self.intake = ClientIntake(self, self.limits, self.counters, self.tokenizer,
+                                   arch.vocab_size, max_model_len, self.raise_hint)
         # the engine core plans and applies every step (a step spans layers + 1 counter values)
         self.core = EngineCore(self.sched, setup.overlap, arch.num_layers + 1)
         self.stepper = Stepper(self)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)
-        self._in_vocab = msgspec.msgpack.Decoder(  # a client's prompt ids (FromClient.prompt)
-            list[Annotated[int, msgspec.Meta(ge=0, lt=arch.vocab_size)]])
         self._stopping = False
         self.mbox = mbox
         self._mdec = msgspec.msgpack.Decoder(ToScheduler)
@@ -178,10 +176,9 @@ class SchedulerActor(ClientIntake):
                 if sock is self.inbox:
                     msg = self._dec.decode(data)
                     if isinstance(msg, ClientGone):
-                        await self.client_gone(msg)
+                        await self.intake.client_gone(msg)
                         continue
-                    self._acks[msg.identity] = self._acks.get(msg.identity, 0) + 1
-                    await self.handle(msg)
+                    await self.intake.handle(msg)
                 else:
                     await self.handle_messenger(self._mdec.decode(data))
         await self.pages_changed()
@@ -189,23 +186,23 @@ class SchedulerActor(ClientIntake):
     def _idle_timeout_ms(self) -> int | None:
         """How long an idle loop may block: until the next queue deadline, at most 1 s while
         anything is queued (None: nothing waits on a clock)."""
-        if self.tokenizing:  # a worker thread's result is not a socket event: look again soon
-            return 20
+        if self.intake.has_tokenizing():  # a worker thread's result: no socket event
+            return 20  # look again soon
         nxt = self.next_deadline()
         if nxt is None:
             return None
         return max(1, min(1000, int(1000 * (nxt - time.monotonic())) + 1))
 
     def next_deadline(self) -> float | None:
-        heads = [d for d in (self.queue.next_deadline(), self.side.next_deadline())
+        heads = [d for d in (self.intake.next_deadline(), self.side.next_deadline())
                  if d is not None]
         return min(heads) if heads else None
 
     async def _feed(self) -> None:
         """Hand queued requests to batching, round robin over clients, while seats are free
         (a short hand-off keeps a late client's request from waiting behind a flood)."""
-        while self.queue and self.in_flight() < self.sched.max_running:
-            seq = self.queue.pop()
+        while self.intake.queued() and self.in_flight() < self.sched.max_running:
+            seq = self.intake.next_queued()
             assert seq is not None
             await self.enqueue(seq)
 
@@ -214,7 +211,7 @@ class SchedulerActor(ClientIntake):
         return len(self.sched.running) + len(self.sched.waiting) + self.side.in_flight()
 
     async def _expire(self, now: float) -> None:
-        for seq in self.queue.expired(now):
+        for seq in self.intake.expired(now):
             await self._timeout(seq)
         await self.side.expire(now)
 
@@ -229,8 +226,8 @@ class SchedulerActor(ClientIntake):
 
     async def _flush_acks(self) -> None:
         """Count handled frames that no reply carried (an admitted request, say)."""
-        while self._acks:
-            identity, n = self._acks.popitem()
+        while (acks := self.intake.pop_acks()) is not None:
+            identity, n = acks
             await self._to_frontend(ToClient(identity, n))
 
     async def step_failed(self, seq: Sequence, error: str) -> None:
@@ -262,14 +259,31 @@ class SchedulerActor(ClientIntake):
         live = self.live[key]
         self.side.emitting(seq)
         text = live.detok.push(update.new_token_ids)
-        await self._send(live.identity, TokenChunk(seq.request_id, update.new_token_ids, text))
+        await self.send(live.identity, TokenChunk(seq.request_id, update.new_token_ids, text))
         if update.finish_reason is not None and not await self.side.hold_finish(
                 seq, update.finish_reason):
-            await self._end(seq, Finished(seq.request_id, update.finish_reason, self._usage(seq),
+            await self._end(seq, Finished(seq.request_id, update.finish_reason, self.usage(seq),
                                           timings=self.side.timings_of(seq)))
 
     def next_slot(self) -> int:
         return next(self._slots)
+
+    # ------------------------------------------------------------------ the intake's host
+
+    def live_request(self, key: tuple[bytes, str]) -> Sequence | None:
+        live = self.live.get(key)
+        return None if live is None else live.seq
+
+    def requests_of(self, identity: bytes) -> list[Sequence]:
+        return [live.seq for key, live in self.live.items() if key[0] == identity]
+
+    def make_live(self, identity: bytes, seq: Sequence, admitted_at: float) -> None:
+        """An admitted request (queued by the intake) becomes live: its replies stream."""
+        key = (identity, seq.request_id)
+        self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer,
+                                                                    seq.prompt_ids),
+                              admitted_at)
+        self.by_slot[seq.slot] = key
 
     async def end(self, seq: Sequence, terminal: Finished | Error) -> None:
         """End a live request with ``terminal`` (a side's call)."""
@@ -285,8 +299,7 @@ class SchedulerActor(ClientIntake):
         if key is None:
             return
         live = self.live.pop(key)
-        self._forget_client(live.identity)
-        self.queue.remove(self._tenant(live.identity), seq)
+        self.intake.ended(live.identity, seq)
         await self.release(seq)
         if isinstance(terminal, Error):
             self.counters.errored += 1
@@ -294,7 +307,7 @@ class SchedulerActor(ClientIntake):
             self.counters.aborted += 1
         else:
             self.counters.finished += 1
-        await self._send(live.identity, terminal)
+        await self.send(live.identity, terminal)
 
     async def release(self, seq: Sequence) -> None:
         """Take an ended sequence out of batching and free its pages."""
@@ -309,12 +322,8 @@ class SchedulerActor(ClientIntake):
                 await self._end(live.seq, Error(code, message, rid))
             except Exception:  # noqa: BLE001 - a broken state (the failure) still answers all
                 log.exception("ending %s", rid)
-                await self._send(live.identity, Error(code, message, rid))
-        for identity, rid in list(self.tokenizing):
-            del self.tokenizing[(identity, rid)]
-            self._forget_client(identity)
-            self.counters.errored += 1
-            await self._send(identity, Error(code, message, rid))
+                await self.send(live.identity, Error(code, message, rid))
+        await self.intake.fail_tokenizing(code, message)
 
     def stop(self) -> None:
         self._stopping = True
@@ -329,8 +338,7 @@ class SchedulerActor(ClientIntake):
         async for data in pending(self.inbox):
             msg = self._dec.decode(data)
             if not isinstance(msg, ClientGone):
-                self._acks[msg.identity] = self._acks.get(msg.identity, 0) + 1
-                await self._send(msg.identity, refuse(msg.msg))
+                await self.intake.refuse_frame(msg, refuse)
 
     # ------------------------------------------------------------------ replies
 
@@ -340,7 +348,7 @@ class SchedulerActor(ClientIntake):
             role=self.role, pages_total=self.pool.num_pages, pages_free=self.pool.num_free,
             pages_cached=self.pool.num_cached, **self.sched.counters(),
             page_size=self.page_size, running=len(self.sched.running),
-            waiting=len(self.sched.waiting) + len(self.queue) + len(self.tokenizing),
+            waiting=len(self.sched.waiting) + self.intake.waiting(),
             started=c.started, finished=c.finished,
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
@@ -349,15 +357,15 @@ class SchedulerActor(ClientIntake):
             | ({} if n is None else {"transfers_in_flight": n}),
         )
 
-    def _usage(self, seq: Sequence) -> Usage:
+    def usage(self, seq: Sequence) -> Usage:
         return Usage(len(seq.prompt_ids), len(seq.output_ids), self.side.cached_tokens(seq))
 
-    async def _send(self, identity: bytes, msg: NodeReply) -> None:
+    async def send(self, identity: bytes, msg: NodeReply) -> None:
         """Reply to a client, counting the frames of it handled since the last reply."""
         kind: Literal["reply", "terminal", "stats"] = (
             "stats" if isinstance(msg, Stats) else "terminal" if isinstance(msg, Finished) or (
                 isinstance(msg, Error) and msg.request_id is not None) else "reply")
-        await self._to_frontend(ToClient(identity, self._acks.pop(identity, 0), kind),
+        await self._to_frontend(ToClient(identity, self.intake.take_acks(identity), kind),
                                 self._enc.encode(msg))
 
     async def _to_frontend(self, out: ToClient, reply: bytes | None = None) -> None:
