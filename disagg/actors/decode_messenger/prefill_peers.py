@@ -172,12 +172,26 @@ class Challenges:
         The slot is read even when the wait timed out: a nonce written under a challenge key
         this side had already rotated lands (counted as junk) without completing the wait.
         ``abstain`` (an empty answer): the request named no longer wants KV (aborted; its
-        registration may have closed before the nonce could land)."""
+        registration may have closed before the nonce could land). Its nonce is read all the
+        same and counts as answered: else the next check, under a key whose expectation an
+        earlier one completed, would find it in the slot and answer with it (a wrong answer
+        that refuses the connection for a while: seen after a prefiller restarted, reading
+        requests queued to it that the decoder had aborted meanwhile)."""
+        nonce = await self._read_nonce(peer, ch, wait_key=not abstain)
+        reply = ChallengeAnswer(ch.id, b"" if abstain else nonce)
+        with contextlib.suppress(zmq.ZMQError):
+            await peer.sock.send(self._enc.encode(reply), zmq.NOBLOCK)
         if abstain:
-            with contextlib.suppress(zmq.ZMQError):
-                await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, b"")), zmq.NOBLOCK)
             return
-        if peer.challenge is not None:
+        if not ch.request_id:  # the check of our offer: its window is done with
+            close_offer(peer)
+
+    async def _read_nonce(self, peer: Peer, ch: Challenge, wait_key: bool) -> bytes:
+        """The nonce of ``ch`` in ``peer``'s slot, once it landed (or after the waits),
+        recorded as the last one answered. ``wait_key``: first wait for the writes of the
+        current challenge key (not for an abstention: its writes may carry an older key, and
+        its answer must reach the prefiller within the ownership timeout)."""
+        if wait_key and peer.challenge is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(peer.challenge[1].future), CHALLENGE_WAIT_S)
         n = NONCE_BYTES * max(1, min(ch.lanes, MAX_LANES))
@@ -189,10 +203,7 @@ class Challenges:
                ) == peer.answered_nonce and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         peer.answered_nonce = nonce
-        with contextlib.suppress(zmq.ZMQError):
-            await peer.sock.send(self._enc.encode(ChallengeAnswer(ch.id, nonce)), zmq.NOBLOCK)
-        if not ch.request_id:  # the check of our offer: its window is done with
-            close_offer(peer)
+        return nonce
 
 
 def offer_due(peer: Peer, now: float) -> bool:
