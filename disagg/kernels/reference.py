@@ -127,7 +127,9 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = torch.zeros(m, groups * FP8_GROUP, dtype=torch.float32, device=x.device)
     xf[:, :k] = x.to(torch.float32)
     amax = xf.view(m, groups, FP8_GROUP).abs().amax(dim=-1)
-    scale = amax.clamp_min(FP8_AMAX_FLOOR) / 448.0
+    # a tensor divisor: CUDA torch turns division by a Python scalar into a multiplication
+    # by its reciprocal (not the correctly rounded quotient the kernel's div_rn computes)
+    scale = amax.clamp_min(FP8_AMAX_FLOOR) / torch.full_like(amax, 448.0)
     q = (xf[:, :k] / _expand_blocks(scale, m, k, 1)).clamp(-448.0, 448.0)
     return q.to(torch.float8_e4m3fn), scale
 
