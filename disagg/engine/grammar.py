@@ -1,0 +1,221 @@
+"""Grammar-constrained decoding on the host (xgrammar): compiling a request's constraint
+(``disagg.protocol.structured.StructuredOutput``) and one matcher per constrained request.
+
+Only the node that samples (mixed or decode) holds these: the scheduler process compiles a
+request's constraint when it admits it (``Grammars.compile``, off the event loop with a time
+bound: ``disagg.actors.scheduler.intake``), keeps the request's ``GrammarState`` on its
+``Sequence`` and, each step the sequence samples in, sends the packed bitmask of the tokens
+its grammar admits next (``GrammarState.mask``, ``SeqChunk.allowed``); the executor applies it
+to the row's logits on the device (``disagg.engine.constraints``) and the sampled token advances
+the matcher when the step's result comes back (``BatchScheduler.update``). The first output
+token is constrained like the others (its mask is the initial state's), on either node.
+
+xgrammar is an optional dependency (the ``structured`` extra): without it ``Grammars`` refuses
+every constrained request by name, never serving one unconstrained.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import json
+import threading
+from typing import TYPE_CHECKING, Any
+
+from disagg.protocol.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    from disagg.model.tokenizer import Tokenizer
+
+COMPILE_TIMEOUT_S = 10.0  # a constraint whose compilation takes longer is refused
+COMPILE_THREADS = 2  # threads compiling constraints (a slow one delays only the next ones)
+CACHE_ENTRIES = 256  # compiled grammars kept, by constraint (least recently used dropped)
+EXTRA = "structured"  # the pip extra that installs xgrammar
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be served; the message names the request parameter."""
+
+
+def xgrammar_available() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row's bitmask: token t is bit ``t % 32`` of word ``t // 32``."""
+    return -(-vocab_size // 32)
+
+
+def tokenizer_info(tok: Tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
+    """xgrammar's ``TokenizerInfo`` from the node's own tokenizer: its encoded vocabulary (by
+    id; ids the tokenizer lacks and special tokens other than ``stop_ids`` are empty, never
+    admitted), the vocabulary type and prefix-space
+    rule read from its ``tokenizer.json`` (byte-level BPE for SmolLM2, Llama 3, Qwen; byte
+    fallback for SentencePiece ones), ``vocab_size`` the model's logits (may exceed the
+    tokenizer's) and ``stop_ids`` the model's EOS tokens (what ends a complete output)."""
+    import xgrammar as xgr
+
+    backend = tok.backend
+    vocab = backend.get_vocab(with_added_tokens=True)
+    size = max(vocab_size, max(vocab.values(), default=-1) + 1)
+    encoded = [""] * size
+    for text, i in vocab.items():
+        encoded[i] = text
+    for i, added in backend.get_added_tokens_decoder().items():
+        if added.special and i not in stop_ids and i < size:
+            encoded[i] = ""  # a special token (BOS, pad, tool markers) is never text to admit
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=size,
+                             stop_token_ids=list(stop_ids),
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+def _ebnf_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # EBNF string literals escape as JSON's
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer and vocabulary, caching them by constraint.
+    ``compile`` may run on worker threads (xgrammar releases the GIL); it raises
+    ``GrammarError`` for a constraint that is invalid or admits no output."""
+
+    def __init__(self, tok: Tokenizer | None, vocab_size: int, stop_ids: tuple[int, ...],
+                 refuse: str | None = None):
+        """``refuse``: why this node serves no constraint at all (e.g. speculative decoding),
+        said in every refusal."""
+        self.tok, self.vocab_size, self.stop_ids = tok, vocab_size, stop_ids
+        self.refuse = refuse
+        self._compiler: Any = None
+        self._info: Any = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[tuple[str, str, tuple[str, ...]], Any] = (
+            collections.OrderedDict())
+
+    @functools.cached_property
+    def threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads ``compile`` runs on (off the event loop)."""
+        return concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
+                                                     thread_name_prefix="grammar")
+
+    def unavailable(self, param: str) -> str | None:
+        """Why a constraint from ``param`` cannot be served here at all, or None."""
+        if self.refuse is not None:
+            return f"{param}: {self.refuse}"
+        if self.tok is None:
+            return f"{param}: this model has no tokenizer, so its output cannot be constrained"
+        if not xgrammar_available():
+            return (f"{param}: constrained decoding needs xgrammar, which is not installed on "
+                    f"this node (pip install 'disagg[{EXTRA}]')")
+        return None
+
+    def _ensure(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                assert self.tok is not None
+                self._info = tokenizer_info(self.tok, self.vocab_size, self.stop_ids)
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=2,
+                                                     cache_enabled=False)
+            return self._compiler
+
+    def compile(self, so: StructuredOutput) -> GrammarState:
+        """A fresh matcher for ``so`` (compiled once per distinct constraint)."""
+        why = self.unavailable(so.param) or so.validate()
+        if why is not None:
+            raise GrammarError(why)
+        key = so.key()
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+        if compiled is None:
+            compiled = self._compile(self._ensure(), so)
+            with self._lock:
+                self._cache[key] = compiled
+                while len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+        state = GrammarState(compiled, self._info.vocab_size)
+        if not state.satisfiable():
+            raise GrammarError(f"{so.param}: the {so.kind} constraint admits no output")
+        return state
+
+    def _compile(self, compiler: Any, so: StructuredOutput) -> Any:
+        try:
+            if so.kind == "json":
+                try:
+                    schema = json.loads(so.spec)
+                except ValueError as e:
+                    raise GrammarError(f"{so.param}: the JSON schema is not valid JSON: {e}"
+                                       ) from None
+                if not isinstance(schema, (dict, bool)):
+                    raise GrammarError(f"{so.param}: a JSON schema is an object or a boolean")
+                return compiler.compile_json_schema(so.spec, any_whitespace=False)
+            if so.kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if so.kind == "regex":
+                return compiler.compile_regex(so.spec)
+            if so.kind == "grammar":
+                return compiler.compile_grammar(so.spec)
+            alternatives = " | ".join(_ebnf_literal(c) for c in so.choices)
+            return compiler.compile_grammar(f"root ::= {alternatives}")
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with the reason
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise GrammarError(f"{so.param}: invalid {_WHAT[so.kind]}: {_strip_location(reason)}"
+                               ) from None
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+         "grammar": "grammar", "choice": "choice"}
+
+
+def _strip_location(reason: str) -> str:
+    """xgrammar's message without its ``[time] source.cc:line:`` prefix."""
+    if reason.startswith("[") and ": " in reason:
+        head, _, rest = reason.partition("] ")
+        if ".cc:" in rest.split(" ", 1)[0]:
+            return rest.split(": ", 1)[-1]
+    return reason
+
+
+class GrammarState:
+    """One request's matcher: the bitmask of what it admits next, advanced token by token."""
+
+    def __init__(self, compiled: Any, vocab_size: int):
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+        self.failed = False  # a token the grammar does not admit was fed (not expected)
+
+    def mask(self) -> bytes:
+        """The packed bitmask (``bitmask_words(vocab_size)`` little-endian int32 words) of the
+        tokens admitted next."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return bytes(self._bitmask.numpy().tobytes())
+
+    def satisfiable(self) -> bool:
+        """Some token is admitted at the start (a grammar admitting nothing is refused)."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return bool(self._bitmask.any().item())
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False when the grammar does not admit it (the matcher stays
+        where it was, ``failed`` is set)."""
+        ok = bool(self._matcher.accept_token(token))
+        if not ok:
+            self.failed = True
+        return ok
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete (the grammar accepted a stop token, or failed)."""
+        return self.failed or bool(self._matcher.is_terminated())
