@@ -157,6 +157,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-FP8 weights (128x128, kept as FP8: the FP8 GEMMs)")
+    ap.add_argument("--kv-fp8", action="store_true", help="FP8 KV pages (fp8_e4m3)")
     ap.add_argument("--quick", action="store_true",
                     help="decode steps only (graph, overlapped, B=1 profile): no eager steps, "
                          "prefill or full profiles")
@@ -180,16 +183,25 @@ def main() -> None:
     res["ceilings"] = ceilings(dev)
     arch = ModelArch.from_hf_config(QWEN3_8B)
     t = time.perf_counter()
-    model = random_model(arch, "bfloat16", dev, seed=0)
+    from disagg.model.fp8 import Fp8Format
+    from disagg.model.fp8_weights import kept
+    from disagg.model.fp8_weights import weight_bytes as fp8_weight_bytes
+
+    model = random_model(arch, "bfloat16", dev, seed=0,
+                         fp8=Fp8Format("fp8", (128, 128)) if args.fp8 else None)
+    res["fp8_weights"] = len(kept(model))
+    kv_dtype = torch.float8_e4m3fn if args.kv_fp8 else model.dtype
     torch.cuda.synchronize()
     res["random_weights_s"] = time.perf_counter() - t
     page = args.page_size
     per = -(-(args.ctx + 1) // page)
     num_pages = args.batch * per + -(-args.prefill // page) + 8
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page, arch.head_dim,
-                      model.dtype, arch.kv_parts)
-    alloc = KVAllocation.create(layout, dev)
-    alloc.tensor.normal_()
+                      kv_dtype, arch.kv_parts)
+    alloc = KVAllocation.create(layout, dev, kv_scales=model.kv_scales_id if args.kv_fp8 else "",
+                                model_dtype=model.dtype)
+    for layer in alloc.tensor:  # per layer: FP8 pages have no normal_
+        layer.copy_(torch.randn(layer.shape, dtype=torch.bfloat16, device=dev))
     counter = LayerCounter.create(dev)
     runner = ModelRunner(model, alloc.tensor, get_backend("triton", dev), counter)
     res["graph_capture_s"] = runner.enable_cuda_graphs(256, args.max_model_len)
@@ -244,8 +256,7 @@ def main() -> None:
     # 2. decode step timings
     kv_bytes = sum(c.start_pos + 1 for c in plan.chunks) * layout.page_bytes // page
     kv_bytes *= arch.num_layers
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                       if n != "embed")
+    weight_bytes = fp8_weight_bytes(model)
     bw = res["ceilings"]["copy_bytes_per_s"]
     roof_ms = (weight_bytes + kv_bytes) / bw * 1e3
     replay_ms = event_ms(lambda: graphs.graphs[b].replay(), 30)
@@ -315,6 +326,7 @@ def main() -> None:
     ops.FUSED = True
     lin = sum(p.numel() for nm, p in model.named_parameters()
               if nm not in ("embed", "lm_head") and p.dim() == 2)
+    lin += sum(w.q.numel() for w in kept(model).values())
     attn = 4 * arch.num_layers * arch.num_heads * arch.head_dim * n * (n + 1) / 2
     flops = 2 * lin * n + attn + 2 * arch.vocab_size * arch.hidden_size
     mm = res["ceilings"]["matmul_flops_per_s"]

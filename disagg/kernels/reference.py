@@ -151,3 +151,11 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
     ``quantize_groups``, the block-FP8 weight dequantized by its ``weight_scale_inv``."""
     q, s = quantize_groups(x)
     return fp8_block_matmul(q, s, w_fp8, w_scale_inv, out_dtype or x.dtype)
+
+
+def dequantize_weight(w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
+    """A block-FP8 weight ``[N, K]`` in float32: each 128x128 block (edges partial) times its
+    ``weight_scale_inv`` entry (what ``fp8_gemv`` multiplies one row of activations by)."""
+    n, k = w_fp8.shape
+    s = w_scale_inv.to(torch.float32).repeat_interleave(128, 0)[:n]
+    return w_fp8.to(torch.float32) * s.repeat_interleave(128, 1)[:, :k]

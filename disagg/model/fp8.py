@@ -146,7 +146,8 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]
     x = w.to(torch.float32)
     *lead, r, c = x.shape
     gr, gc = block_grid(tuple(x.shape), block)[-2:]
-    padded = torch.zeros(*lead, gr * block[0], gc * block[1], dtype=torch.float32)
+    padded = torch.zeros(*lead, gr * block[0], gc * block[1], dtype=torch.float32,
+                         device=x.device)
     padded[..., :r, :c] = x
     tiles = padded.reshape(*lead, gr, block[0], gc, block[1])
     amax = tiles.abs().amax(dim=(-3, -1))  # [..., gr, gc]

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
@@ -94,7 +93,7 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q = q.view(t, hq, d)
         k = k.view(t, hkv, d)
@@ -106,7 +105,7 @@ class DecoderLayer(nn.Module):
         k = k * cos + rotate_half(k) * sin
         backend.append_kv(k, v, k_cache, v_cache, meta, self.kv_scales)
         attn = backend.attend(q, k_cache, v_cache, meta, d**-0.5, self.kv_scales)
-        x = x + self.tp.all_reduce(F.linear(attn.reshape(t, hq * d), self.o_weight))
+        x = x + self.tp.all_reduce(linear(attn.reshape(t, hq * d), self.o_weight))
         return self._mlp(x, after_attention)
 
     def _mlp(self, x: torch.Tensor, after_attention: Callable[[], None] | None,

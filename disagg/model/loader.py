@@ -30,8 +30,17 @@ from disagg.model.fp8 import (
     check_block_shard,
     dequantize,
     quantizable,
+    quantize_blocks,
     round_to_fp8,
     scale_names,
+)
+from disagg.model.fp8_weights import (
+    Fp8Parts,
+    fp8_gemm_device,
+    install,
+    packable,
+    quantize_params,
+    shard_fp8,
 )
 from disagg.model.tp import TensorParallel
 from disagg.model.transformer import Transformer
@@ -126,12 +135,15 @@ FP8_BLOCK = (128, 128)  # --quantization fp8 of unquantized weights
 def load_model(
     path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
     tp: TensorParallel | None = None, mtp: bool = False, quantization: str = "auto",
+    fp8_gemm: bool | None = None,
 ) -> Transformer:
     """Load a checkpoint; under ``tp`` only this rank's slices (``disagg.model.tp``); with
     ``mtp`` its multi-token-prediction layer too (``disagg.model.mtp``). ``quantization``:
     ``auto`` reads the checkpoint as stored (FP8 ones dequantized); ``fp8`` also rounds an
     unquantized checkpoint's linear weights to the block format (128x128), as
-    ``disagg-quantize`` would store them."""
+    ``disagg-quantize`` would store them. ``fp8_gemm``: keep the dense layers' 128x128-block
+    FP8 weights as FP8 (``disagg.model.fp8_weights``); None = where the device has FP8 tensor
+    cores."""
     from safetensors import safe_open  # only here: random weights need no safetensors
 
     path = Path(path)
@@ -150,6 +162,17 @@ def load_model(
     if online:
         fp8 = Fp8Format("fp8", FP8_BLOCK)
     dequantized = 0
+    if fp8_gemm is None:
+        fp8_gemm = fp8 is not None and fp8.block == FP8_BLOCK and fp8_gemm_device(dev)
+    parts = Fp8Parts() if fp8_gemm and fp8 is not None and fp8.block == FP8_BLOCK else None
+
+    def keep_fp8(target: Target, q: torch.Tensor, scale: torch.Tensor) -> None:
+        param_name, expert, part, kind = target
+        if parts is not None and packable(param_name, expert):
+            split = 0 if kind in _ROW_KINDS else 1 if kind in _COL_KINDS else None
+            parts.add(param_name, part, *shard_fp8(
+                q, scale, kind, split, lambda k, t: _shard(tp, k, t, full)))
+
     with ExitStack() as stack:
         files = {file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
                  for file in safetensors_files(path)}
@@ -166,11 +189,16 @@ def load_model(
                 param = model.get_parameter(param_name)
                 raw = f.get_tensor(name)
                 if raw.dtype in FP8_DTYPES:
-                    raw = _dequantized(name, raw, where, fp8, tp, kind, full)
+                    q = raw
+                    raw, scale = _dequantized(name, raw, where, fp8, tp, kind, full)
+                    if raw.dtype == torch.float32 and q.dtype == torch.float8_e4m3fn:
+                        keep_fp8(target, q, scale)
                     dequantized += 1
                 elif online and quantizable(name, raw):
                     _check_blocks(name, raw, FP8_BLOCK, tp, kind, full)
-                    raw = round_to_fp8(raw.to(torch.float32), FP8_BLOCK)
+                    q, scale = quantize_blocks(raw.to(torch.float32), FP8_BLOCK)
+                    raw = dequantize(name, q, scale, FP8_BLOCK)
+                    keep_fp8(target, q, scale)
                     dequantized += 1
                 tensor = _shard(tp, kind, raw, full)
                 dst = param.data if expert is None else param.data[expert]
@@ -186,8 +214,19 @@ def load_model(
                 seen.add(param_name)
     if fp8 is not None:
         blocks = f"{fp8.block[0]}x{fp8.block[1]} blocks" if fp8.block else "tensor/channel scales"
-        log.info("FP8 checkpoint (%s, %s): %d weights dequantized to %s at load (weight-only)",
-                 fp8.method, blocks, dequantized, str(model.dtype).removeprefix("torch."))
+        packed = {} if parts is None else parts.weights(
+            lambda n: len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)])))
+        if packed:
+            saved = install(model, packed, dev)
+            log.info("FP8 checkpoint (%s, %s): %d dense weights kept as FP8 for the FP8 GEMMs "
+                     "(%.2f GiB less than %s), %d others dequantized", fp8.method, blocks,
+                     len(packed), saved / 2**30, str(model.dtype).removeprefix("torch."),
+                     dequantized - sum(len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)]))
+                                       for n in packed))
+        else:
+            log.info("FP8 checkpoint (%s, %s): %d weights dequantized to %s at load "
+                     "(weight-only)", fp8.method, blocks, dequantized,
+                     str(model.dtype).removeprefix("torch."))
     if kv_scales:
         _set_kv_scales(model, kv_scales, full, tp)
     if model.lm_head is None:
@@ -242,9 +281,10 @@ _COL_KINDS = ("o", "down", "cols", "experts_down")  # split the input dim
 
 
 def _dequantized(name: str, w: torch.Tensor, where: dict, fp8: Fp8Format | None,
-                 tp: TensorParallel, kind: str, arch: ModelArch) -> torch.Tensor:
-    """The float32 weights of FP8 tensor ``name`` (its scale read from whichever file holds
-    it); under TP, first refuse a shard that would split one of its scale blocks."""
+                 tp: TensorParallel, kind: str, arch: ModelArch
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 weights of FP8 tensor ``name`` and its scales (read from whichever file
+    holds them); under TP, first refuse a shard that would split one of its scale blocks."""
     if fp8 is None:
         raise Fp8Error(f"{name} is {str(w.dtype).removeprefix('torch.')} but config.json has "
                        "no quantization_config: its scales cannot be interpreted")
@@ -254,7 +294,8 @@ def _dequantized(name: str, w: torch.Tensor, where: dict, fp8: Fp8Format | None,
                        f"(or {scale_names(name)[1]})")
     if fp8.block is not None:
         _check_blocks(name, w, fp8.block, tp, kind, arch)
-    return dequantize(name, w, where[scale_name].get_tensor(scale_name), fp8.block)
+    scale = where[scale_name].get_tensor(scale_name)
+    return dequantize(name, w, scale, fp8.block), scale
 
 
 def _check_blocks(name: str, w: torch.Tensor, block: tuple[int, int], tp: TensorParallel,
@@ -340,11 +381,13 @@ def _target(name: str, arch: ModelArch, mtp: bool = False) -> Target | None:
 def random_model(
     arch: ModelArch, dtype: str = "auto", device: str | torch.device = "cpu", seed: int = 0,
     tp: TensorParallel | None = None, mtp: bool = False, fp8: Fp8Format | None = None,
+    fp8_gemm: bool | None = None,
 ) -> Transformer:
     """A model with weights drawn from ``seed`` directly on ``device`` (no files needed);
     under ``tp`` each rank draws its own shard (shapes and speed, not a given function).
     ``fp8``: its linear weights rounded to that FP8 format (blocks of each local parameter;
-    per tensor without a block size), as an FP8 checkpoint of the shape would hold them."""
+    per tensor without a block size), as an FP8 checkpoint of the shape would hold them;
+    ``fp8_gemm`` as ``load_model``'s (128x128 blocks kept as FP8)."""
     dev = torch.device(device)
     tp = tp or TensorParallel()
     local = tp.local_arch(arch)
@@ -359,6 +402,13 @@ def random_model(
             param.data.normal_(0.0, 0.02, generator=gen)
             if fp8 is not None and _fp8_param(name, param):
                 param.data.copy_(round_to_fp8(param.data, fp8.block))
+    if fp8 is not None and fp8.block == FP8_BLOCK:
+        if fp8_gemm is None:
+            fp8_gemm = fp8_gemm_device(dev)
+        if fp8_gemm:
+            saved = install(model, quantize_params(model), dev)
+            log.info("random FP8 weights: dense layers kept as FP8 (%.2f GiB less)",
+                     saved / 2**30)
     return model
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.config import env
+from disagg.kernels.fp8_weight import Fp8Weight
 from disagg.model.rotary import rms_norm
 
 FUSED = env("NO_FUSED") is None
@@ -41,9 +42,18 @@ def add_norm(x: torch.Tensor, add: torch.Tensor | None, w: torch.Tensor,
     return rms_norm(x, w, eps), x
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; one row on CUDA goes through the Triton GEMV (``disagg.kernels.gemv``),
-    which reads the weights faster than cuBLAS does at one row."""
+    which reads the weights faster than cuBLAS does at one row. A block-FP8 weight
+    (``Fp8Weight``, ``disagg.model.fp8_weights``) runs the FP8 kernels on CUDA
+    (``disagg.kernels.fp8_gemm.fp8_matmul``) and is dequantized elsewhere (the reference)."""
+    if isinstance(w, Fp8Weight):
+        if x.is_cuda:
+            from disagg.kernels.fp8_gemm import fp8_matmul
+
+            return fp8_matmul(x, w, bias)
+        return F.linear(x, w.dequantize(x.dtype), bias)
     if x.shape[0] == 1 and fused_on(x) and x.stride(1) == 1 and w.is_contiguous():
         from disagg.kernels.gemv import gemv
 

@@ -25,6 +25,10 @@ def all_cases() -> list[str]:
     ids += ["gemm-bfloat16-17x256x256", "gemm-float16-3x200x300", "gemm-tile-40x130x129"]
     # the quantize + GEMM wiring, an x of three dims
     ids += ["linear-bfloat16-3x200x300", "linear-float32-2x5x256x256"]
+    # one row, weight-only (fp8_gemv): N off the programs' rows, K off the blocks
+    ids += ["gemv-float32-1x200x300", "gemv-bfloat16-1x256x384", "gemv-float16-1x130x129"]
+    # fp8_matmul with a bias: one row (the GEMV) and more (quantize + GEMM)
+    ids += ["matmul-float32-1x200x300", "matmul-float32-3x200x300"]
     return ids
 
 
@@ -103,6 +107,24 @@ def run_case(cid: str, device: str = "cpu") -> float:
             return float("inf")
         q, s = fp8_gemm.quantize_groups(x)
         return rel(out.view(m, n), reference.fp8_block_matmul(q, s, wq, ws, torch.float32))
+    if kind == "gemv":  # weight-only: x unquantized against the dequantized weight
+        x, wq, ws = operands(m, n, k, dtype, device)
+        out = fp8_gemm.fp8_gemv(x, wq, ws)
+        if tuple(out.shape) != (1, n) or out.dtype != dtype:
+            return float("inf")
+        return rel(out, x.float() @ reference.dequantize_weight(wq, ws).T)
+    if kind == "matmul":
+        from disagg.kernels.fp8_weight import Fp8Weight
+
+        x, wq, ws = operands(m, n, k, dtype, device)
+        bias = torch.linspace(-1, 1, n, device=device, dtype=dtype)
+        out = fp8_gemm.fp8_matmul(x, Fp8Weight(wq, ws), bias)
+        if m == 1:
+            want = x.float() @ reference.dequantize_weight(wq, ws).T
+        else:  # against the kernel's own bytes, as "linear"
+            q, s = fp8_gemm.quantize_groups(x)
+            want = reference.fp8_block_matmul(q, s, wq, ws, torch.float32)
+        return rel(out, want + bias.float())
     # gemm: float32 activations quantized by the reference; ``dt`` is the output's dtype
     x, wq, ws = operands(m, n, k, torch.float32, device)
     q, s = reference.quantize_groups(x)
