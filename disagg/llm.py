@@ -16,19 +16,26 @@ import torch
 from disagg.engine.attention import get_backend
 from disagg.engine.cache import PagePool
 from disagg.engine.core import EngineCore, drive
+from disagg.engine.grammar import Grammars
 from disagg.engine.kv_memory import KVLayout
 from disagg.engine.runner import ModelRunner
 from disagg.engine.scheduling import BatchScheduler, Sequence
 from disagg.engine.speculative import Speculation
 from disagg.kernels.kv_quant import kv_dtype
+from disagg.model.tokenizer import Tokenizer
 from disagg.model.transformer import Transformer
-from disagg.protocol import SamplingParams
+from disagg.protocol import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
 class Output:
     token_ids: list[int]
     finish_reason: str
+    # SamplingParams.logprobs: one entry per token_ids; prompt_logprobs: one per prompt token
+    # after the first; None when not asked
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 class LLM:
@@ -46,11 +53,14 @@ class LLM:
         draft_model: Transformer | None = None,
         overlap: bool = False,
         kv_cache_dtype: str = "auto",
+        tokenizer: Tokenizer | None = None,
     ):
         """``speculative``: drafting (``Speculation``); with method ``draft``, ``draft_model``
         is the draft (same vocabulary, on the same device); ``overlap``: launch each decode step
         before the previous one's tokens are taken (``disagg.engine.core``);
-        ``kv_cache_dtype``: ``--kv-cache-dtype`` (``fp8_e4m3``: FP8 pages, ``kv_quant``)."""
+        ``kv_cache_dtype``: ``--kv-cache-dtype`` (``fp8_e4m3``: FP8 pages, ``kv_quant``);
+        ``tokenizer``: the model's, for constrained requests (``SamplingParams.structured``,
+        compiled here in the caller's thread; ``GrammarError`` for one that cannot be served)."""
         arch = model.arch
         kv_dt = kv_dtype(kv_cache_dtype, model.dtype)
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
@@ -77,6 +87,8 @@ class LLM:
             **(speculative.scheduler_args() if speculative else {}),
         )
         self.core = EngineCore(self.scheduler, overlap)
+        self.grammars = Grammars(tokenizer, arch.vocab_size, arch.eos_token_ids, refuse=(
+            None if speculative is None else "not served with speculative decoding"))
         self._slots = itertools.count()
 
     def generate(
@@ -87,8 +99,16 @@ class LLM:
         for prompt, p in zip(prompts, plist, strict=True):
             seed = p.seed if p.seed is not None else random.getrandbits(63)
             slot = next(self._slots)
-            seq = Sequence(slot, str(slot), list(prompt), p, seed, arrival=slot)
+            grammar = self.grammars.compile(p.structured) if p.structured is not None else None
+            seq = Sequence(slot, str(slot), list(prompt), p, seed, arrival=slot, grammar=grammar)
             self.scheduler.add(seq)
             seqs.append(seq)
-        drive(self.core, self.runner)
-        return [Output(s.output_ids, s.finish_reason or "") for s in seqs]
+        logprobs: dict[int, list[TokenLogprobs]] = {}
+        for update in drive(self.core, self.runner):
+            if update.logprobs:
+                logprobs.setdefault(update.seq.slot, []).extend(update.logprobs)
+        return [Output(s.output_ids, s.finish_reason or "",
+                       logprobs.get(s.slot, []) if s.params.logprobs is not None else None,
+                       s.prompt_lps if s.params.prompt_logprobs is not None else None,
+                       s.cached_tokens)
+                for s in seqs]

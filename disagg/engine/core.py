@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from disagg.engine.scheduling import Batch, BatchScheduler, SeqUpdate
+from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import StepPlan
 
 
@@ -127,11 +128,15 @@ class EngineCore:
             self.sched.landed(step.batch)
 
     def apply(self, step: Step, tokens: list[int], counts: list[int] | None = None,
-              drafts: list[list[int]] | None = None) -> list[SeqUpdate]:
+              drafts: list[list[int]] | None = None,
+              logprobs: dict[int, TokenLogprobs] | None = None,
+              prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None
+              ) -> list[SeqUpdate]:
         """Apply ``step``'s sampled tokens (``BatchScheduler.update``: ``counts`` per sampling
-        chunk with speculative decoding, ``drafts`` for MTP) once it has landed."""
+        chunk with speculative decoding, ``drafts`` for MTP, the logprobs by slot) once it has
+        landed."""
         self.land(step)
-        return self.sched.update(step.batch, tokens, counts, drafts)
+        return self.sched.update(step.batch, tokens, counts, drafts, logprobs, prompt_logprobs)
 
     def abandon(self) -> None:
         """The executors failed: no step is on the device any more."""
@@ -144,33 +149,41 @@ class EngineCore:
 class Pending(Protocol):
     def wait(self) -> tuple[list[int], Any, list[int] | None]: ...
 
+    def logprob_maps(self) -> tuple[dict[int, TokenLogprobs] | None,
+                                    dict[int, list[TokenLogprobs]] | None]: ...
+
 
 class Runner(Protocol):
     """What ``drive`` needs of an in-process runner (``disagg.engine.runner.ModelRunner``)."""
 
     next_drafts: list[list[int]] | None  # mtp: the drafts the last step made
 
-    def execute(self, plan: StepPlan) -> tuple[list[int], Any, list[int] | None]: ...
-
     def launch(self, plan: StepPlan) -> Pending: ...
 
 
-def drive(core: EngineCore, runner: Runner) -> None:
+def drive(core: EngineCore, runner: Runner) -> list[SeqUpdate]:
     """Run ``core``'s commands on ``runner`` in this thread until it has no work left (the
-    in-process engine's loop). Raises RuntimeError when work cannot be scheduled."""
+    in-process engine's loop); returns every update, in order. Raises RuntimeError when work
+    cannot be scheduled."""
     launched: dict[int, Pending] = {}
+    updates: list[SeqUpdate] = []
     while core.has_work():
         match core.next():
             case None:
                 raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
             case Run(step):
-                tokens, _, counts = runner.execute(step.plan)
-                core.apply(step, tokens, counts, runner.next_drafts)
+                done = runner.launch(step.plan)
+                tokens, _, counts = done.wait()
+                updates += core.apply(step, tokens, counts, runner.next_drafts,
+                                      *done.logprob_maps())
             case Launch(step, then):
                 launched[step.plan.step_id] = runner.launch(step.plan)
                 if then is not None:
-                    tokens, _, counts = launched.pop(then.plan.step_id).wait()
-                    core.apply(then, tokens, counts)
+                    done = launched.pop(then.plan.step_id)
+                    tokens, _, counts = done.wait()
+                    updates += core.apply(then, tokens, counts, None, *done.logprob_maps())
             case Collect(step):
-                tokens, _, counts = launched.pop(step.plan.step_id).wait()
-                core.apply(step, tokens, counts)
+                done = launched.pop(step.plan.step_id)
+                tokens, _, counts = done.wait()
+                updates += core.apply(step, tokens, counts, None, *done.logprob_maps())
+    return updates

@@ -22,11 +22,13 @@ import numpy as np
 import torch
 
 from disagg.config import env
-from disagg.engine.sampling import sample, sample_device
-from disagg.engine.speculative import emitted_per_chunk, verify_all
+from disagg.engine.picking import Fill, check_processor_ids, pick, prompt_rows, verify_rows
+from disagg.engine.sampling import LogprobRows
+from disagg.engine.speculative import emitted_per_chunk
 from disagg.kernels.counter import LayerCounter
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.transformer import Transformer
+from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import SeqChunk, StepPlan
 
 if TYPE_CHECKING:
@@ -79,6 +81,8 @@ def flatten_plan(plan: StepPlan, page_size: int, num_pages: int, vocab: int) -> 
                              "longer than its drafts")
         if c.follow and (len(c.token_ids) != 1 or c.num_draft or c.draft_tokens):
             raise ValueError(f"slot {c.slot}: a follow chunk carries one token and no drafts")
+        if c.logit_bias or c.penalty_ids or c.seen_ids or c.prompt_rows:
+            check_processor_ids(c, vocab)
     short = npages * page_size < end
     if short.any():
         i = int(short.argmax())
@@ -127,6 +131,15 @@ class Launched:
     def __init__(self, tokens: list[int] | torch.Tensor, ctx: torch.Tensor | None = None,
                  counts: list[int] | None = None, event: torch.cuda.Event | None = None):
         self.tokens, self.ctx, self.counts, self.event = tokens, ctx, counts, event
+        self.logprobs: LogprobRows | None = None  # sampled tokens' (rows that asked), by slot
+        self.prompt: LogprobRows | None = None  # prompt rows' (chunks with prompt_rows)
+
+    def logprob_maps(self) -> tuple[dict[int, TokenLogprobs] | None,
+                                    dict[int, list[TokenLogprobs]] | None]:
+        """After ``wait()``: the step's sampled-token logprobs by slot and prompt logprobs by
+        slot (``StepResult.logprobs`` / ``prompt_logprobs``), None where none was asked."""
+        return (None if self.logprobs is None else dict(self.logprobs.host()),
+                None if self.prompt is None else self.prompt.grouped())
 
     def wait(self) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
         if isinstance(self.tokens, torch.Tensor):
@@ -299,8 +312,7 @@ class ModelRunner:
             return False
         return self.graphs.fits(len(plan.chunks), int(host.tables.shape[1]))
 
-    def _spec_graph_step(self, plan: StepPlan, host: HostStep
-                         ) -> tuple[list[int], list[int]] | None:
+    def _spec_graph_step(self, plan: StepPlan, host: HostStep) -> Launched | None:
         """Replay a speculative decode graph for a step of decodes carrying drafts (each
         padded to the graph's rows), or None when the step does not fit one."""
         g = self.spec_graphs
@@ -322,7 +334,7 @@ class ModelRunner:
         positions = starts[:, None] + np.arange(q)[None, :]
         logits, _ = g.run(ids.ravel(), positions.ravel(), slots.ravel(), host.tables)
         rows = torch.from_numpy(np.flatnonzero(real.ravel())).to(self.device, non_blocking=True)
-        return verify_all(logits.index_select(0, rows), list(chunks))
+        return self._verify(logits.index_select(0, rows), list(chunks))
 
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
         """Run one step and wait for it: ``launch(plan).wait()``."""
@@ -388,10 +400,10 @@ class ModelRunner:
         if graphs_ok and self.graphs is not None and self._graphable(plan, host):
             logits, greedy = self.graphs.run(host.token_ids, host.positions, host.slots,
                                              host.tables, fill)
-            return self._sampled(plan.chunks, sample_device(logits, plan.chunks, greedy))
+            return self._pick(plan.chunks, plan.chunks, logits, greedy, fill)
         if graphs_ok and self.spec_graphs is not None and (
                 out := self._spec_graph_step(plan, host)):
-            return Launched(out[0], counts=out[1])
+            return out
         input_ids, positions, meta = self._to_device(host, plan.num_decodes)
         if fill is not None:
             at, src, last = fill
@@ -400,21 +412,39 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv, meta, self.backend, self.layer_hook)
         rows, hidden_rows = host.sample_rows, host.hidden_rows
         ctx = hidden[hidden_rows] if hidden_rows else None
+        prompt = prompt_rows(self.model, plan, host.cu, hidden)
         sampled: list[SeqChunk] = [c for c in plan.chunks if c.sample]
-        tokens: list[int] = []
-        counts: list[int] | None = None
+        out = Launched([], ctx)
         if rows:
             logits = self.model.logits(hidden[rows])
             if len(rows) != len(sampled):
-                tokens, counts = verify_all(logits, sampled)
-            elif self.mtp_drafter is None:
-                return self._sampled(sampled, sample_device(logits, sampled), ctx)
+                out = self._verify(logits, sampled, ctx)
             else:
-                tokens = sample(logits, sampled)
+                out = self._pick(plan.chunks, sampled, logits, None, fill, ctx,
+                                 keep=self.mtp_drafter is None)
+        out.prompt = prompt
         if self.mtp_drafter is not None:
+            tokens, _, counts = out.wait()
             self.next_drafts = self.mtp_drafter.after_step(
                 plan, hidden, emitted_per_chunk(tokens, counts, len(sampled)))
-        return Launched(tokens, ctx, counts)
+        return out
+
+    def _pick(self, chunks: list[SeqChunk], sampled: list[SeqChunk], logits: torch.Tensor,
+              argmax: torch.Tensor | None, fill: Fill | None, ctx: torch.Tensor | None = None,
+              keep: bool = True) -> Launched:
+        """``picking.pick``'s tokens and logprobs as a step on its way; ``keep``: kept for the
+        next step's follow chunks (``_sampled``)."""
+        tokens, logprobs = pick(logits, chunks, sampled, argmax, fill)
+        out = self._sampled(sampled, tokens, ctx) if keep else Launched(tokens, ctx)
+        out.logprobs = logprobs
+        return out
+
+    def _verify(self, logits: torch.Tensor, sampled: list[SeqChunk],
+                ctx: torch.Tensor | None = None) -> Launched:
+        tokens, counts, logprobs = verify_rows(logits, sampled)
+        out = Launched(tokens, ctx, counts)
+        out.logprobs = logprobs
+        return out
 
 
 @torch.inference_mode()

@@ -1,17 +1,35 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; logits processors
+(penalties, logit_bias) and logprobs.
 
 Each sampled token is ``draw``: a draw from its own generator seeded by ``(request seed, output
 index)``, so a request gets the same tokens whether it runs alone or in a batch, after a
 preemption, and with speculative decoding (which verifies a sampled draft by comparing it with
 this same draw, ``disagg.engine.speculative``).
+
+Logits processors (``process_logits``) run on the device over the batch's float32 logits
+before anything picks a token, in this order: ``repetition_penalty`` on every token id seen in
+the prompt or the output (positive logits divided by it, negative ones multiplied: the CTRL
+rule transformers and vLLM apply), then ``frequency_penalty * count + presence_penalty *
+(count > 0)`` subtracted over the output tokens, then ``logit_bias`` added. The counts travel
+with the step (``SeqChunk.penalty_ids`` / ``seen_ids``; a follow chunk's in-flight token is
+added on the device), so a decode step in a CUDA graph stays one: the graph computes the raw
+logits and its argmax, the processors run after it and the argmax is taken again for those
+rows only when some row was processed.
+
+Logprobs (``token_logprobs``) are the log-softmax of the logits the token was picked from:
+after the processors and divided by the temperature (greedy rows: by 1), before top-k/top-p
+(which only cut the support). Prompt logprobs (``prompt_logprobs``) are the model's raw
+log-softmax (no processor, no temperature), as vLLM's default.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from disagg.engine.constraints import apply_masks
+from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import SeqChunk
 
 _MASK64 = (1 << 64) - 1
@@ -104,7 +122,12 @@ def sample_device(logits: torch.Tensor, chunks: Sequence[SeqChunk],
 
     A row cannot fail the batch: one whose probabilities are not a distribution (non-finite,
     or nothing left after top-k/top-p) is sampled greedily instead (``usable_or_greedy``),
-    which is what its parameters tend to; the other rows draw exactly what they would alone."""
+    which is what its parameters tend to; the other rows draw exactly what they would alone.
+
+    Rows carrying a grammar mask (``SeqChunk.allowed``) have what it does not admit masked
+    first, in place (``disagg.engine.constraints``); then the argmax is taken here again."""
+    if apply_masks(logits, chunks):
+        argmax = None  # a graph's argmax saw the logits before the masks
     out = logits.argmax(dim=-1) if argmax is None else argmax
     drawn = [i for i, c in enumerate(chunks) if c.temperature > 0.0]
     if not drawn:
@@ -112,3 +135,132 @@ def sample_device(logits: torch.Tensor, chunks: Sequence[SeqChunk],
     rows = [(c.temperature, c.top_k, c.top_p, c.seed, c.output_index)
             for c in (chunks[i] for i in drawn)]
     return draw_into(out.clone(), logits, drawn, rows)
+
+
+# ------------------------------------------------------------------ logits processors
+
+
+def has_processors(c: SeqChunk) -> bool:
+    """``c``'s logits change before sampling (a penalty or a logit bias)."""
+    return bool(c.presence_penalty or c.frequency_penalty or c.logit_bias
+                or c.repetition_penalty != 1.0)
+
+
+def _dev(values: list[int] | list[float], dtype: torch.dtype, dev: torch.device
+         ) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+
+def process_logits(logits: torch.Tensor, chunks: Sequence[SeqChunk],
+                   follow: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits [N, V]`` (float32; row i is ``chunks[i]``'s) with every row's processors
+    applied (the module docstring's order): a new tensor, or ``logits`` itself when no row has
+    one. ``follow`` (``[N]`` int64 on the device, -1 where none): a token each row's output
+    holds beyond its ``penalty_ids`` (the in-flight token of a follow chunk). Batched over the
+    processed rows, on the device, without waiting for it."""
+    rows = [i for i, c in enumerate(chunks) if has_processors(c)]
+    if not rows:
+        return logits
+    dev, m = logits.device, len(rows)
+    picked = [chunks[i] for i in rows]
+    idx = _dev(rows, torch.int64, dev)
+    sub = logits.index_select(0, idx)
+    counts = torch.zeros_like(sub)
+    r_ids = [j for j, c in enumerate(picked) for _ in c.penalty_ids]
+    if r_ids:
+        ids = [t for c in picked for t in c.penalty_ids]
+        counts.index_put_((_dev(r_ids, torch.int64, dev), _dev(ids, torch.int64, dev)),
+                          torch.ones(len(ids), dtype=counts.dtype, device=dev), accumulate=True)
+    if follow is not None:
+        f = follow.index_select(0, idx)
+        counts.index_put_((torch.arange(m, device=dev), f.clamp_min(0)),
+                          (f >= 0).to(counts.dtype), accumulate=True)
+    rep_rows = [j for j, c in enumerate(picked) if c.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = counts > 0
+        r_seen = [j for j in rep_rows for _ in picked[j].seen_ids]
+        if r_seen:
+            ids = [t for j in rep_rows for t in picked[j].seen_ids]
+            seen[_dev(r_seen, torch.int64, dev), _dev(ids, torch.int64, dev)] = True
+        rep = _dev([c.repetition_penalty for c in picked], torch.float32, dev)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(c.presence_penalty or c.frequency_penalty for c in picked):
+        freq = _dev([c.frequency_penalty for c in picked], torch.float32, dev)[:, None]
+        pres = _dev([c.presence_penalty for c in picked], torch.float32, dev)[:, None]
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    r_bias = [j for j, c in enumerate(picked) for _ in c.logit_bias]
+    if r_bias:
+        ids = [t for c in picked for t, _ in c.logit_bias]
+        bias = [b for c in picked for _, b in c.logit_bias]
+        sub = sub.index_put((_dev(r_bias, torch.int64, dev), _dev(ids, torch.int64, dev)),
+                            _dev(bias, torch.float32, dev), accumulate=True)
+    return logits.index_copy(0, idx, sub)
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows of ``logprobs [R, V]`` (log-softmax) and the token ``chosen [R]`` of each:
+    (its logprob ``[R]``, the ``k`` largest logprobs ``[R, k]`` and their ids ``[R, k]``)."""
+    lp = logprobs.gather(1, chosen[:, None])[:, 0]
+    top = torch.topk(logprobs, k, dim=-1) if k > 0 else None
+    empty = logprobs.new_empty((logprobs.shape[0], 0))
+    return (lp, top.values if top is not None else empty,
+            top.indices if top is not None else empty.long())
+
+
+class LogprobRows:
+    """Logprobs computed on the device for some rows, read on the host once it is done."""
+
+    def __init__(self, keys: list[int], ks: list[int], chosen: torch.Tensor,
+                 lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor):
+        self.keys, self.ks = keys, ks
+        self.tensors = (chosen, lp, top_lp, top_ids)
+
+    def host(self) -> list[tuple[int, TokenLogprobs]]:
+        """(key, logprobs) per row, in order (one copy per tensor)."""
+        chosen, lp, top_lp, top_ids = (t.tolist() for t in self.tensors)
+        return [(key, TokenLogprobs(chosen[i], lp[i], top_ids[i][:k], top_lp[i][:k]))
+                for i, (key, k) in enumerate(zip(self.keys, self.ks, strict=True))]
+
+    def grouped(self) -> dict[int, list[TokenLogprobs]]:
+        """The rows' logprobs by key, each key's in order."""
+        out: dict[int, list[TokenLogprobs]] = {}
+        for key, lp in self.host():
+            out.setdefault(key, []).append(lp)
+        return out
+
+
+def token_logprobs(logits: torch.Tensor, chunks: Sequence[SeqChunk], tokens: torch.Tensor
+                   ) -> LogprobRows | None:
+    """The sampled ``tokens [N]``' logprobs for the rows of processed ``logits [N, V]`` whose
+    chunk asked (``SeqChunk.logprobs >= 0``), keyed by slot: log-softmax of the logits divided
+    by the row's temperature (1 for greedy rows). None when no row asked."""
+    rows = [i for i, c in enumerate(chunks) if c.logprobs >= 0]
+    if not rows:
+        return None
+    dev = logits.device
+    idx = _dev(rows, torch.int64, dev)
+    temps = _dev([chunks[i].temperature if chunks[i].temperature > 0 else 1.0 for i in rows],
+                 torch.float32, dev)
+    lps = torch.log_softmax(logits.index_select(0, idx) / temps[:, None], dim=-1)
+    chosen = tokens.index_select(0, idx)
+    ks = [chunks[i].logprobs for i in rows]
+    return LogprobRows([chunks[i].slot for i in rows], ks, chosen,
+                       *top_logprobs(lps, chosen, max(ks)))
+
+
+PROMPT_LOGPROB_ROWS = 512  # prompt rows whose logits are materialised at once ([rows, V] fp32)
+
+
+def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Raw logprobs of ``targets [R]`` after hidden rows ``hidden [R, H]`` (``logits_of``:
+    the model's head) and their ``k`` alternatives, ``PROMPT_LOGPROB_ROWS`` rows at a time:
+    (targets, their logprobs ``[R]``, top logprobs ``[R, k]``, top ids ``[R, k]``)."""
+    parts = [top_logprobs(torch.log_softmax(logits_of(hidden[a:a + PROMPT_LOGPROB_ROWS]), -1),
+                          targets[a:a + PROMPT_LOGPROB_ROWS], k)
+             for a in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS)]
+    return (targets, *(torch.cat([p[j] for p in parts]) for j in range(3)))

@@ -28,8 +28,10 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
+from disagg.engine import sequence as seqs
 from disagg.engine.cache import PagePool, page_hashes, page_root, pages_needed
 from disagg.engine.sequence import Batch, ScheduledChunk, Sequence, SeqUpdate, Status
+from disagg.protocol import TokenLogprobs
 
 __all__ = ["Batch", "BatchScheduler", "ScheduledChunk", "SeqUpdate", "Sequence", "Status"]
 
@@ -170,8 +172,8 @@ class BatchScheduler:
             budget -= chunk.count
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if self.prefix_caching and not seq.block_table:
-                self._match(seq)
+            if self.prefix_caching and not seq.block_table and seq.params.prompt_logprobs is None:
+                self._match(seq)  # prompt logprobs: every prompt position is computed
             count = min(seq.num_tokens - seq.num_computed, budget)
             need = pages_needed(seq.num_computed + count + self._ahead(seq, count),
                                 self.page_size) - len(seq.block_table)
@@ -202,8 +204,9 @@ class BatchScheduler:
         """Drafted positions for decode ``seq`` and their tokens (empty when the executor's
         draft model proposes them): within ``room`` more tokens this step, and never past what
         it may still emit (``max_tokens``, the context limit)."""
-        if not self.spec_tokens or seq.prefill_only:
-            return 0, []
+        if not self.spec_tokens or seq.prefill_only or seq.params.processed or (
+                seq.params.logprobs is not None):
+            return 0, []  # logits processors and logprobs: plain decodes (README)
         k = min(self.spec_tokens, room, seq.params.max_tokens - len(seq.output_ids) - 1,
                 self.max_model_len - seq.num_tokens)
         if k <= 0:
@@ -328,7 +331,9 @@ class BatchScheduler:
         (``schedule_ahead``): decode-only, no speculative decoding, every running sequence in
         it and none waiting."""
         return (not (self.spec_tokens or self.mtp or self.waiting)
-                and batch.num_decodes == len(batch.chunks) == len(self.running))
+                and batch.num_decodes == len(batch.chunks) == len(self.running)
+                # a batch of constrained rows only has no successor to overlap
+                and any(c.seq.grammar is None for c in batch.chunks))
 
     def schedule_ahead(self, batch: Batch) -> Batch | None:
         """The step after ``batch``, which is in flight with its tokens not back yet, when it
@@ -337,13 +342,32 @@ class BatchScheduler:
         executor fills in on the device), with a page reserved for it. A stop sampled in flight
         wastes that row (``update`` skips a finished sequence). None when ``can_defer`` no
         longer holds (new work: the caller steps normally) or a page is missing (no
-        preemption ahead)."""
+        preemption ahead).
+
+        A constrained sequence (``Sequence.grammar``) needs its previous token for its mask, so
+        it sits out the step built ahead of that token and rejoins the next one as an ordinary
+        decode (its token known by then): while unconstrained rows overlap, constrained ones
+        advance every other step (docs/ARCHITECTURE.md, grammar-constrained decoding)."""
         live = [c for c in batch.chunks if c.seq.status is Status.RUNNING]
-        if batch.num_decodes != len(batch.chunks) or not self.can_defer(Batch(live, len(live))):
+        flying = {c.seq.slot for c in live}
+        rejoin = [s for s in self.running if s.slot not in flying]
+        if (batch.num_decodes != len(batch.chunks) or self.spec_tokens or self.mtp
+                or self.waiting or any(s.grammar is None or not s.is_decode for s in rejoin)):
             return None
         chunks: list[ScheduledChunk] = []
+        for seq in rejoin:
+            need = pages_needed(seq.num_tokens, self.page_size) - len(seq.block_table)
+            if need > 0:
+                pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table
+                                           else None)
+                if pages is None:
+                    return None
+                seq.block_table.extend(pages)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, 1, True))
         for c in live:
             seq = c.seq
+            if seq.grammar is not None:
+                continue  # its token is in flight: it rejoins the step after
             if seq.num_computed != c.start or seq.num_tokens != c.start + 1:
                 return None
             if (len(seq.output_ids) + 1 >= seq.params.max_tokens
@@ -376,10 +400,16 @@ class BatchScheduler:
     # ---------------------------------------------------------------- results
 
     def update(self, batch: Batch, sampled: list[int], counts: list[int] | None = None,
-               drafts: list[list[int]] | None = None) -> list[SeqUpdate]:
+               drafts: list[list[int]] | None = None,
+               logprobs: dict[int, TokenLogprobs] | None = None,
+               prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None
+               ) -> list[SeqUpdate]:
         """Apply a step's sampled tokens: per sampling chunk, in order, one token or
         ``counts[i]`` of them (speculative decoding: accepted drafts and the target's token);
-        ``drafts`` (mtp): per sampling chunk, the drafts for its next step."""
+        ``drafts`` (mtp): per sampling chunk, the drafts for its next step; ``logprobs`` /
+        ``prompt_logprobs`` by slot (``StepResult``'s)."""
+        if prompt_logprobs:
+            seqs.store_prompt_logprobs(batch, prompt_logprobs)
         updates: list[SeqUpdate] = []
         pos = 0
         nth = iter(counts) if counts is not None else None
@@ -434,10 +464,14 @@ class BatchScheduler:
                 self.running.remove(seq)
                 self._release(seq)
                 seq.status = Status.FINISHED
-            updates.append(SeqUpdate(seq, new, reason))
+            updates.append(SeqUpdate(seq, new, reason, seqs.logprobs_of(seq, new, logprobs)))
         return updates
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if seq.grammar is not None:  # advance its matcher; a complete output stops
+            seq.grammar.accept(token)
+            if seq.grammar.terminated:
+                return "stop"
         p = seq.params
         n = len(seq.output_ids)
         if n >= p.min_tokens:

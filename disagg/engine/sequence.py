@@ -7,7 +7,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.protocol import SamplingParams
+import msgspec
+
+from disagg.protocol import SamplingParams, TokenLogprobs
 from disagg.protocol.executor import SeqChunk
 
 
@@ -50,6 +52,14 @@ class Sequence:
     # the request's cache salt (disagg.serving.salting): only sequences of the same salt share
     # cached pages; None = unsalted
     cache_salt: str | None = None
+    # SamplingParams.prompt_logprobs: entry i is prompt token i + 1's, filled as the prompt's
+    # chunks are computed (a recompute after preemption writes the same entries again)
+    prompt_lps: list[TokenLogprobs] = field(default_factory=list)
+    # the distinct prompt token ids (repetition_penalty), sorted; computed on first use
+    seen_ids: list[int] | None = None
+    # SamplingParams.structured: the request's matcher (disagg.engine.grammar.GrammarState),
+    # attached when it is admitted on a node that samples; advanced by each output token
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +96,7 @@ class ScheduledChunk:
     def to_wire(self) -> SeqChunk:
         s, p = self.seq, self.seq.params
         n = self.count - self.spec
-        return SeqChunk(
+        chunk = SeqChunk(
             slot=s.slot,
             token_ids=[0] if self.follow else s.tokens(self.start, self.start + n) + list(
                 self.drafts),
@@ -107,6 +117,39 @@ class ScheduledChunk:
             prev_hidden=self.prev_hidden,
             follow=self.follow,
         )
+        sampling = self.sample and not s.prefill_only
+        if p.processed and sampling:
+            chunk = msgspec.structs.replace(chunk, **processor_fields(s))
+        if p.logprobs is not None and sampling:
+            chunk = msgspec.structs.replace(chunk, logprobs=p.logprobs)
+        if s.grammar is not None and sampling and not self.follow:
+            # what its grammar admits next (a follow chunk is never constrained: its mask
+            # would need the token in flight, BatchScheduler.schedule_ahead)
+            chunk = msgspec.structs.replace(chunk, allowed=s.grammar.mask())
+        if p.prompt_logprobs is not None and self.start < len(s.prompt_ids) - 1:
+            # rows predicting prompt tokens: positions start .. min(end, P - 1) - 1
+            rows = min(self.start + n, len(s.prompt_ids) - 1) - self.start
+            nxt = self.start + n
+            chunk = msgspec.structs.replace(
+                chunk, prompt_logprobs=p.prompt_logprobs, prompt_rows=rows,
+                prompt_next=s.prompt_ids[nxt] if nxt < len(s.prompt_ids) else -1)
+        return chunk
+
+
+def processor_fields(s: Sequence) -> dict[str, Any]:
+    """The ``SeqChunk`` fields of ``s``'s logits processors (its penalties' token counts)."""
+    p = s.params
+    out: dict[str, Any] = {"presence_penalty": p.presence_penalty,
+                           "frequency_penalty": p.frequency_penalty,
+                           "repetition_penalty": p.repetition_penalty,
+                           "logit_bias": list(p.logit_bias.items())}
+    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        out["penalty_ids"] = list(s.output_ids)
+    if p.repetition_penalty != 1.0:
+        if s.seen_ids is None:
+            s.seen_ids = sorted(set(s.prompt_ids))
+        out["seen_ids"] = s.seen_ids
+    return out
 
 
 @dataclass(frozen=True)
@@ -124,3 +167,25 @@ class SeqUpdate:
     seq: Sequence
     new_token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | None while running
+    # SamplingParams.logprobs: one entry per new token; None otherwise
+    logprobs: list[TokenLogprobs] | None = None
+
+
+def store_prompt_logprobs(batch: Batch, got: dict[int, list[TokenLogprobs]]) -> None:
+    """Store the prompt logprobs a step computed, by slot (entry i: prompt token i + 1's)."""
+    for chunk in batch.chunks:
+        seq = chunk.seq
+        entries = got.get(seq.slot)
+        if entries is None or seq.status is not Status.RUNNING:
+            continue
+        end = chunk.start + len(entries)
+        if end > len(seq.prompt_ids) - 1 or chunk.start > len(seq.prompt_lps):
+            continue  # not what this chunk asked (an untrusted result)
+        seq.prompt_lps[chunk.start:end] = entries
+
+
+def logprobs_of(seq: Sequence, new: list[int], got: dict[int, TokenLogprobs] | None
+                ) -> list[TokenLogprobs] | None:
+    """``SeqUpdate.logprobs`` of ``seq``'s ``new`` tokens from a step's logprobs by slot."""
+    one = got.get(seq.slot) if got is not None and new else None
+    return [one] if one is not None and one.token_id == new[0] else None

@@ -26,6 +26,8 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from disagg.protocol.structured import StructuredOutput
+
 PROTOCOL_VERSION = 1
 
 # ------------------------------------------------------------------ client -> node
@@ -35,6 +37,11 @@ MAX_TOKENS_LIMIT = 2**31 - 1  # sanity bound on max_tokens (the context limit st
 MIN_TEMPERATURE = 1e-5  # below this (except 0) float32 logits / temperature overflow
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CACHE_SALT = 256  # characters of a request's cache_salt
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound for chat top_logprobs)
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 100.0  # repetition_penalty in (0, MAX_REPETITION_PENALTY]
+MAX_BIAS = 100.0  # |logit_bias value| (OpenAI's range)
 
 
 def as_float32(x: float) -> float:
@@ -56,6 +63,33 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []  # finish (reason "stop") when one of these is sampled
     ignore_eos: bool = False  # keep going past the model's EOS tokens
     min_tokens: int = 0  # EOS/stop tokens are ignored before this many outputs
+    # ---- logits processors and logprobs (README, sampling fields; disagg.engine.sampling)
+    # applied in this order to the float32 logits of each sampled row, on the device:
+    # repetition_penalty on every token id in the prompt or the output so far (a positive
+    # logit divided by it, a negative one multiplied), then logit -= frequency_penalty * count
+    # + presence_penalty * (count > 0) over the output tokens so far, then logit_bias added
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    repetition_penalty: float = 1.0  # 1 = off; in (0, 100]
+    logit_bias: dict[int, float] = {}  # token id (in the vocabulary) -> bias in [-100, 100]
+    # None: no logprobs; k in [0, 20]: each output token's logprob and the k most likely
+    # alternatives, from the distribution the token was drawn from (after the processors
+    # above and the temperature; greedy rows: temperature 1), in TokenChunk.logprobs
+    logprobs: int | None = None
+    # None: none; k in [0, 20]: the model's raw log-softmax at every prompt token after the
+    # first (and k alternatives each), in the request's first TokenChunk.prompt_logprobs;
+    # such a request is prefilled where it decodes, without the prefix cache (README)
+    prompt_logprobs: int | None = None
+    # grammar-constrained decoding: every output token (the first included) obeys this
+    # constraint (a JSON schema, regex, grammar or choice); None = unconstrained. Only a node
+    # that samples compiles it (disagg.engine.grammar); refused by name where not served
+    structured: StructuredOutput | None = None
+
+    @property
+    def processed(self) -> bool:
+        """Some logits processor is on (the rows' logits change before sampling)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
     def validate(self) -> str | None:
         """Return a message naming the first bad field, or None.
@@ -83,6 +117,30 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         bad = next((tid for tid in self.stop_token_ids if tid < 0), None)
         if bad is not None:
             return f"stop_token_ids must be token ids >= 0, got {bad}"
+        if self.structured is not None and (why := self.structured.validate()) is not None:
+            return why
+        return self._validate_processors()
+
+    def _validate_processors(self) -> str | None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+                return f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}"
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            return (f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                    f"got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            return (f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
+                    f"got {len(self.logit_bias)}")
+        for tid, bias in self.logit_bias.items():
+            if tid < 0:
+                return f"logit_bias: token id {tid} is outside the vocabulary"
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                return f"logit_bias: the bias of token {tid} must be in [-100, 100], got {bias}"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                return f"{name} must be in [0, {MAX_TOP_LOGPROBS}] (or null), got {k}"
         return None
 
 
@@ -125,6 +183,16 @@ ClientMessage = GenerateRequest | Abort | StatsRequest
 # ------------------------------------------------------------------ node -> client
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One token's log-probability (natural log) and the most likely alternatives at its
+    position, most likely first (``SamplingParams.logprobs`` / ``prompt_logprobs`` of them)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []  # top_logprobs[i] is top_ids[i]'s
+
+
 class TokenChunk(msgspec.Struct, tag="token", frozen=True):
     """New output tokens of one request, in order."""
 
@@ -132,6 +200,11 @@ class TokenChunk(msgspec.Struct, tag="token", frozen=True):
     token_ids: list[int]
     text: str  # detokenized text delta ("" when the node has no tokenizer)
     v: int = PROTOCOL_VERSION
+    # SamplingParams.logprobs set: one entry per token_ids, in order; else None
+    logprobs: list[TokenLogprobs] | None = None
+    # SamplingParams.prompt_logprobs set: in the request's first chunk, one entry per prompt
+    # token after the first (the first has no context to be predicted from); else None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Usage(msgspec.Struct, frozen=True):

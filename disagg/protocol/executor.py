@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
+from disagg.protocol import TokenLogprobs
+
 # ------------------------------------------------------------------ main <-> executor
 
 
@@ -41,6 +43,28 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # sampled in the executor's previous step, which the scheduler had not received when it
     # sent this one; the executor fills it in on the device
     follow: bool = False
+    # ---- logits processors and logprobs (SamplingParams; disagg.engine.sampling). The
+    # penalties' token counts travel with each step (the executor keeps no request state):
+    # penalty_ids are the output tokens so far (a follow chunk's in-flight token is added on
+    # the device), seen_ids the distinct prompt tokens (repetition_penalty only); both empty
+    # when the request has no penalty
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias)
+    penalty_ids: list[int] = []
+    seen_ids: list[int] = []
+    logprobs: int = -1  # alternatives to return with the sampled token; -1 = no logprobs
+    # prompt logprobs: the first prompt_rows positions of the chunk each get the raw logprob of
+    # the token after them (token_ids[r + 1], the last one's is prompt_next) with
+    # prompt_logprobs alternatives; prompt_rows 0 = none
+    prompt_logprobs: int = 0
+    prompt_rows: int = 0
+    prompt_next: int = -1
+    # grammar-constrained decoding (disagg.engine.grammar, .constraints): the packed bitmask
+    # of the tokens the request's grammar admits at the sampled position (little-endian int32
+    # words, token t is bit t % 32 of word t // 32, ceil(vocab / 32) words); b"" = none
+    allowed: bytes = b""
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):
@@ -68,6 +92,10 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen
     hidden_rows: int = 0
     counts: list[int] | None = None
     drafts: list[list[int]] | None = None  # mtp: drafts per sampled chunk for its next step
+    # per slot whose chunk asked (SeqChunk.logprobs >= 0): its sampled token's logprobs
+    logprobs: dict[int, TokenLogprobs] | None = None
+    # per slot whose chunk had prompt_rows: one entry per such row, in order
+    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None
 
 
 class KVMemoryInfo(msgspec.Struct, frozen=True):

@@ -390,6 +390,10 @@ def prepare_prompt(req: GenerateRequest, tokenizer: Tokenizer | None, vocab_size
     if bad_stop is not None:
         raise RequestRejected("bad_request", f"stop_token_ids: token id {bad_stop} is outside "
                               f"the vocabulary [0, {vocab_size})")
+    bad_bias = next((t for t in req.sampling.logit_bias if t >= vocab_size), None)
+    if bad_bias is not None:
+        raise RequestRejected("bad_request", f"logit_bias: token id {bad_bias} is outside "
+                              f"the vocabulary [0, {vocab_size})")
     if req.prompt is not None:
         if tokenizer is None:
             raise RequestRejected("bad_request", "this model has no tokenizer; send prompt_token_ids")

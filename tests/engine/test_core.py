@@ -49,6 +49,9 @@ class FakeLaunched:
         self.runner.on_device.pop(self.step_id, None)
         return self.tokens, None, self.counts
 
+    def logprob_maps(self) -> tuple[None, None]:
+        return None, None
+
 
 class FakeRunner:
     """Steps as ``ModelRunner`` does: a follow chunk takes its slot's token from the step

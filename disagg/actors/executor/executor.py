@@ -234,10 +234,12 @@ def reply(enc: msgspec.msgpack.Encoder, runner: ModelRunner, step_id: int,
         if isinstance(launched, Exception):
             raise launched
         tokens, hidden, counts = launched.wait()
+        logprobs, prompt_logprobs = launched.logprob_maps()
         frames = [b""] if hidden is None else [b"", tensor_bytes(hidden)]
         frames[0] = enc.encode(StepResult(step_id, tokens, hidden_rows=0 if hidden is None
                                           else int(hidden.shape[0]), counts=counts,
-                                          drafts=runner.next_drafts))
+                                          drafts=runner.next_drafts, logprobs=logprobs,
+                                          prompt_logprobs=prompt_logprobs))
         return frames
     except Exception as e:  # noqa: BLE001
         if not isinstance(launched, Exception):

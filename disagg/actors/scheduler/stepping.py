@@ -91,6 +91,7 @@ class Stepper:
                 if c.seq.status is Status.RUNNING:  # not ended by an earlier failed step
                     await port.step_failed(c.seq, result.error)
             return
-        for update in port.core.apply(step, result.token_ids, result.counts, result.drafts):
+        for update in port.core.apply(step, result.token_ids, result.counts, result.drafts,
+                                      result.logprobs, result.prompt_logprobs):
             await port.emit(update)
         await port.pages_changed()
