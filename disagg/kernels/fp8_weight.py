@@ -14,25 +14,29 @@ BLOCK = 128  # the weight block edge the FP8 kernels take (weight_block_size [12
 class Fp8Weight:
     """``w = q * scale_inv`` block by block: ``q [N, K]`` ``float8_e4m3fn`` and
     ``scale_inv [ceil(N/128), ceil(K/128)]`` float32 (edge blocks partial), the checkpoint's
-    ``weight_scale_inv`` of this rank's shard."""
+    ``weight_scale_inv`` of this rank's shard; MoE experts stack them: ``q [E, N, K]``,
+    ``scale_inv [E, ceil(N/128), ceil(K/128)]``."""
 
     q: torch.Tensor
     scale_inv: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.q.dim() != 2 or self.q.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"Fp8Weight.q must be a 2-d float8_e4m3fn tensor, got "
-                             f"{tuple(self.q.shape)} {self.q.dtype}")
-        n, k = self.q.shape
-        want = (-(-n // BLOCK), -(-k // BLOCK))
+        if self.q.dim() not in (2, 3) or self.q.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"Fp8Weight.q must be a 2-d (or [E, N, K] experts) float8_e4m3fn "
+                             f"tensor, got {tuple(self.q.shape)} {self.q.dtype}")
+        *lead, n, k = self.q.shape
+        want = (*lead, -(-n // BLOCK), -(-k // BLOCK))
         if tuple(self.scale_inv.shape) != want or self.scale_inv.dtype != torch.float32:
             raise ValueError(f"Fp8Weight.scale_inv must be float32 {list(want)} for q "
-                             f"[{n}, {k}], got {tuple(self.scale_inv.shape)} "
+                             f"{list(self.q.shape)}, got {tuple(self.scale_inv.shape)} "
                              f"{self.scale_inv.dtype}")
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+    def dim(self) -> int:
+        return self.q.dim()
 
     @property
     def device(self) -> torch.device:
@@ -43,6 +47,7 @@ class Fp8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights in ``dtype`` (computed in float32): the CPU path and the reference."""
-        n, k = self.q.shape
-        s = self.scale_inv.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+        n, k = self.q.shape[-2:]
+        s = self.scale_inv.repeat_interleave(BLOCK, -2)[..., :n, :]
+        s = s.repeat_interleave(BLOCK, -1)[..., :k]
         return (self.q.to(torch.float32) * s).to(dtype)

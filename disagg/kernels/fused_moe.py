@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from disagg.kernels import checks
+from disagg.kernels.fp8_weight import Fp8Weight
 
 MOE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -179,12 +180,14 @@ def align(
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: x (a pair's row is p // a_div, a_div = top_k) or act (a_div = 1)
     w_ptr,  # [E, N or 2N, K]; GATED: rows 0:N gate, N:2N up
+    ws_ptr,  # FP8_W: [E, ceil(rows / 128), ceil(K / 128)] float32 block scales of w
     out_ptr,  # [T*k, N], row p
     topk_w_ptr,  # [T*k] routing weights, read when ROUTED
     sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
     num_pairs, num_rows_cap, N, K, a_div,
-    stride_am, stride_we, stride_wn, stride_om,
+    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
     GATED: tl.constexpr, ROUTED: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
+    FP8_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # grouped order: GROUP_M blocks of rows share each weight tile while it is in L2
@@ -208,6 +211,10 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + (ids // a_div).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     up_off = N * stride_wn
+    # FP8_W: a K step lies inside one 128-column block (BLOCK_K divides 128): per column of
+    # the tile one scale, applied to the step's partial product before it is accumulated
+    s_ptrs = ws_ptr + expert * stride_se + (offs_n % N // 128) * stride_sn
+    su_ptrs = ws_ptr + expert * stride_se + ((offs_n % N + N) // 128) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -221,7 +228,10 @@ def _moe_gemm_kernel(
         if F32_DOT:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
+        if FP8_W:  # e4m3 values are exact in bf16 / fp16: the dot runs on a's dtype
+            acc += tl.dot(a, w.to(a.dtype)) * tl.load(s_ptrs + k0 // 128)[None, :]
+        else:
+            acc = tl.dot(a, w, acc)
         if GATED:
             if EVEN:
                 u = tl.load(w_ptrs + up_off)
@@ -229,7 +239,10 @@ def _moe_gemm_kernel(
                 u = tl.load(w_ptrs + up_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if F32_DOT:
                 u = u.to(tl.float32)
-            acc_up = tl.dot(a, u, acc_up)
+            if FP8_W:
+                acc_up += tl.dot(a, u.to(a.dtype)) * tl.load(su_ptrs + k0 // 128)[None, :]
+            else:
+                acc_up = tl.dot(a, u, acc_up)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -242,20 +255,25 @@ def _moe_gemm_kernel(
 
 
 def _gemm(
-    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor | None,
+    a: torch.Tensor, w: torch.Tensor | Fp8Weight, out: torch.Tensor, topk_w: torch.Tensor | None,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], a_div: int, gated: bool,
     block_m: int, tile: GemmTile,
 ) -> None:  # fmt: skip
     sorted_ids, expert_ids, num_post = aligned
     n, k = out.shape[1], a.shape[1]
     interp = checks.interpreting()
+    fp8 = isinstance(w, Fp8Weight)
+    if fp8 and 128 % tile.block_k:
+        raise ValueError(f"FP8 experts need a block_k dividing 128, got {tile.block_k}")
+    wt, ws = (w.q, w.scale_inv) if isinstance(w, Fp8Weight) else (w, w)
     grid = (sorted_ids.numel() // block_m * triton.cdiv(n, tile.block_n),)
     launch = {} if interp else dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
     _moe_gemm_kernel[grid](
-        a, w, out, out if topk_w is None else topk_w, sorted_ids, expert_ids, num_post,
+        a, wt, ws, out, out if topk_w is None else topk_w, sorted_ids, expert_ids, num_post,
         out.shape[0], sorted_ids.numel(), n, k, a_div,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        GATED=gated, ROUTED=topk_w is not None,
+        a.stride(0), wt.stride(0), wt.stride(1), out.stride(0), ws.stride(0),
+        ws.stride(1) if fp8 else 0,
+        GATED=gated, ROUTED=topk_w is not None, FP8_W=fp8,
         EVEN=k % tile.block_k == 0 and n % tile.block_n == 0,
         F32_DOT=interp or a.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
@@ -264,7 +282,7 @@ def _gemm(
 
 
 def _check(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-           gate_up: torch.Tensor, down: torch.Tensor) -> None:
+           gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight) -> None:
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in MOE_DTYPES:
         raise ValueError(f"x must be [T, H] with a unit last stride in one of {MOE_DTYPES}, got "
                          f"{tuple(x.shape)} strides {x.stride()} {x.dtype}")
@@ -274,8 +292,14 @@ def _check(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     e, two_i, _ = gate_up.shape
     if tuple(down.shape) != (e, h, two_i // 2):
         raise ValueError(f"down must be [{e}, {h}, {two_i // 2}], got {tuple(down.shape)}")
-    for name, p in (("gate_up", gate_up), ("down", down)):
-        if not p.is_contiguous() or p.dtype != x.dtype or p.device != x.device:
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if isinstance(w, Fp8Weight):
+            if x.dtype == torch.float32 and not checks.interpreting():
+                raise ValueError("FP8 experts run with bf16 / fp16 activations")
+            p, want = w.q, w.q.dtype
+        else:
+            p, want = w, x.dtype
+        if not p.is_contiguous() or p.dtype != want or p.device != x.device:
             raise ValueError(f"{name} must be contiguous {x.dtype} on {x.device}, got "
                              f"{p.dtype} on {p.device} strides {p.stride()}")
     if experts.dim() != 2 or experts.shape[0] != t or weights.shape != experts.shape:
@@ -285,12 +309,15 @@ def _check(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
 
 def fused_experts(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-    gate_up: torch.Tensor, down: torch.Tensor, tiles: MoETiles | None = None,
+    gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
+    tiles: MoETiles | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The routed experts' weighted sum: ``x [T, H]`` -> ``[T, H]`` in ``x.dtype``.
 
     ``weights``/``experts [T, k]`` come from ``route``; ``tiles`` overrides ``tile_config``
     (benchmark sweeps). float32 runs its dots in tf32 on a GPU (exactly under the interpreter).
+    Block-FP8 experts (``Fp8Weight``, 128x128 blocks) are read as FP8 and each step's partial
+    product scaled by its block's scale (weight-only: the dots on the activations' dtype).
     """
     _check(x, weights, experts, gate_up, down)
     t, h = x.shape

@@ -24,6 +24,10 @@ from disagg.model.fp8 import quantize_blocks
 log = logging.getLogger(__name__)
 
 PACKED = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+# MLA's projections (not kv_b: its halves are absorbed into the attention) and shared experts
+PACKED_MLA_MOE = ("mla.q_a", "mla.q_b", "mla.q_proj", "mla.kv_a", "mla.o",
+                  "moe.shared_gate_up", "moe.shared_down")
+EXPERTS = ("moe.gate_up", "moe.down")  # [E, 2I, H] / [E, H, I]: the fused MoE kernel's
 Shard = Callable[[str, torch.Tensor], torch.Tensor]  # (TP kind, tensor) -> this rank's slice
 
 
@@ -41,8 +45,12 @@ def fp8_gemm_device(device: torch.device) -> bool:
 
 def packable(param_name: str, expert: int | None) -> bool:
     """Whether the loader keeps this parameter's FP8 parts (a dense layer's linear weight)."""
-    return expert is None and param_name.startswith("layers.") and \
-        param_name.rsplit(".", 1)[-1] in PACKED
+    if not param_name.startswith("layers."):
+        return False
+    if param_name.endswith(EXPERTS):
+        return True
+    return expert is None and (param_name.rsplit(".", 1)[-1] in PACKED
+                               or param_name.endswith(PACKED_MLA_MOE))
 
 
 def shard_fp8(q: torch.Tensor, scale: torch.Tensor, kind: str, split_dim: int | None,
@@ -66,31 +74,54 @@ class Fp8Parts:
     whose every part arrived in whole blocks."""
 
     def __init__(self) -> None:
-        self._parts: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # param -> (expert or -1, part) -> (q, scale)
+        self._parts: dict[str, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def add(self, param_name: str, part: int | None, q: torch.Tensor,
-            scale: torch.Tensor) -> None:
-        self._parts.setdefault(param_name, {})[0 if part is None else part] = (q, scale)
+    def add(self, param_name: str, part: int | None, q: torch.Tensor, scale: torch.Tensor,
+            expert: int | None = None) -> None:
+        key = (-1 if expert is None else expert, 0 if part is None else part)
+        self._parts.setdefault(param_name, {})[key] = (q, scale)
 
-    def weights(self, parts_of: Callable[[str], int]) -> dict[str, Fp8Weight]:
+    def weights(self, parts_of: Callable[[str], int],
+                experts_of: Callable[[str], int | None] = lambda _n: None
+                ) -> dict[str, Fp8Weight]:
         """``param name -> Fp8Weight`` for each parameter with all ``parts_of(name)`` parts
-        (stacked by rows); a parameter with a part missing (stored unquantized) or a part
-        before the last that ends inside a block of rows stays dequantized."""
+        (stacked by rows; experts, ``experts_of(name)`` of them, stacked in front, or one
+        ``[E, ...]`` tensor as the fused checkpoint form stores them); a parameter with a part
+        missing (stored unquantized) or a part before the last that ends inside a block of
+        rows stays dequantized."""
         out: dict[str, Fp8Weight] = {}
         for name, parts in self._parts.items():
-            n = parts_of(name)
-            if sorted(parts) != list(range(n)):
-                log.info("%s: not every part is FP8; kept dequantized", name)
+            n, e = parts_of(name), experts_of(name)
+            if e is not None and list(parts) == [(-1, 0)]:  # [E, rows, K] as stored
+                out[name] = Fp8Weight(*(t.contiguous() for t in parts[(-1, 0)]))
                 continue
-            ordered = [parts[i] for i in range(n)]
-            if any(q.shape[0] % BLOCK for q, _ in ordered[:-1]):
-                log.info("%s: a fused part ends inside a %d-row block; kept dequantized",
-                         name, BLOCK)
+            maybe = [self._stacked(name, parts, x, n) for x in ([-1] if e is None else range(e))]
+            rows = [r for r in maybe if r is not None]
+            if len(rows) < len(maybe):
                 continue
-            q = torch.cat([q.view(torch.uint8) for q, _ in ordered]).view(torch.float8_e4m3fn)
-            s = torch.cat([s.to(torch.float32) for _, s in ordered])
-            out[name] = Fp8Weight(q.contiguous(), s.contiguous())
+            if e is None:
+                out[name] = rows[0]
+            else:
+                out[name] = Fp8Weight(
+                    torch.stack([r.q.view(torch.uint8) for r in rows]).view(torch.float8_e4m3fn),
+                    torch.stack([r.scale_inv for r in rows]))
         return out
+
+    @staticmethod
+    def _stacked(name: str, parts: dict, expert: int, n: int) -> Fp8Weight | None:
+        if any((expert, i) not in parts for i in range(n)):
+            log.info("%s: not every part is FP8; kept dequantized", name)
+            return None
+        ordered: list[tuple[torch.Tensor, torch.Tensor]] = [parts[(expert, i)]
+                                                            for i in range(n)]
+        if any(q.shape[-2] % BLOCK for q, _ in ordered[:-1]):
+            log.info("%s: a fused part ends inside a %d-row block; kept dequantized",
+                     name, BLOCK)
+            return None
+        q = torch.cat([q.view(torch.uint8) for q, _ in ordered]).view(torch.float8_e4m3fn)
+        s = torch.cat([s.to(torch.float32) for _, s in ordered])
+        return Fp8Weight(q.contiguous(), s.contiguous())
 
 
 def install(model: torch.nn.Module, weights: dict[str, Fp8Weight],

@@ -169,9 +169,10 @@ def load_model(
     def keep_fp8(target: Target, q: torch.Tensor, scale: torch.Tensor) -> None:
         param_name, expert, part, kind = target
         if parts is not None and packable(param_name, expert):
-            split = 0 if kind in _ROW_KINDS else 1 if kind in _COL_KINDS else None
+            split = (q.dim() - 2 if kind in _ROW_KINDS else q.dim() - 1 if kind in _COL_KINDS
+                     else None)
             parts.add(param_name, part, *shard_fp8(
-                q, scale, kind, split, lambda k, t: _shard(tp, k, t, full)))
+                q, scale, kind, split, lambda k, t: _shard(tp, k, t, full)), expert)
 
     with ExitStack() as stack:
         files = {file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
@@ -212,21 +213,6 @@ def load_model(
                     )
                 dst.copy_(tensor.to(dst.dtype))
                 seen.add(param_name)
-    if fp8 is not None:
-        blocks = f"{fp8.block[0]}x{fp8.block[1]} blocks" if fp8.block else "tensor/channel scales"
-        packed = {} if parts is None else parts.weights(
-            lambda n: len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)])))
-        if packed:
-            saved = install(model, packed, dev)
-            log.info("FP8 checkpoint (%s, %s): %d dense weights kept as FP8 for the FP8 GEMMs "
-                     "(%.2f GiB less than %s), %d others dequantized", fp8.method, blocks,
-                     len(packed), saved / 2**30, str(model.dtype).removeprefix("torch."),
-                     dequantized - sum(len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)]))
-                                       for n in packed))
-        else:
-            log.info("FP8 checkpoint (%s, %s): %d weights dequantized to %s at load "
-                     "(weight-only)", fp8.method, blocks, dequantized,
-                     str(model.dtype).removeprefix("torch."))
     if kv_scales:
         _set_kv_scales(model, kv_scales, full, tp)
     if model.lm_head is None:
@@ -240,7 +226,31 @@ def load_model(
             want *= model.get_parameter(param_name).shape[0]
         if count != want:
             raise ValueError(f"checkpoint in {path}: {param_name} got {count} of {want} parts")
+    if fp8 is not None:
+        blocks = f"{fp8.block[0]}x{fp8.block[1]} blocks" if fp8.block else "tensor/channel scales"
+        packed = {} if parts is None else parts.weights(
+            lambda n: len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)])),
+            lambda n: (model.get_parameter(n).shape[0] if model.get_parameter(n).dim() == 3
+                       else None))
+        if packed:
+            saved = install(model, packed, dev)
+            log.info("FP8 checkpoint (%s, %s): %d dense weights kept as FP8 for the FP8 GEMMs "
+                     "(%.2f GiB less than %s), %d others dequantized", fp8.method, blocks,
+                     len(packed), saved / 2**30, str(model.dtype).removeprefix("torch."),
+                     dequantized - fp8_tensors(packed, slices))
+        else:
+            log.info("FP8 checkpoint (%s, %s): %d weights dequantized to %s at load "
+                     "(weight-only)", fp8.method, blocks, dequantized,
+                     str(model.dtype).removeprefix("torch."))
     return model
+
+
+def fp8_tensors(packed: dict, slices: dict) -> int:
+    """Checkpoint tensors the packed parameters came from (experts: one per expert and part,
+    as per-expert checkpoints store them)."""
+    return sum(len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)])) * (w.q.shape[0] if w.dim() == 3
+                                                                 else 1)
+               for n, w in packed.items())
 
 
 def _read_kv_scale(name: str, f: Any, arch: ModelArch,

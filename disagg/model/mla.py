@@ -17,12 +17,11 @@ kernels of ``disagg.kernels.mla`` (append, split-kv decode, causal prefill); any
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.config import MLAArch
-from disagg.model.ops import fused_on, norm
+from disagg.model.ops import fused_on, norm, project
 from disagg.model.rotary import rotate_half
 
 
@@ -80,12 +79,12 @@ class MLAAttention(nn.Module):
         a, t, n = self.arch, h.shape[0], self.num_heads
         nope, r, c = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
         if a.q_lora_rank:
-            q = F.linear(norm(F.linear(h, self.q_a), self.q_a_norm, self.eps), self.q_b)
+            q = project(norm(project(h, self.q_a), self.q_a_norm, self.eps), self.q_b)
         else:
-            q = F.linear(h, self.q_proj)
+            q = project(h, self.q_proj)
         q = q.view(t, n, nope + r)
         q_nope, q_pe = q[..., :nope], q[..., nope:]
-        ckv = F.linear(h, self.kv_a)
+        ckv = project(h, self.kv_a)
         latent = torch.cat((norm(ckv[:, :c], self.kv_a_norm, self.eps),
                             _rope(ckv[:, None, c:], cos, sin, a.rope_interleave)[:, 0]), dim=-1)
         latent = latent.view(t, 1, c + r)
@@ -105,4 +104,4 @@ class MLAAttention(nn.Module):
         else:
             out = backend.attend(query, cache, cache, meta, a.softmax_scale, pair)[..., :c]
         heads = torch.einsum("thc,hvc->thv", out, w[:, nope:])
-        return F.linear(heads.reshape(t, n * a.v_head_dim), self.o)
+        return project(heads.reshape(t, n * a.v_head_dim), self.o)

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagg.kernels.fp8_weight import Fp8Weight
 from disagg.model.config import MoEArch
-from disagg.model.ops import silu_mul
+from disagg.model.ops import project, silu_mul
 
 
 def route(logits: torch.Tensor, moe: MoEArch,
@@ -112,9 +113,14 @@ class MoEMLP(nn.Module):
 
             out = fused_experts(x, weights, experts, self.gate_up, self.down)
         else:
-            out = experts_loop(x, weights, experts, self.gate_up, self.down)
+            gate_up, down = self.gate_up, self.down
+            if isinstance(gate_up, Fp8Weight):  # the CPU path: dequantized per call
+                gate_up = gate_up.dequantize(x.dtype)
+            if isinstance(down, Fp8Weight):
+                down = down.dequantize(x.dtype)
+            out = experts_loop(x, weights, experts, gate_up, down)
         if self.shared_gate_up is not None and self.shared_down is not None:
-            shared = F.linear(silu_mul(F.linear(x, self.shared_gate_up)), self.shared_down)
+            shared = project(silu_mul(project(x, self.shared_gate_up)), self.shared_down)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             out = out + shared

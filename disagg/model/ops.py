@@ -61,6 +61,15 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight,
     return F.linear(x, w, bias)
 
 
+def project(x: torch.Tensor, w: torch.Tensor | Fp8Weight,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a plain weight (cuBLAS at every row count), ``linear``'s FP8 path for
+    an ``Fp8Weight``: the MLA projections and shared experts, kept FP8 like the dense layers."""
+    if isinstance(w, Fp8Weight):
+        return linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` -> ``silu(gate) * up`` ``[T, I]`` (the gated MLP's activation)."""
     if fused_on(gate_up):

@@ -29,7 +29,7 @@ ROUTINGS = [(8, 2, False, 1.0, False, "float32"), (64, 6, False, 1.0, True, "flo
 
 
 def all_cases() -> list[str]:
-    return ["align", "tiles32", "routing", *SHAPES]
+    return ["align", "tiles32", "routing", "fp8", "fp8-tiles32", *SHAPES]
 
 
 def _rel(out: Any, ref: Any) -> float:
@@ -93,6 +93,31 @@ def _check_tiles32() -> float:
     return _rel(out, experts_loop(x, weights, experts, gate_up, down))
 
 
+def _check_fp8(tiles32: bool) -> float:
+    """Block-FP8 experts (128x128 blocks; H and I off the blocks, so edge blocks are partial)
+    against the loop over the same weights dequantized."""
+    import torch
+
+    from disagg.kernels.fp8_weight import Fp8Weight
+    from disagg.kernels.fused_moe import GemmTile, MoETiles, fused_experts
+    from disagg.model.fp8 import quantize_blocks
+    from disagg.model.moe import experts_loop
+
+    gen = torch.Generator().manual_seed(11)
+    t, k, h, i = 21, 2, 160, 136
+    x = torch.randn(t, h, generator=gen)
+    gate_up = Fp8Weight(*quantize_blocks(torch.randn(NUM_EXPERTS, 2 * i, h, generator=gen)
+                                         * h**-0.5, (128, 128)))
+    down = Fp8Weight(*quantize_blocks(torch.randn(NUM_EXPERTS, h, i, generator=gen) * i**-0.5,
+                                      (128, 128)))
+    weights = torch.rand(t, k, generator=gen)
+    experts = torch.randint(0, NUM_EXPERTS, (t, k), generator=gen)
+    tiles = MoETiles(32, GemmTile(32, 32, 1, 1, 1), GemmTile(16, 64, 3, 1, 1), 16) \
+        if tiles32 else None
+    out = fused_experts(x, weights, experts, gate_up, down, tiles)
+    return _rel(out, experts_loop(x, weights, experts, gate_up.dequantize(), down.dequantize()))
+
+
 def _check_routing() -> float:
     """``route_fused`` against ``route``: experts of the same scores in the same order (equal
     scores may be broken either way: bf16 logits tie often) and the weights rounded alike.
@@ -133,6 +158,8 @@ def run_case(cid: str) -> float:
         return _check_routing()
     if cid == "tiles32":
         return _check_tiles32()
+    if cid.startswith("fp8"):
+        return _check_fp8(cid == "fp8-tiles32")
     top_k, h, i, s, gated, dtype = SHAPES[cid]
     gen = torch.Generator().manual_seed(zlib.crc32(cid.encode()))
     arch = MoEArch(num_experts=NUM_EXPERTS, top_k=top_k, intermediate_size=i,

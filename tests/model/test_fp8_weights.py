@@ -14,6 +14,7 @@ from disagg.llm import LLM
 from disagg.model.config import ModelArch
 from disagg.model.fp8 import Fp8Format, dequantize, quantize_blocks
 from disagg.model.fp8_weights import PACKED, Fp8Parts, shard_fp8
+from disagg.model.fp8_weights import kept as kept_weights
 from disagg.model.loader import load_model, random_model, safetensors_files
 from disagg.model.quantize import quantize_dir
 from disagg.model.tp import TensorParallel
@@ -182,3 +183,56 @@ def test_on_a_gpu_the_kept_weights_run_the_fp8_kernels(wide_fp8):
     b = [o.token_ids for o in LLM(plain, num_pages=128, page_size=16).generate(prompts, sp)]
     first = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
     assert first >= 3, (a, b)  # the first tokens (one prefill each) agree but for a near tie
+
+
+# MoE and MLA: experts (per expert or fused [E, ...] as transformers stores them), shared
+# experts and the latent projections kept FP8 in whole blocks
+SPARSE = {
+    "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=128),
+    "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256,
+                        num_attention_heads=2, kv_lora_rank=128, q_lora_rank=128,
+                        qk_nope_head_dim=64, v_head_dim=64),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SPARSE))
+def test_experts_shared_experts_and_latent_projections_stay_fp8(kind, tmp_path):
+    src = make_tiny_model(kind, tmp_path / "src", **SPARSE[kind])
+    quantize_dir(src, tmp_path / "fp8", (128, 128))
+    kept = load_model(tmp_path / "fp8", "float32", fp8_gemm=True)
+    plain = load_model(tmp_path / "fp8", "float32", fp8_gemm=False)
+    weights = kept_weights(kept)
+    sparse = [i for i, layer in enumerate(kept.layers) if layer.moe is not None]
+    assert sparse
+    for i in sparse:
+        gate_up = weights[f"layers.{i}.moe.gate_up"]
+        assert gate_up.q.dim() == 3 and gate_up.q.shape[0] == kept.layers[i].moe.arch.num_experts
+        assert f"layers.{i}.moe.down" in weights
+    if kind == "deepseek_v3":
+        for i in range(len(kept.layers)):
+            for p in ("q_a", "q_b", "kv_a", "o"):
+                assert f"layers.{i}.mla.{p}" in weights
+            assert not isinstance(kept.layers[i].mla.kv_b, Fp8Weight)  # absorbed: dequantized
+        assert any(n.endswith("moe.shared_gate_up") for n in weights)
+    for name, w in weights.items():
+        assert torch.equal(w.dequantize(torch.float32), plain.get_parameter(name)), name
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    a = LLM(kept, num_pages=64, page_size=4).generate(PROMPTS, sp)
+    b = LLM(plain, num_pages=64, page_size=4).generate(PROMPTS, sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_tp_ranks_keep_their_shard_of_the_experts(tmp_path):
+    src = make_tiny_model("qwen3_moe", tmp_path / "src", **{**SPARSE["qwen3_moe"],
+                                                            "moe_intermediate_size": 256})
+    quantize_dir(src, tmp_path / "fp8", (128, 128))
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        kept = load_model(tmp_path / "fp8", "float32", tp=tp, fp8_gemm=True)
+        plain = load_model(tmp_path / "fp8", "float32", tp=tp, fp8_gemm=False)
+        weights = kept_weights(kept)
+        assert weights["layers.0.moe.gate_up"].q.shape[1] == 256  # 2 x 128 of 2 x 256 rows
+        for name, w in weights.items():
+            assert torch.equal(w.dequantize(torch.float32), plain.get_parameter(name)), (rank,
+                                                                                         name)
