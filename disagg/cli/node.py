@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--http-body-buffer-mb", type=int, default=h.body_buffer_bytes >> 20,
                       metavar="MB", help="request body bytes all HTTP connections may buffer "
                       "together; past it a body gets a 503")
+    http.add_argument("--max-n", type=int, default=h.max_n, metavar="N",
+                      help="the most choices one HTTP request may ask for (n, times its "
+                      "prompts in a batched /v1/completions); past it a 400 naming n")
     return ap
 
 
@@ -63,7 +66,8 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
                       header_timeout_s=args.http_header_timeout,
                       body_timeout_s=args.http_body_timeout,
                       write_timeout_s=args.http_write_timeout,
-                      body_buffer_bytes=args.http_body_buffer_mb << 20).validate()
+                      body_buffer_bytes=args.http_body_buffer_mb << 20,
+                      max_n=args.max_n).validate()
 
 
 def tp_devices(devices: list[str], tp: int) -> list[str]:

@@ -27,7 +27,8 @@ MIN_CONNECTIONS = 8  # however small the fd table, the gateway keeps this many
 
 class HttpLimits(msgspec.Struct, frozen=True):
     """``--http-max-connections``, ``--http-header-timeout``, ``--http-body-timeout``,
-    ``--http-write-timeout``, ``--http-body-buffer-mb`` (bytes here), and the body limit."""
+    ``--http-write-timeout``, ``--http-body-buffer-mb`` (bytes here), ``--max-n``, and the body
+    limit."""
 
     max_connections: int = 1024
     header_timeout_s: float = 15.0  # connection open / previous response -> complete head
@@ -35,6 +36,7 @@ class HttpLimits(msgspec.Struct, frozen=True):
     write_timeout_s: float = 30.0  # a write (SSE chunk, response) the client does not take
     max_body_bytes: int = 8 << 20
     body_buffer_bytes: int = 256 << 20  # all bodies being read, together
+    max_n: int = 16  # --max-n: choices per request (n) at most, times its prompts
 
     def validate(self) -> HttpLimits:
         if self.max_connections < 1:
@@ -44,6 +46,8 @@ class HttpLimits(msgspec.Struct, frozen=True):
                         ("--http-write-timeout", self.write_timeout_s)):
             if not v > 0 or v != v or v == float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds > 0")
+        if self.max_n < 1:
+            raise ValueError("--max-n must be >= 1")
         if self.max_body_bytes < 1:
             raise ValueError("the body limit must be >= 1 byte")
         if self.body_buffer_bytes < self.max_body_bytes:

@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from disagg.protocol import MAX_CACHE_SALT, SamplingParams, Usage
+from disagg.protocol import MAX_CACHE_SALT, MAX_TOP_LOGPROBS, SamplingParams, Usage
 from disagg.serving.admission import too_long_to_fit
+from disagg.serving.openai_logprobs import MAX_COMPLETION_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -93,6 +94,7 @@ class _Common(msgspec.Struct):
     min_tokens: int = 0  # extension (vLLM)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = None  # extension (vLLM): share cached prefixes only within a salt
@@ -174,31 +176,53 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    # ---- choices and logprobs (disagg.serving.openai_logprobs)
+    # every prompt of a batched /v1/completions, in order (prompts[0] is prompt_token_ids);
+    # empty: just prompt_token_ids
+    prompts: list[list[int]] = field(default_factory=list)
+    prompt_texts: list[str | None] = field(default_factory=list)  # as sent, for echo
+    n: int = 1  # choices per prompt: choice index = prompt index * n + j
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
+    logprobs: int | None = None  # alternatives per token (None: no logprobs)
+
+    @property
+    def all_prompts(self) -> list[list[int]]:
+        return self.prompts or [self.prompt_token_ids]
 
 
 def prepare_completion(body: CompletionBody, tok: TokenizerLike | None, model_name: str,
-                       max_model_len: int) -> Prepared:
+                       max_model_len: int, max_n: int = 16) -> Prepared:
     check_model(body.model, model_name)
-    _refuse_unsupported(body)
-    if body.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
-    if body.logprobs is not None:
-        raise ApiError(400, "logprobs is not supported", param="logprobs")
     if body.best_of not in (None, 1):
-        raise ApiError(400, "best_of must be 1", param="best_of")
+        raise ApiError(400, f"best_of is not supported (got {body.best_of}); use n",
+                       param="best_of")
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    ids = _completion_prompt(body.prompt, tok, max_model_len)
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise ApiError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got "
+                       f"{body.logprobs}", param="logprobs")
+    prompts = _completion_prompts(body.prompt, tok, max_model_len)
+    _check_common(body, max_n, len(prompts), tok)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    return _finish(body, ids, max_tokens, max_model_len, "prompt")
+    for ids, _ in prompts[1:]:
+        _check_context(ids, max_tokens, max_model_len, "prompt")
+    prep = _finish(body, prompts[0][0], max_tokens, max_model_len, "prompt",
+                   logprobs=body.logprobs, echo=bool(body.echo))
+    if len(prompts) > 1:
+        prep.prompts = [ids for ids, _ in prompts]
+    prep.prompt_texts = [text for _, text in prompts]
+    return prep
 
 
 def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
-                 max_model_len: int) -> Prepared:
+                 max_model_len: int, max_n: int = 16) -> Prepared:
     check_model(body.model, model_name)
-    _refuse_unsupported(body)
-    if body.logprobs:
-        raise ApiError(400, "logprobs is not supported", param="logprobs")
+    _check_common(body, max_n, 1, tok)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                       f"{body.top_logprobs}", param="top_logprobs")
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -226,7 +250,8 @@ def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
         else body.max_tokens
     if max_tokens is None:  # as OpenAI: up to the context limit
         max_tokens = max(1, max_model_len - len(ids))
-    return _finish(body, ids, max_tokens, max_model_len, "messages")
+    return _finish(body, ids, max_tokens, max_model_len, "messages",
+                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
 
 def check_model(requested: str | None, model_name: str) -> None:
@@ -235,15 +260,21 @@ def check_model(requested: str | None, model_name: str) -> None:
                        f"`{model_name}` (see /v1/models).", param="model", code="model_not_found")
 
 
-def _refuse_unsupported(body: _Common) -> None:
-    if body.n not in (None, 1):
-        raise ApiError(400, f"n must be 1, got {body.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported (must be 0)", param=name)
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+def _check_common(body: _Common, max_n: int, prompts: int, tok: TokenizerLike | None) -> None:
+    """``n`` within ``--max-n`` (counting every prompt's choices) and ``logit_bias``' keys
+    (token ids as strings, in the vocabulary when the gateway knows it)."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n or n * prompts > max_n:
+        raise ApiError(400, f"n must be in [1, {max_n // max(1, prompts)}] (--max-n {max_n}"
+                       + (f" over {prompts} prompts" if prompts > 1 else "") + f"), got {n}",
+                       param="n")
+    for key in body.logit_bias or {}:
+        if not key.strip().lstrip("-").isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}",
+                           param="logit_bias")
+        if tok is not None and not 0 <= int(key) < tok.vocab_size:
+            raise ApiError(400, f"logit_bias: token id {key} is outside the vocabulary "
+                           f"[0, {tok.vocab_size})", param="logit_bias")
 
 
 def _message_role(m: ChatMessage, i: int) -> str:
@@ -276,12 +307,27 @@ def check_text_size(chars: int, tok: TokenizerLike, max_model_len: int, param: s
                        "can spell).", param=param, code="context_length_exceeded")
 
 
+def _completion_prompts(prompt: str | list[Any] | None, tok: TokenizerLike | None,
+                        max_model_len: int) -> list[tuple[list[int], str | None]]:
+    """The prompt or the batch of prompts (a list of strings or of token-id lists, at most
+    MAX_BATCHED_PROMPTS): (ids, text as sent or None) each."""
+    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        if len(prompt) > MAX_BATCHED_PROMPTS:
+            raise ApiError(400, f"at most {MAX_BATCHED_PROMPTS} prompts in a batch, got "
+                           f"{len(prompt)}", param="prompt")
+        return [(_completion_prompt(p, tok, max_model_len), p if isinstance(p, str) else None)
+                for p in prompt]
+    return [(_completion_prompt(prompt, tok, max_model_len),
+             prompt if isinstance(prompt, str) else None)]
+
+
+MAX_BATCHED_PROMPTS = 256
+
+
 def _completion_prompt(prompt: str | list[Any] | None, tok: TokenizerLike | None,
                        max_model_len: int) -> list[int]:
     if prompt is None:
         raise ApiError(400, "prompt is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if tok is None:
             raise ApiError(400, "this model has no tokenizer; send the prompt as token ids",
@@ -294,19 +340,16 @@ def _completion_prompt(prompt: str | list[Any] | None, tok: TokenizerLike | None
         bad = [x for x in ids if x < 0 or (vocab is not None and x >= vocab)]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
-    elif isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
-        raise ApiError(400, f"batched prompts are not supported (got {len(prompt)}); send one "
-                       "prompt per request", param="prompt")
     else:
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one "
-                       "of those", param="prompt")
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of "
+                       "either", param="prompt")
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     return ids
 
 
-def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
-            prompt_param: str) -> Prepared:
+def _check_context(ids: list[int], max_tokens: int, max_model_len: int,
+                   prompt_param: str) -> None:
     if max_tokens < 1:
         raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
     if len(ids) >= max_model_len:
@@ -318,6 +361,11 @@ def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
                        f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in "
                        f"the prompt, {max_tokens} for the completion). Reduce the prompt or "
                        "max_tokens.", param="max_tokens", code="context_length_exceeded")
+
+
+def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
+            prompt_param: str, logprobs: int | None = None, echo: bool = False) -> Prepared:
+    _check_context(ids, max_tokens, max_model_len, prompt_param)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}",
@@ -338,18 +386,26 @@ def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
+            presence_penalty=float(body.presence_penalty or 0.0),
+            frequency_penalty=float(body.frequency_penalty or 0.0),
+            repetition_penalty=(1.0 if body.repetition_penalty is None
+                                else float(body.repetition_penalty)),
+            logit_bias={int(k): float(v) for k, v in (body.logit_bias or {}).items()},
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
         )
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"invalid sampling parameters: {e}") from None
     problem = sampling.validate()
     if problem is not None:
-        raise ApiError(400, problem, param=problem.split()[0])
+        raise ApiError(400, problem, param=problem.split()[0].rstrip(":"))
     if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= MAX_CACHE_SALT:
         raise ApiError(400, f"cache_salt must be a string of 1-{MAX_CACHE_SALT} characters",
                        param="cache_salt")
     return Prepared(ids, sampling, stop, bool(body.stream),
                     body.stream_options is not None and body.stream_options.include_usage,
-                    body.cache_salt)
+                    body.cache_salt, n=1 if body.n is None else body.n, echo=echo,
+                    logprobs=logprobs)
 
 
 # ------------------------------------------------------------------ stop strings
