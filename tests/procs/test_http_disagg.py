@@ -83,3 +83,23 @@ def test_disconnect_frees_pages_on_both_nodes(gateway, pair):
     for addr in pair:
         wait_for(lambda a=addr: (s := stats(a)).pages_free == s.pages_total and s.running == 0,
                  what=f"pages freed on {addr}")
+
+
+def test_echo_prompt_logprobs_equal_on_a_mixed_node_and_a_pair(oai, pair, shared_gateway):
+    """A request asking prompt logprobs is prefilled on the decoder itself (README): the echo
+    logprobs equal a mixed node's, and the prefiller computes nothing for it."""
+    ids = [44, 45, 46, 9, 120, 77, 3, 18, 250, 61, 11]
+    kw = dict(model=MODEL, prompt=ids, max_tokens=4, echo=True, logprobs=3, **GREEDY)
+    sent_before = stats(pair[0]).kv_writes_sent
+    split = oai.completions.create(**kw).choices[0]
+    assert stats(pair[0]).kv_writes_sent == sent_before
+    with openai_client(shared_gateway.url) as mixed_client:
+        mixed = mixed_client.completions.create(**kw).choices[0]
+    assert split.text == mixed.text
+    a, b = split.logprobs, mixed.logprobs
+    assert a.tokens == b.tokens and a.text_offset == b.text_offset
+    assert a.token_logprobs[0] is None and b.token_logprobs[0] is None
+    assert a.token_logprobs[1:] == pytest.approx(b.token_logprobs[1:], abs=1e-5)
+    for x, y in zip(a.top_logprobs[1:], b.top_logprobs[1:], strict=True):
+        assert x.keys() == y.keys() and list(x.values()) == pytest.approx(list(y.values()),
+                                                                           abs=1e-5)

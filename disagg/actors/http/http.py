@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
+from disagg.actors.http.choices import Reported, Shaper, serve_many
 from disagg.actors.http.http_guard import (
     LINGER_S,
     BodyError,
@@ -37,7 +38,7 @@ from disagg.actors.http.http_guard import (
     send,
 )
 from disagg.client import AsyncClient, RequestError
-from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, Usage
+from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, TokenLogprobs, Usage
 from disagg.serving.http_limits import (
     BodyBudget,
     HttpLimits,
@@ -65,6 +66,7 @@ from disagg.serving.openai_api import (
     sse,
     usage_chunk,
 )
+from disagg.serving.openai_logprobs import token_text_of
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,8 @@ class Event(msgspec.Struct):
     tokens: int = 0
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprobs] | None = None  # the tokens' (TokenChunk.logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the first event's, when asked
 
 
 class Gateway:
@@ -116,6 +120,7 @@ class Gateway:
         self.host, self.port = parse_listen(http_listen)
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.text_of = token_text_of(tokenizer)  # a token's own text, for logprobs
         self.max_model_len = max_model_len  # lowered to the node's own limit (Stats)
         self.configured_max_model_len = max_model_len
         self.metrics = metrics or Metrics()
@@ -263,11 +268,16 @@ class Gateway:
         timer = self.metrics.start_request()
         outcome, code, etype = "abort", None, None  # what a cancellation (client gone) leaves
         try:
+            if prep.n > 1 or len(prep.all_prompts) > 1:  # one node request per choice
+                resp, outcome = await serve_many(
+                    self, request, prep, rid, chat,
+                    lambda p, sub: self._relay(p, sub, timer))
+                return resp
             async with contextlib.aclosing(self._relay(prep, rid, timer)) as events:
                 if prep.stream:
                     resp, outcome = await self._stream(request, events, rid, chat, prep)
                 else:
-                    resp, outcome = await self._collect(events, rid, chat)
+                    resp, outcome = await self._collect(events, rid, chat, prep)
             return resp
         except ApiError as e:
             outcome, code, etype = "error", e.code, e.type
@@ -278,9 +288,9 @@ class Gateway:
     def _prepare(self, body: bytes, chat: bool) -> Prepared:
         if chat:
             return prepare_chat(decode_body(body, ChatBody), self.tokenizer, self.model_name,
-                                self.max_model_len)
+                                self.max_model_len, self.limits.max_n)
         return prepare_completion(decode_body(body, CompletionBody), self.tokenizer,
-                                  self.model_name, self.max_model_len)
+                                  self.model_name, self.max_model_len, self.limits.max_n)
 
     async def _relay(self, prep: Prepared, rid: str, timer: RequestTimer
                      ) -> AsyncGenerator[Event, None]:
@@ -299,11 +309,12 @@ class Gateway:
                         timer.on_tokens(n)
                         produced += n
                         text, hit = matcher.push(msg.text)
+                        lps = (msg.logprobs, msg.prompt_logprobs)
                         if hit:
                             usage = Usage(len(prep.prompt_token_ids), produced)
-                            yield Event(text, n, "stop", usage)
+                            yield Event(text, n, "stop", usage, *lps)
                             return
-                        yield Event(text, n)
+                        yield Event(text, n, None, None, *lps)
                     else:
                         yield Event(matcher.flush(), 0, msg.reason, msg.usage)
                         return
@@ -314,15 +325,19 @@ class Gateway:
         raise ApiError(502, "the node's stream ended without a finish", "server_error",
                        code="internal")
 
-    async def _collect(self, events: AsyncIterator[Event], rid: str, chat: bool
-                       ) -> tuple[web.Response, str]:
+    async def _collect(self, events: AsyncIterator[Event], rid: str, chat: bool,
+                       prep: Prepared) -> tuple[web.Response, str]:
         parts: list[str] = []
+        shaper = Shaper(prep, chat, self.text_of, self.tokenizer)  # echo, logprobs
         async for ev in events:
             parts.append(ev.text)
+            shaper.add(ev)
             if ev.finish_reason is not None:
                 assert ev.usage is not None
                 build = chat_response if chat else completion_response
-                body = build(rid, self.model_name, "".join(parts), ev.finish_reason, ev.usage)
+                body = build(rid, self.model_name, shaper.text("".join(parts), True),
+                             ev.finish_reason, ev.usage)
+                body["choices"][0]["logprobs"] = shaper.final()
                 return _json(body), ev.finish_reason
         raise ApiError(502, "the node's stream ended without a finish", "server_error")
 
@@ -339,11 +354,17 @@ class Gateway:
         async def put(data: bytes | None) -> None:  # None: the end; Stalled past the timeout
             await send(request, resp, data, self.limits.write_timeout_s)
 
-        def chunk(text: str | None, reason: str | None = None) -> bytes:
+        shaper = Shaper(prep, chat, self.text_of, self.tokenizer)  # echo, logprobs
+
+        def chunk(text: str | None, reason: str | None = None,
+                  lp: dict[str, Any] | None = None) -> bytes:
             if chat:
                 delta = {} if text is None else {"content": text}
-                return sse(chat_chunk(rid, model, created, delta, reason, usage_on))
-            return sse(completion_chunk(rid, model, created, text or "", reason, usage_on))
+                out = chat_chunk(rid, model, created, delta, reason, usage_on)
+            else:
+                out = completion_chunk(rid, model, created, text or "", reason, usage_on)
+            out["choices"][0]["logprobs"] = lp
+            return sse(out)
 
         try:
             if chat:
@@ -352,10 +373,11 @@ class Gateway:
                                          usage_on)))
             ev: Event | None = first
             while ev is not None:
+                text, lp = shaper.text(ev.text, ev is first), shaper.chunk(ev)
                 if ev.finish_reason is not None:
                     assert ev.usage is not None
-                    if ev.text:
-                        await put(chunk(ev.text))
+                    if text or lp is not None and ev.tokens:
+                        await put(chunk(text, None, lp))
                     await put(chunk(None, ev.finish_reason))
                     if usage_on:
                         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -363,8 +385,8 @@ class Gateway:
                     await put(SSE_DONE)
                     await put(None)
                     return resp, ev.finish_reason
-                if ev.text:
-                    await put(chunk(ev.text))
+                if text or lp is not None and ev.tokens:
+                    await put(chunk(text, None, lp))
                 ev = await anext(events, None)
         except ApiError as e:  # after the 200: report in-band, then end the stream
             with contextlib.suppress(ConnectionError):
@@ -376,12 +398,7 @@ class Gateway:
         return resp, "error"
 
 
-class _Reported(ApiError):
-    """An error already written into an SSE stream; the handler returns ``resp`` as is."""
-
-    def __init__(self, resp: web.StreamResponse, e: ApiError):
-        super().__init__(e.status, e.message, e.type, e.param, e.code)
-        self.resp = resp
+_Reported = Reported  # an error already written into an SSE stream (choices.py)
 
 
 _enc = msgspec.json.Encoder()

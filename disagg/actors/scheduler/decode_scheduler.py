@@ -82,11 +82,11 @@ class DecodeSide(SchedulerSide):
     async def enqueue(self, seq: Sequence) -> bool:
         """Take ``seq`` for remote prefill when a prefiller is alive and more than
         ``--local-prefill-max-tokens`` of its prompt (all but the last token) is not in this
-        node's prefix cache. It holds no page while it waits in the remote queue: its cached
+        node's prefix cache (never when it asks prompt logprobs: prefilled here). It holds no page while it waits in the remote queue: its cached
         leading pages and new ones for the rest are taken together when its turn comes
         (``_reserve``)."""
-        if self.remote.peers_alive == 0:
-            return False
+        if self.remote.peers_alive == 0 or seq.params.prompt_logprobs is not None:
+            return False  # prompt logprobs: computed here, where the prompt runs (README)
         sched, ps = self.port.sched, self.port.page_size
         n = len(seq.prompt_ids) - 1  # the prefiller computes all but the last token
         hashes = sched.prefix_hashes(seq) if sched.prefix_caching else []

@@ -1,0 +1,272 @@
+"""The gateway's choices: echo and logprobs of a choice in OpenAI's shapes (``Shaper``), and a
+request of several choices (``n > 1``, batched prompts in ``/v1/completions``) as one client-
+protocol request per choice (``serve_many``).
+
+Choice ``k = prompt index * n + j`` is its own ``GenerateRequest`` (id ``<rid>-<k>``), seeded
+``choice_seed(seed, j)`` when the request has a seed. Choice 0 of each prompt starts first; its
+other choices start once it has produced its first token, so its prompt's full pages are in the
+node's prefix cache by then and they compute only the last partial page (one prefill per
+prompt; without the prefix cache, --no-prefix-caching, each choice prefills the whole prompt).
+A choice's failure fails the request (its other choices are aborted). Usage: prompt tokens
+once per prompt, completion tokens of every choice, cached tokens the most any choice of a
+prompt took from the cache, summed over the prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from disagg.actors.http.http_guard import send
+from disagg.protocol import TokenLogprobs, Usage
+from disagg.serving.openai_api import (
+    SSE_DONE,
+    ApiError,
+    Prepared,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    sse,
+    usage_chunk,
+)
+from disagg.serving.openai_logprobs import (
+    TokenText,
+    chat_logprobs,
+    choice_seed,
+    completion_logprobs,
+)
+
+if TYPE_CHECKING:
+    from disagg.actors.http.http import Event, Gateway
+
+
+class Reported(ApiError):
+    """An error already written into an SSE stream; the handler returns ``resp`` as is."""
+
+    def __init__(self, resp: web.StreamResponse, e: ApiError):
+        super().__init__(e.status, e.message, e.type, e.param, e.code)
+        self.resp = resp
+
+
+class Shaper:
+    """One choice's echo text and logprobs objects, from its events."""
+
+    def __init__(self, prep: Prepared, chat: bool, text_of: TokenText, tokenizer: Any):
+        self.chat, self.text_of = chat, text_of
+        self.want = prep.logprobs is not None
+        self.echo = prep.echo and not chat
+        self.prompt_ids = prep.prompt_token_ids
+        text = prep.prompt_texts[0] if prep.prompt_texts else None
+        if self.echo and text is None:
+            text = tokenizer.decode(self.prompt_ids) if tokenizer is not None else ""
+        self.prompt_text = text if self.echo and text is not None else ""
+        self.offset = 0
+        self.first = True
+        self.entries: list[TokenLogprobs] = []
+        self.prompt_lps: list[TokenLogprobs] = []
+
+    def text(self, delta: str, first: bool) -> str:
+        """The choice's text for an event: the echoed prompt before its first delta."""
+        return self.prompt_text + delta if first else delta
+
+    def add(self, ev: Event) -> None:
+        """Keep an event's logprobs (a whole response is shaped at its end, ``final``)."""
+        self.entries += ev.logprobs or []
+        self.prompt_lps += ev.prompt_logprobs or []
+
+    def chunk(self, ev: Event) -> dict[str, Any] | None:
+        """The logprobs object of one streamed event's tokens (None: not asked)."""
+        if not self.want:
+            return None
+        first, self.first = self.first, False
+        return self._shape(ev.logprobs or [], ev.prompt_logprobs or [], first)
+
+    def final(self) -> dict[str, Any] | None:
+        return self._shape(self.entries, self.prompt_lps, True) if self.want else None
+
+    def _shape(self, entries: list[TokenLogprobs], prompt_lps: list[TokenLogprobs],
+               first: bool) -> dict[str, Any]:
+        if self.chat:
+            return chat_logprobs(entries, self.text_of)
+        prompt = (self.prompt_ids, prompt_lps) if first and self.echo else None
+        out = completion_logprobs(entries, self.text_of, self.offset, prompt)
+        if out["tokens"]:
+            self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
+
+
+def choice_preps(prep: Prepared) -> list[Prepared]:
+    """One single-choice ``Prepared`` per choice, in choice order."""
+    out = []
+    texts = prep.prompt_texts or [None] * len(prep.all_prompts)
+    for ids, text in zip(prep.all_prompts, texts, strict=True):
+        for j in range(prep.n):
+            seed = prep.sampling.seed
+            sampling = (prep.sampling if seed is None else
+                        msgspec.structs.replace(prep.sampling, seed=choice_seed(seed, j)))
+            out.append(dataclasses.replace(prep, prompt_token_ids=ids, sampling=sampling,
+                                           prompts=[], prompt_texts=[text], n=1))
+    return out
+
+
+async def merged(relays: Sequence[Callable[[], AsyncGenerator[Event, None]]], n: int
+                 ) -> AsyncGenerator[tuple[int, Event], None]:
+    """Every choice's events as they come, tagged by choice index; choice ``j > 0`` of a
+    prompt starts once choice 0 of it has an event (or ended). Closing it aborts the choices
+    still running (each relay is closed in its task); a choice's error is raised here."""
+    queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+    leaders = [asyncio.Event() for _ in range(0, len(relays), n)]
+
+    async def pump(k: int) -> None:
+        lead = leaders[k // n]
+        try:
+            if k % n:
+                await lead.wait()  # set by the leader's first event or its end, whatever it is
+            async with contextlib.aclosing(relays[k]()) as events:
+                async for ev in events:
+                    await queue.put((k, ev))
+                    if k % n == 0:
+                        lead.set()
+            await queue.put((k, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((k, e))
+        finally:
+            if k % n == 0:
+                lead.set()
+
+    tasks = [asyncio.create_task(pump(k)) for k in range(len(relays))]
+    running = len(tasks)
+    try:
+        while running:
+            k, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(usages: list[Usage], n: int) -> Usage:
+    """Usage of a request of ``len(usages) // n`` prompts, ``n`` choices each (module doc)."""
+    groups = [usages[i:i + n] for i in range(0, len(usages), n)]
+    return Usage(sum(g[0].prompt_tokens for g in groups),
+                 sum(u.completion_tokens for u in usages),
+                 sum(max(u.cached_tokens for u in g) for g in groups))
+
+
+async def serve_many(gw: Gateway, request: web.Request, prep: Prepared, rid: str, chat: bool,
+                     relay: Callable[[Prepared, str], AsyncGenerator[Event, None]]
+                     ) -> tuple[web.StreamResponse, str]:
+    """Serve a request of several choices: a JSON response or an SSE stream (the first event
+    comes before the 200, so a refusal is a proper 4xx)."""
+    preps = choice_preps(prep)
+    shapers = [Shaper(p, chat, gw.text_of, gw.tokenizer) for p in preps]
+    relays = [functools.partial(relay, p, f"{rid}-{k}") for k, p in enumerate(preps)]
+    async with contextlib.aclosing(merged(relays, prep.n)) as events:
+        if prep.stream:
+            return await _stream(gw, request, events, rid, chat, prep, shapers)
+        return await _collect(gw, events, rid, chat, shapers, prep.n)
+
+
+async def _collect(gw: Gateway, events: AsyncIterator[tuple[int, Event]], rid: str, chat: bool,
+                   shapers: list[Shaper], n: int) -> tuple[web.Response, str]:
+    parts: list[list[str]] = [[] for _ in shapers]
+    ends: dict[int, tuple[str, Usage]] = {}
+    async for k, ev in events:
+        parts[k].append(ev.text)
+        shapers[k].add(ev)
+        if ev.finish_reason is not None:
+            assert ev.usage is not None
+            ends[k] = (ev.finish_reason, ev.usage)
+    if len(ends) != len(shapers):
+        raise ApiError(502, "a choice's stream ended without a finish", "server_error")
+    build = chat_response if chat else completion_response
+    choices = []
+    for k, sh in enumerate(shapers):
+        reason, usage = ends[k]
+        choice = build(rid, gw.model_name, sh.text("".join(parts[k]), True), reason,
+                       usage)["choices"][0]
+        choice.update(index=k, logprobs=sh.final())
+        choices.append(choice)
+    body = build(rid, gw.model_name, "", None, total_usage([ends[k][1] for k in
+                                                             range(len(shapers))], n))
+    body["choices"] = choices
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json"), \
+        ends[0][0]
+
+
+async def _stream(gw: Gateway, request: web.Request, events: AsyncIterator[tuple[int, Event]],
+                  rid: str, chat: bool, prep: Prepared, shapers: list[Shaper]
+                  ) -> tuple[web.StreamResponse, str]:
+    first = await anext(events)
+    created, model, usage_on = int(time.time()), gw.model_name, prep.include_usage
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    async def put(data: bytes | None) -> None:
+        await send(request, resp, data, gw.limits.write_timeout_s)
+
+    def chunk(k: int, text: str | None, reason: str | None, lp: dict[str, Any] | None) -> bytes:
+        if chat:
+            out = chat_chunk(rid, model, created, {} if text is None else {"content": text},
+                             reason, usage_on)
+        else:
+            out = completion_chunk(rid, model, created, text or "", reason, usage_on)
+        out["choices"][0].update(index=k, logprobs=lp)
+        return sse(out)
+
+    usages: dict[int, Usage] = {}
+    reasons: dict[int, str] = {}
+    started: set[int] = set()
+    try:
+        if chat:
+            for k in range(len(shapers)):
+                role = chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                  None, usage_on)
+                role["choices"][0]["index"] = k
+                await put(sse(role))
+        item: tuple[int, Event] | None = first
+        while item is not None:
+            k, ev = item
+            sh = shapers[k]
+            text = sh.text(ev.text, k not in started)
+            started.add(k)
+            lp = sh.chunk(ev)
+            if text or lp is not None and ev.tokens:
+                await put(chunk(k, text, None, lp))
+            if ev.finish_reason is not None:
+                assert ev.usage is not None
+                usages[k], reasons[k] = ev.usage, ev.finish_reason
+                await put(chunk(k, None, ev.finish_reason, None))
+            item = await anext(events, None)
+        if len(usages) != len(shapers):
+            raise ApiError(502, "a choice's stream ended without a finish", "server_error")
+        if usage_on:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            await put(sse(usage_chunk(rid, model, created, obj, total_usage(
+                [usages[k] for k in range(len(shapers))], prep.n))))
+        await put(SSE_DONE)
+        await put(None)
+        return resp, reasons[0]
+    except ApiError as e:  # after the 200: report in-band, then end the stream
+        with contextlib.suppress(ConnectionError):
+            await put(sse(e.body()))
+            await put(SSE_DONE)
+        raise Reported(resp, e) from None
+    except ConnectionError:
+        return resp, "abort"
