@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API as pure functions: request validation and translation into the
-client protocol, stop-string matching over a text stream, response and SSE chunk shapes.
+client protocol, response and SSE chunk shapes (prompts in ``openai_prompts``, stop strings in
+``stop_strings``, logprobs shapes in ``openai_logprobs``).
 
 No sockets and no asyncio here; ``disagg/actors/http/http.py`` drives these. Every problem with a
 request raises ``ApiError`` carrying the HTTP status and the OpenAI error body.
@@ -10,33 +11,21 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
 from disagg.protocol import MAX_CACHE_SALT, MAX_TOP_LOGPROBS, SamplingParams, Usage
-from disagg.serving.admission import too_long_to_fit
+from disagg.serving.api_error import ApiError
 from disagg.serving.openai_logprobs import MAX_COMPLETION_LOGPROBS
+from disagg.serving.openai_prompts import TokenizerLike, check_text_size
+from disagg.serving.openai_prompts import completion_prompts as _completion_prompts
+from disagg.serving.stop_strings import StopMatcher
+
+__all__ = ["ApiError", "StopMatcher", "TokenizerLike"]  # (defined apart, part of this API)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-
-
-class ApiError(Exception):
-    """A request the API refuses (or could not serve), in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 # Node error codes (client protocol) -> HTTP status. ``overloaded`` (this client is over its
@@ -154,16 +143,6 @@ def _param_of(msg: str) -> str | None:
 
 
 # ------------------------------------------------------------------ translation
-
-
-class TokenizerLike(Protocol):
-    @property
-    def vocab_size(self) -> int: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str: ...
 
 
 @dataclass
@@ -298,56 +277,6 @@ def _message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def check_text_size(chars: int, tok: TokenizerLike, max_model_len: int, param: str) -> None:
-    """Refuse a text that cannot fit the context from its length alone, before the chat
-    template or the tokenizer spend time on it (a token spells at most ``max_token_chars``)."""
-    if too_long_to_fit(chars, tok, max_model_len):
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens, "
-                       f"but the prompt has {chars} characters (more than that many tokens "
-                       "can spell).", param=param, code="context_length_exceeded")
-
-
-def _completion_prompts(prompt: str | list[Any] | None, tok: TokenizerLike | None,
-                        max_model_len: int) -> list[tuple[list[int], str | None]]:
-    """The prompt or the batch of prompts (a list of strings or of token-id lists, at most
-    MAX_BATCHED_PROMPTS): (ids, text as sent or None) each."""
-    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
-        if len(prompt) > MAX_BATCHED_PROMPTS:
-            raise ApiError(400, f"at most {MAX_BATCHED_PROMPTS} prompts in a batch, got "
-                           f"{len(prompt)}", param="prompt")
-        return [(_completion_prompt(p, tok, max_model_len), p if isinstance(p, str) else None)
-                for p in prompt]
-    return [(_completion_prompt(prompt, tok, max_model_len),
-             prompt if isinstance(prompt, str) else None)]
-
-
-MAX_BATCHED_PROMPTS = 256
-
-
-def _completion_prompt(prompt: str | list[Any] | None, tok: TokenizerLike | None,
-                       max_model_len: int) -> list[int]:
-    if prompt is None:
-        raise ApiError(400, "prompt is required", param="prompt")
-    if isinstance(prompt, str):
-        if tok is None:
-            raise ApiError(400, "this model has no tokenizer; send the prompt as token ids",
-                           param="prompt")
-        check_text_size(len(prompt), tok, max_model_len, "prompt")
-        ids = tok.encode(prompt)
-    elif isinstance(prompt, list) and all(type(x) is int for x in prompt):
-        ids = list(prompt)
-        vocab = tok.vocab_size if tok is not None else None
-        bad = [x for x in ids if x < 0 or (vocab is not None and x >= vocab)]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
-    else:
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of "
-                       "either", param="prompt")
-    if not ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    return ids
-
-
 def _check_context(ids: list[int], max_tokens: int, max_model_len: int,
                    prompt_param: str) -> None:
     if max_tokens < 1:
@@ -406,46 +335,6 @@ def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
                     body.stream_options is not None and body.stream_options.include_usage,
                     body.cache_salt, n=1 if body.n is None else body.n, echo=echo,
                     logprobs=logprobs)
-
-
-# ------------------------------------------------------------------ stop strings
-
-
-class StopMatcher:
-    """Watches a text stream for stop strings; never releases text that may start one.
-
-    ``push(delta)`` returns (text safe to emit, whether a stop string matched). On a match the
-    returned text ends right before the stop string, which is not emitted (as OpenAI).
-    ``flush()`` returns the held-back tail once the stream ends without a match."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.buf = ""
-        self.matched: str | None = None
-
-    def push(self, delta: str) -> tuple[str, bool]:
-        if self.matched is not None:
-            return "", True
-        self.buf += delta
-        if not self.stops:
-            out, self.buf = self.buf, ""
-            return out, False
-        best = -1
-        for s in self.stops:
-            i = self.buf.find(s)
-            if i >= 0 and (best < 0 or i < best):
-                best, self.matched = i, s
-        if best >= 0:
-            out, self.buf = self.buf[:best], ""
-            return out, True
-        safe = max(0, len(self.buf) - self.hold)
-        out, self.buf = self.buf[:safe], self.buf[safe:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
 
 
 # ------------------------------------------------------------------ responses
