@@ -10,7 +10,7 @@ import time
 import msgspec
 
 from disagg.client import Client, RequestError
-from disagg.protocol import Finished, SamplingParams, TokenChunk
+from disagg.protocol import Finished, SamplingParams, TokenChunk, TokenLogprobs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--logit-bias", default="", metavar="ID:BIAS,...",
+                    help="comma-separated token id:bias pairs, bias in [-100, 100]")
+    ap.add_argument("--logprobs", type=int, default=None, metavar="K",
+                    help="each output token's logprob and K alternatives (0-20; with --json)")
+    ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                    help="the prompt tokens' logprobs and K alternatives (0-20; with --json)")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     ap.add_argument("--stats", action="store_true", help="print the node's Stats as JSON")
     ap.add_argument("--wait", type=float, default=0.0,
@@ -69,9 +78,23 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         ids = ([int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
                if args.prompt_token_ids is not None else None)
+        try:
+            bias = dict(pair.split(":") for pair in args.logit_bias.split(",") if pair.strip())
+            logit_bias = {int(k): float(v) for k, v in bias.items()}
+        except ValueError:
+            print("disagg-client: --logit-bias takes ID:BIAS pairs, comma-separated",
+                  file=sys.stderr)
+            sys.exit(2)
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                  ignore_eos=args.ignore_eos)
+                                  ignore_eos=args.ignore_eos,
+                                  presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty,
+                                  repetition_penalty=args.repetition_penalty,
+                                  logit_bias=logit_bias,
+                                  logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+        logprobs: list[TokenLogprobs] = []
+        prompt_logprobs: list[TokenLogprobs] = []
         out_ids: list[int] = []
         text: list[str] = []
         start = time.perf_counter()
@@ -82,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
                 first = first or time.perf_counter()
                 out_ids.extend(msg.token_ids)
                 text.append(msg.text)
+                logprobs += msg.logprobs or []
+                prompt_logprobs += msg.prompt_logprobs or []
                 if not args.json:
                     sys.stdout.write(msg.text)
                     sys.stdout.flush()
@@ -90,8 +115,13 @@ def main(argv: list[str] | None = None) -> None:
         end = time.perf_counter()
         if args.json:
             ttft = (first - start) if first else None
-            print(json.dumps({"token_ids": out_ids, "text": "".join(text), "finish_reason": reason,
-                              "ttft_s": ttft, "total_s": end - start}))
+            out = {"token_ids": out_ids, "text": "".join(text), "finish_reason": reason,
+                   "ttft_s": ttft, "total_s": end - start}
+            if args.logprobs is not None:  # [token_id, logprob, top_ids, top_logprobs] each
+                out["logprobs"] = msgspec.to_builtins(logprobs)
+            if args.prompt_logprobs is not None:
+                out["prompt_logprobs"] = msgspec.to_builtins(prompt_logprobs)
+            print(json.dumps(out))
         else:
             sys.stdout.write("\n")
     except RequestError as e:

@@ -147,3 +147,20 @@ def test_bad_logprob_requests_named(shared_gateway):
         urllib.request.urlopen(req, timeout=30)
     err = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and err["param"] == "top_logprobs"
+
+
+def test_disagg_client_sampling_flags(shared_node):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "from disagg.cli.client import main; main()", "--connect",
+         shared_node,
+         "--prompt-token-ids", "5,6,7", "--max-tokens", "3", "--ignore-eos", "--json",
+         "--logit-bias", "17:100", "--logprobs", "2", "--prompt-logprobs", "1"],
+        capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout)
+    assert got["token_ids"] == [17, 17, 17]
+    assert [e[0] for e in got["logprobs"]] == [17, 17, 17]
+    assert all(len(e[2]) == 2 and e[2][0] == 17 for e in got["logprobs"])
+    assert [e[0] for e in got["prompt_logprobs"]] == [6, 7]
