@@ -28,7 +28,7 @@ from disagg.kernels import fp8_gemm, reference
 from disagg.kernels.fp8_gemm import Fp8Tile
 
 SHAPES = {"o": (4096, 4096), "gate_up_half": (12288, 4096), "down": (4096, 12288)}
-MS = (1, 16, 64, 256, 8192)
+MS = (1, 16, 64, 256, 1024, 8192)
 # one row, the decode step at batch 1: every dense projection of Qwen3-8B (gate_up whole)
 GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
                "down": (4096, 12288)}
@@ -142,6 +142,12 @@ def run_shape(name: str, n: int, k: int, deadline: float, dev: torch.device
                    gemm_us=graph_us(lambda i, q=q, s=s, t=t: fp8_gemm.fp8_block_matmul(
                        q, s, *fp8_ws[i], torch.bfloat16, t), copies))
         flops = 2 * m * n * k
+        if fp8_gemm.cublas_block_fp8(dev) and m >= 1024 and n % 128 == 0 and k % 128 == 0:
+            row["cublas_fp8_err_vs_reference"] = rel(
+                fp8_gemm.cublas_fp8_linear(x, *fp8_ws[0], torch.bfloat16), ref)
+            row["cublas_fp8_us"] = graph_us(lambda i, x=x: fp8_gemm.cublas_fp8_linear(
+                x, *fp8_ws[i], torch.bfloat16), copies)
+            row["cublas_fp8_tflops"] = flops / row["cublas_fp8_us"] / 1e6
         row.update(fp8_tflops=flops / us / 1e6, bf16_tflops=flops / row["bf16_us"] / 1e6,
                    fp8_weight_GBps=n * k / us / 1e3, bf16_weight_GBps=2 * n * k / row["bf16_us"] / 1e3,
                    speedup=row["bf16_us"] / us)
@@ -151,8 +157,9 @@ def run_shape(name: str, n: int, k: int, deadline: float, dev: torch.device
     return rows
 
 
-GEMV_CANDIDATES = ((16, 4, 4), (8, 4, 4), (32, 4, 4), (16, 4, 6), (16, 8, 4), (32, 8, 3),
-                   (8, 2, 6), (64, 8, 3), (32, 4, 6), (16, 2, 8))
+GEMV_CANDIDATES = ((16, 1, 2, 8), (16, 2, 2, 6), (16, 4, 4, 4), (8, 4, 2, 6), (32, 2, 4, 4),
+                   (16, 4, 2, 4), (8, 8, 4, 3), (64, 1, 8, 3), (32, 4, 4, 3), (8, 2, 2, 8),
+                   (8, 1, 2, 6), (16, 2, 4, 6), (32, 1, 4, 6), (16, 8, 4, 3))
 
 
 def run_gemv(name: str, n: int, k: int, dev: torch.device) -> dict[str, Any]:
@@ -219,7 +226,8 @@ def print_row(r: dict[str, Any]) -> None:
     print(f"{r['shape']:>12} {r['M']:>5} {r['tile']:>16} {r['fp8_us']:9.1f} {split:>13} "
           f"{r['bf16_us']:9.1f} {r['fp8_tflops']:9.1f} {r['bf16_tflops']:9.1f} "
           f"{r['fp8_weight_GBps']:9.0f} {r['bf16_weight_GBps']:9.0f} {r['speedup']:5.2f} "
-          f"{r['err_vs_reference']:8.1e}", flush=True)
+          f"{r['err_vs_reference']:8.1e} cublas fp8 {r.get('cublas_fp8_us', float('nan')):.1f} us",
+          flush=True)
 
 
 def bucket_winners(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -96,6 +96,15 @@ def split_params(model: Any) -> tuple[int, int, int]:
         if p.dim() == 2 and "router" not in name and "lm_head" not in name:
             other_linear += p.numel()
     moe_layers = sum(1 for n, p in model.named_parameters() if n.endswith(".down") and p.dim() == 3)
+    from disagg.model.fp8_weights import kept
+
+    for name, w in kept(model).items():  # FP8 weights: one byte each plus the block scales
+        if w.dim() == 3:
+            expert_bytes += w.q[0].numel() + 4 * w.scale_inv[0].numel()
+            moe_layers += name.endswith(".down")
+        else:
+            other_bytes += w.nbytes()
+            other_linear += w.q.numel()
     return other_bytes, expert_bytes // max(1, moe_layers), other_linear
 
 
@@ -130,7 +139,10 @@ def run_shape(name: str, cfg: dict, args: argparse.Namespace, ceil: dict) -> dic
     arch = ModelArch.from_hf_config(cfg)
     res: dict[str, Any] = {"shape": name, "layers": arch.num_layers}
     t = time.perf_counter()
-    model = random_model(arch, "bfloat16", dev, seed=0)
+    from disagg.model.fp8 import Fp8Format
+
+    model = random_model(arch, "bfloat16", dev, seed=0,
+                         fp8=Fp8Format("fp8", (128, 128)) if args.fp8 else None)
     torch.cuda.synchronize()
     res["random_weights_s"] = time.perf_counter() - t
     page = args.page_size
@@ -210,6 +222,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--profile", action="store_true", help="kernel tables of eager steps")
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-FP8 weights (128x128, kept as FP8: the FP8 GEMMs and experts)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

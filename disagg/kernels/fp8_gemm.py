@@ -53,15 +53,16 @@ class Fp8Tile:
 
 
 # (largest M for which the entry applies, tile); BLOCK_K is GROUP (one scale block per step).
-# Decode (M <= 16) reads the weights once: narrow N tiles give enough programs to fill the
-# 132 SMs. Prefill is compute-bound: 128 x 128 tiles with 8 warps hold the float32 accumulator
-# and the block's partial product. First choices after vLLM's / SGLang's block-FP8 defaults;
-# ``bench/fp8_gemm.py`` times a few candidates per bucket and prints the fastest.
+# Chosen by ``bench/fp8_gemm.py`` on an H200 (2026-12-04, Qwen3-8B shapes, the geometric mean
+# over them of each tile's time against the row's best): decode (M <= 64) reads the weights
+# once and wants narrow N tiles for enough programs; up to M = 8192 64 x 128 tiles with 4 warps
+# beat 128 x 128 with 8 (1.4-1.5x): wider tiles hold a second float32 tile for each block's
+# scaled partial product, and spill.
 TILE_TABLE: tuple[tuple[int, Fp8Tile], ...] = (
     (16, Fp8Tile(16, 64, 1, 4, 4)),
-    (64, Fp8Tile(64, 64, 8, 4, 4)),
-    (256, Fp8Tile(64, 128, 8, 4, 3)),
-    (1 << 62, Fp8Tile(128, 128, 8, 8, 3)),
+    (64, Fp8Tile(64, 32, 8, 4, 5)),
+    (256, Fp8Tile(64, 64, 8, 4, 4)),
+    (1 << 62, Fp8Tile(64, 128, 8, 4, 4)),
 )
 INTERP_TILE = Fp8Tile(16, 16, 2, 1, 1)  # TRITON_INTERPRET=1: small tiles keep it fast
 
@@ -79,7 +80,7 @@ def tile_for(m: int) -> Fp8Tile:
 
 @triton.jit(do_not_specialize=["M"])
 def _quantize_groups_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
     ROWS: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -92,7 +93,7 @@ def _quantize_groups_kernel(
     scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)  # AMAX_FLOOR, FP8_MAX
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
     tl.store(q_ptr + r64 * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rows < M)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g * stride_sg, scale, mask=rows < M)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -158,21 +159,26 @@ def _check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> 
                          f"got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
 
 
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, column_major_scales: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (bf16 / fp16 / float32, unit last stride) -> ``(x_fp8 [M, K]``
     ``float8_e4m3fn``, ``x_scale [M, ceil(K/128)]`` float32), both contiguous (module
-    docstring)."""
+    docstring); ``column_major_scales``: ``x_scale`` is the transpose of a contiguous
+    ``[ceil(K/128), M]`` (the layout cuBLAS's block-scaled FP8 GEMM reads)."""
     _check_rows("x", x, IN_DTYPES)
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((m, _groups(k)), dtype=torch.float32, device=x.device)
+    if column_major_scales:
+        s = torch.empty((_groups(k), m), dtype=torch.float32, device=x.device).T
+    else:
+        s = torch.empty((m, _groups(k)), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s
     rows, warps = quant_rows(m)
     launch = {} if checks.interpreting() else dict(num_warps=warps)
     grid = (triton.cdiv(m, rows), _groups(k))
     _quantize_groups_kernel[grid](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-                                  ROWS=rows, GROUP=GROUP, **launch)
+                                  s.stride(1), ROWS=rows, GROUP=GROUP, **launch)
     return q, s
 
 
@@ -229,27 +235,41 @@ def fp8_block_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Te
 
 @triton.jit
 def _fp8_gemv_kernel(w_ptr, s_ptr, x_ptr, out_ptr, N, K, stride_sn, GROUP: tl.constexpr,
-                     BN: tl.constexpr, STAGES: tl.constexpr):
-    # BN divides GROUP, so a program's rows share one row of weight blocks: one scale per step
+                     BN: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr):
+    # BN divides GROUP, so a program's rows share one row of weight blocks: one scale per
+    # block column. Each step takes SUB blocks of columns, their loads issued together.
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
     k = tl.arange(0, GROUP)
     rows = w_ptr + (n % N).to(tl.int64)[:, None] * K
     s_row = s_ptr + ((pid * BN) // GROUP).to(tl.int64) * stride_sn
+    blocks = tl.cdiv(K, GROUP)
     acc = tl.zeros((BN, GROUP), dtype=tl.float32)
-    for kb in tl.range(0, tl.cdiv(K, GROUP), num_stages=STAGES):
-        kk = kb * GROUP + k
-        w = tl.load(rows + kk[None, :], mask=kk[None, :] < K, other=0.0)
-        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * (x * tl.load(s_row + kb))[None, :]
+    for kb in tl.range(0, blocks, SUB, num_stages=STAGES):
+        for j in tl.static_range(SUB):
+            kk = (kb + j) * GROUP + k
+            w = tl.load(rows + kk[None, :], mask=kk[None, :] < K, other=0.0)
+            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            s = tl.load(s_row + kb + j, mask=kb + j < blocks, other=0.0)
+            acc += w.to(tl.float32) * (x * s)[None, :]
     tl.store(out_ptr + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n < N)
 
 
-GEMV_TILE = (16, 4, 4)  # (rows per program, warps, pipeline stages); bench/fp8_gemm.py --gemv
+# (rows per program, 128-column blocks per step, warps, pipeline stages); bench/fp8_gemm.py
+GemvTile = tuple[int, int, int, int]
+# on an H200 (bench/fp8_gemm.py, 2026-12-04) the best of 14 tiles for Qwen3-8B's qkv,
+# gate_up and down, 4% off the best for o: 2.1-3.6 TB/s of weight reads
+GEMV_TILE: GemvTile = (16, 4, 2, 4)
+INTERP_GEMV_TILE: GemvTile = (16, 2, 1, 1)
+
+
+def gemv_tile(n: int, k: int) -> GemvTile:
+    """The GEMV tile for an ``[n, k]`` weight."""
+    return INTERP_GEMV_TILE if checks.interpreting() else GEMV_TILE
 
 
 def fp8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
-             tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+             tile: GemvTile | None = None) -> torch.Tensor:
     """One row ``x [1, K]`` (bf16 / fp16 / float32, unit stride) times a block-FP8 weight,
     weight-only (W8A16): each weight block is dequantized in registers (``q * s_w``) and
     multiplied by ``x`` unquantized, float32 sums, one rounding to ``x``'s dtype. A decode
@@ -266,12 +286,12 @@ def fp8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    bn, warps, stages = tile or GEMV_TILE
+    bn, sub, warps, stages = tile or gemv_tile(n, k)
     if GROUP % bn:
         raise ValueError(f"fp8_gemv: rows per program must divide {GROUP}, got {bn}")
     launch = {} if checks.interpreting() else dict(num_warps=warps)
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](w_fp8, w_scale_inv, x, out, n, k,
-                                            w_scale_inv.stride(0), GROUP=GROUP, BN=bn,
+                                            w_scale_inv.stride(0), GROUP=GROUP, BN=bn, SUB=sub,
                                             STAGES=stages, **launch)
     return out
 
@@ -289,11 +309,67 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     return out.reshape(*x.shape[:-1], w.q.shape[0])
 
 
+# Prefill rows run cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1x128 activation
+# and 128x128 weight scales, sm_90, CUDA 12.9+): on an H200 it ran Qwen3-8B's 8k-row GEMMs at
+# 1.1-1.2 PFLOP/s, 1.6x cuBLAS bf16, where the Triton kernel stays near bf16's rate
+# (bench/fp8_scaled_mm_probe.py). Below CUBLAS_MIN_M rows, and where it is not available, the
+# Triton kernel runs. DISAGG_FP8_GEMM=triton keeps the Triton kernel everywhere.
+CUBLAS_MIN_M = 1024
+_cublas_ok: dict[torch.device, bool] = {}
+
+
+def cublas_block_fp8(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes block FP8 scales on ``device`` (tried once, outside
+    graph capture; a capture before the first try uses the Triton kernel)."""
+    if device in _cublas_ok:
+        return _cublas_ok[device]
+    from disagg.config import env
+
+    if device.type != "cuda" or env("FP8_GEMM") == "triton" or checks.interpreting():
+        _cublas_ok[device] = False
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        a = torch.zeros((128, 128), dtype=FP8, device=device)
+        sa = torch.ones((1, 128), dtype=torch.float32, device=device).T
+        sb = torch.ones((1, 1), dtype=torch.float32, device=device)
+        torch._scaled_mm(a, a.T, scale_a=sa, scale_b=sb.T, out_dtype=torch.bfloat16)
+        _cublas_ok[device] = True
+    except (RuntimeError, TypeError, ValueError) as e:
+        import logging
+
+        logging.getLogger(__name__).info("block-FP8 GEMMs on Triton only: torch._scaled_mm "
+                                         "refused block scales (%s)", str(e)[:200])
+        _cublas_ok[device] = False
+    return _cublas_ok[device]
+
+
+def cublas_fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """``x [M, K] @ W.T`` through cuBLASLt: the same activation quantizer (scales laid out
+    column-major), then ``torch._scaled_mm`` with 1x128 and 128x128 block scales."""
+    m = x.shape[0]
+    if m % 16:  # cuBLASLt has no algorithm for other row counts (H200, CUDA 13): zero rows
+        x = torch.nn.functional.pad(x, (0, 0, 0, 16 - m % 16))
+    q, s = quantize_groups(x, column_major_scales=True)
+    out = torch._scaled_mm(q, w_fp8.T, scale_a=s, scale_b=w_scale_inv.T, out_dtype=out_dtype)
+    return out[:m]
+
+
+def _cublas_refused(m: int, n: int, k: int, e: Exception) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning("cuBLASLt refused a block-FP8 GEMM [%d x %d x %d] (%s); "
+                                        "the Triton kernel runs it", m, n, k, str(e)[:160])
+
+
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
                out_dtype: torch.dtype | None = None, tile: Fp8Tile | None = None
                ) -> torch.Tensor:
     """``x [..., K] @ W.T`` for a block-FP8 weight: ``quantize_groups`` then
-    ``fp8_block_matmul``; ``[..., N]`` in ``out_dtype`` (default ``x.dtype``)."""
+    ``fp8_block_matmul`` (or, for ``CUBLAS_MIN_M`` rows and more with N and K whole blocks,
+    cuBLASLt's block-scaled GEMM); ``[..., N]`` in ``out_dtype`` (default ``x.dtype``)."""
     if x.dim() < 1:
         raise ValueError("x must have at least one dim (its last is K)")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -302,6 +378,19 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
     x2 = x.reshape(-1, k)
     if x2.numel() and x2.stride(1) != 1:
         x2 = x2.contiguous()
+    dtype = out_dtype or x.dtype
+    n = w_fp8.shape[0]
+    if (tile is None and x2.shape[0] >= CUBLAS_MIN_M and n % GROUP == 0 and k % GROUP == 0
+            and dtype in (torch.bfloat16, torch.float16) and cublas_block_fp8(x2.device)):
+        _check_rows("w_fp8", w_fp8, (FP8,))
+        if tuple(w_scale_inv.shape) != (_groups(n), _groups(k)) or \
+                w_scale_inv.dtype != torch.float32 or w_scale_inv.device != x2.device:
+            raise ValueError(f"w_scale_inv must be float32 [{_groups(n)}, {_groups(k)}] on "
+                             f"{x2.device}, got {tuple(w_scale_inv.shape)} {w_scale_inv.dtype}")
+        try:
+            return cublas_fp8_linear(x2, w_fp8, w_scale_inv, dtype).reshape(*lead, n)
+        except RuntimeError as e:  # a shape cuBLASLt has no algorithm for: Triton does it
+            _cublas_refused(x2.shape[0], n, k, e)
     q, s = quantize_groups(x2)
-    out = fp8_block_matmul(q, s, w_fp8, w_scale_inv, out_dtype or x.dtype, tile)
-    return out.reshape(*lead, w_fp8.shape[0])
+    out = fp8_block_matmul(q, s, w_fp8, w_scale_inv, dtype, tile)
+    return out.reshape(*lead, n)

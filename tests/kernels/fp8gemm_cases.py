@@ -21,6 +21,7 @@ QUANT_SHAPES = ((1, 128), (3, 300), (17, 256))
 def all_cases() -> list[str]:
     ids = [f"quant-{dt}-{m}x{k}" for dt in ("float32", "bfloat16") for m, k in QUANT_SHAPES]
     ids.append("quant-bfloat16-zeros")
+    ids.append("quant-colmajor-17x300")  # the scales cuBLAS reads: the same values, transposed
     ids += [f"gemm-float32-{m}x{n}x{k}" for m, n, k in GEMM_SHAPES]
     ids += ["gemm-bfloat16-17x256x256", "gemm-float16-3x200x300", "gemm-tile-40x130x129"]
     # the quantize + GEMM wiring, an x of three dims
@@ -85,14 +86,16 @@ def run_case(cid: str, device: str = "cpu") -> float:
     from disagg.kernels import fp8_gemm, reference
 
     kind, dt, shape = cid.split("-")
-    dtype = torch.float32 if dt == "tile" else getattr(torch, dt)
+    dtype = torch.float32 if dt in ("tile", "colmajor") else getattr(torch, dt)
     if kind == "quant":
         m, k = (5, 300) if shape == "zeros" else map(int, shape.split("x"))
         x, _, _ = operands(m, 128, k, dtype, device)
         if shape == "zeros":
             x[1] = 0.0
             x[2, 128:256] = 0.0
-        q, s = fp8_gemm.quantize_groups(x)
+        q, s = fp8_gemm.quantize_groups(x, column_major_scales=dt == "colmajor")
+        if dt == "colmajor" and s.stride() != (1, m):
+            return float("inf")
         rq, rs = reference.quantize_groups(x)
         if s.shape != rs.shape or not torch.equal(s, rs):
             return float("inf")

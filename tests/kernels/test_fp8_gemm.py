@@ -163,7 +163,7 @@ def test_fp8_kernel_matches_reference_on_a_gpu(cid: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 16, 64, 512])
+@pytest.mark.parametrize("m", [1, 16, 64, 512, 2048, 1030])
 @pytest.mark.parametrize("n, k", GPU_SHAPES)
 def test_fp8_linear_at_model_shapes_on_a_gpu(m: int, n: int, k: int) -> None:
     from disagg.kernels import fp8_gemm
@@ -175,8 +175,11 @@ def test_fp8_linear_at_model_shapes_on_a_gpu(m: int, n: int, k: int) -> None:
     assert int((q.view(torch.uint8) != rq.view(torch.uint8)).sum()) == 0
     ref = reference.fp8_block_matmul(rq, rs, wq, ws, torch.float32)
     assert rel(fp8_gemm.fp8_block_matmul(q, s, wq, ws, torch.float32), ref) < GPU_F32_TOL
-    out = fp8_gemm.fp8_linear(x, wq, ws)
+    out = fp8_gemm.fp8_linear(x, wq, ws)  # 2048 rows: cuBLASLt's block-scaled GEMM
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     assert rel(out, ref) < 8e-3
+    qc, sc = fp8_gemm.quantize_groups(x, column_major_scales=True)
+    assert torch.equal(qc.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sc, s)
+    assert sc.stride() == (1, m)
     w = dequantize("w", wq, ws, (128, 128))
     assert ACT_QUANT_ERR[0] < rel(out, x.float() @ w.T) < ACT_QUANT_ERR[1]
