@@ -107,6 +107,26 @@ def block_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...
     return (*lead, -(-r // block[0]), -(-c // block[1]))
 
 
+def check_scale(name: str, w: torch.Tensor, scale: torch.Tensor,
+                block: tuple[int, int] | None) -> None:
+    """Refuse by name a scale whose shape does not fit ``w`` in ``block``s (None: one per
+    tensor or per output channel); what ``dequantize`` checks, without dequantizing."""
+    if w.dim() < 2:
+        raise Fp8Error(f"{name}: an FP8 weight must have at least 2 dims, got {tuple(w.shape)}")
+    if scale.numel() == 1:
+        return
+    if block is not None:
+        want = block_grid(tuple(w.shape), block)
+        if tuple(scale.shape) != want:
+            raise Fp8Error(f"{name}: its scale has shape {tuple(scale.shape)}, expected {want} "
+                           f"for {tuple(w.shape)} in {block[0]}x{block[1]} blocks")
+    elif tuple(scale.shape) not in ((w.shape[-2],), (w.shape[-2], 1)):
+        raise Fp8Error(f"{name}: its scale has shape {tuple(scale.shape)}; expected one value, "
+                       f"[{w.shape[-2]}] or [{w.shape[-2]}, 1] (per tensor or per channel)")
+    if not torch.isfinite(scale.to(torch.float32)).all():
+        raise Fp8Error(f"{name}: its scales are not finite")
+
+
 def dequantize(name: str, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``w`` (FP8) times its scales, in ``dtype`` (computed in float32). ``block``: the

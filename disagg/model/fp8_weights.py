@@ -108,6 +108,10 @@ class Fp8Parts:
                     torch.stack([r.scale_inv for r in rows]))
         return out
 
+    def items(self) -> list[tuple[str, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]]]:
+        """``(param name, {(expert or -1, part): (q, scale)})`` as added."""
+        return list(self._parts.items())
+
     @staticmethod
     def _stacked(name: str, parts: dict, expert: int, n: int) -> Fp8Weight | None:
         if any((expert, i) not in parts for i in range(n)):
@@ -122,6 +126,47 @@ class Fp8Parts:
         q = torch.cat([q.view(torch.uint8) for q, _ in ordered]).view(torch.float8_e4m3fn)
         s = torch.cat([s.to(torch.float32) for _, s in ordered])
         return Fp8Weight(q.contiguous(), s.contiguous())
+
+
+def allocate(model: torch.nn.Module, name: str, device: torch.device) -> torch.nn.Parameter:
+    """Parameter ``name`` (on the meta device) replaced by an uninitialized one on ``device``
+    of its shape and dtype; returns it."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    old = getattr(owner, attr)
+    new = torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=device),
+                             requires_grad=False)
+    setattr(owner, attr, new)
+    return new
+
+
+def materialize(model: torch.nn.Module, device: torch.device,
+                keep_meta: Callable[[str], bool]) -> None:
+    """A model built on the meta device, allocated on ``device`` but for the parameters
+    ``keep_meta`` names (they become ``Fp8Weight`` or are allocated when first loaded): every
+    other parameter allocated (uninitialized, the loader fills it), the FP8 KV scales 1, the
+    RoPE tables computed again."""
+    from disagg.model.rotary import Rotary
+    from disagg.model.transformer import Transformer
+
+    for name, _ in list(model.named_parameters()):
+        if not keep_meta(name):
+            allocate(model, name, device)
+    for mod in model.modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is None or not buf.is_meta:
+                continue
+            if name in ("k_scale", "v_scale"):
+                mod._buffers[name] = torch.ones(buf.shape, dtype=buf.dtype, device=device)
+            elif not isinstance(mod, Rotary):
+                raise ValueError(f"materialize: no rule for buffer {name} of "
+                                 f"{type(mod).__name__}")
+    if isinstance(model, Transformer):
+        model.rotary = Rotary(model.arch, device)
+        model.device = device
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ValueError(f"materialize: buffers left on the meta device: {left[:4]}")
 
 
 def install(model: torch.nn.Module, weights: dict[str, Fp8Weight],

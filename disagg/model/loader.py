@@ -28,6 +28,7 @@ from disagg.model.fp8 import (
     Fp8Error,
     Fp8Format,
     check_block_shard,
+    check_scale,
     dequantize,
     quantizable,
     quantize_blocks,
@@ -36,8 +37,10 @@ from disagg.model.fp8 import (
 )
 from disagg.model.fp8_weights import (
     Fp8Parts,
+    allocate,
     fp8_gemm_device,
     install,
+    materialize,
     packable,
     quantize_params,
     shard_fp8,
@@ -151,28 +154,36 @@ def load_model(
     full = ModelArch.from_dir(path)
     arch = tp.local_arch(full)
     dev = torch.device(device)
-    model = Transformer(arch, resolve_dtype(dtype, arch, dev), dev, tp, mtp=mtp)
+    fp8 = Fp8Format.from_config(json.loads((path / "config.json").read_text()))
+    online = fp8 is None and quantization == "fp8"
+    if online:
+        fp8 = Fp8Format("fp8", FP8_BLOCK)
+    if fp8_gemm is None:
+        fp8_gemm = fp8 is not None and fp8.block == FP8_BLOCK and fp8_gemm_device(dev)
+    keep = bool(fp8_gemm) and fp8 is not None and fp8.block == FP8_BLOCK
+    # kept FP8: the packed parameters are never allocated in the model's dtype (a checkpoint
+    # larger than its dequantized size fits loads), the rest is allocated on ``dev``
+    model = Transformer(arch, resolve_dtype(dtype, arch, dev),
+                        torch.device("meta") if keep else dev, tp, mtp=mtp)
+    if keep:
+        materialize(model, dev, lambda n: packable(n, None))
     slices = _fused_slices(arch)
     expected = {name for name, _ in model.named_parameters()}
     seen: set[str] = set()
     fused_parts: dict[str, int] = {}
     kv_scales: dict[tuple[int, str], torch.Tensor] = {}  # (layer, k|v) -> global [heads]
-    fp8 = Fp8Format.from_config(json.loads((path / "config.json").read_text()))
-    online = fp8 is None and quantization == "fp8"
-    if online:
-        fp8 = Fp8Format("fp8", FP8_BLOCK)
-    dequantized = 0
-    if fp8_gemm is None:
-        fp8_gemm = fp8 is not None and fp8.block == FP8_BLOCK and fp8_gemm_device(dev)
-    parts = Fp8Parts() if fp8_gemm and fp8 is not None and fp8.block == FP8_BLOCK else None
+    dequantized = kept = 0
+    parts = Fp8Parts() if keep else None
 
-    def keep_fp8(target: Target, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def keep_fp8(target: Target, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Keep this rank's shard of FP8 ``q`` and its scales; returns the shard."""
+        assert parts is not None
         param_name, expert, part, kind = target
-        if parts is not None and packable(param_name, expert):
-            split = (q.dim() - 2 if kind in _ROW_KINDS else q.dim() - 1 if kind in _COL_KINDS
-                     else None)
-            parts.add(param_name, part, *shard_fp8(
-                q, scale, kind, split, lambda k, t: _shard(tp, k, t, full)), expert)
+        split = (q.dim() - 2 if kind in _ROW_KINDS else q.dim() - 1 if kind in _COL_KINDS
+                 else None)
+        qs, ss = shard_fp8(q, scale, kind, split, lambda k, t: _shard(tp, k, t, full))
+        parts.add(param_name, part, qs, ss, expert)
+        return qs
 
     with ExitStack() as stack:
         files = {file: stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
@@ -189,19 +200,25 @@ def load_model(
                 param_name, expert, part, kind = target
                 param = model.get_parameter(param_name)
                 raw = f.get_tensor(name)
-                if raw.dtype in FP8_DTYPES:
-                    q = raw
-                    raw, scale = _dequantized(name, raw, where, fp8, tp, kind, full)
-                    if raw.dtype == torch.float32 and q.dtype == torch.float8_e4m3fn:
-                        keep_fp8(target, q, scale)
-                    dequantized += 1
-                elif online and quantizable(name, raw):
+                if param.is_meta and raw.dtype == torch.float8_e4m3fn:  # kept as stored
+                    scale = _fp8_scale(name, raw, where, fp8, tp, kind, full)
+                    tensor = keep_fp8(target, raw, scale)
+                    kept += 1
+                elif param.is_meta and online and quantizable(name, raw):
                     _check_blocks(name, raw, FP8_BLOCK, tp, kind, full)
-                    q, scale = quantize_blocks(raw.to(torch.float32), FP8_BLOCK)
-                    raw = dequantize(name, q, scale, FP8_BLOCK)
-                    keep_fp8(target, q, scale)
-                    dequantized += 1
-                tensor = _shard(tp, kind, raw, full)
+                    tensor = keep_fp8(target, *quantize_blocks(raw.to(torch.float32), FP8_BLOCK))
+                    kept += 1
+                else:
+                    if param.is_meta:  # a part stored unquantized: this one is dequantized
+                        param = allocate(model, param_name, dev)
+                    if raw.dtype in FP8_DTYPES:
+                        raw = _dequantized(name, raw, where, fp8, tp, kind, full)
+                        dequantized += 1
+                    elif online and quantizable(name, raw):
+                        _check_blocks(name, raw, FP8_BLOCK, tp, kind, full)
+                        raw = round_to_fp8(raw.to(torch.float32), FP8_BLOCK)
+                        dequantized += 1
+                    tensor = _shard(tp, kind, raw, full)
                 dst = param.data if expert is None else param.data[expert]
                 if part is not None:
                     lo, hi = slices[param_name.rsplit(".", 1)[-1]][part]
@@ -211,7 +228,8 @@ def load_model(
                     raise ValueError(
                         f"{file.name}:{name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                     )
-                dst.copy_(tensor.to(dst.dtype))
+                if not dst.is_meta:
+                    dst.copy_(tensor.to(dst.dtype))
                 seen.add(param_name)
     if kv_scales:
         _set_kv_scales(model, kv_scales, full, tp)
@@ -228,29 +246,48 @@ def load_model(
             raise ValueError(f"checkpoint in {path}: {param_name} got {count} of {want} parts")
     if fp8 is not None:
         blocks = f"{fp8.block[0]}x{fp8.block[1]} blocks" if fp8.block else "tensor/channel scales"
-        packed = {} if parts is None else parts.weights(
-            lambda n: len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)])),
-            lambda n: (model.get_parameter(n).shape[0] if model.get_parameter(n).dim() == 3
-                       else None))
-        if packed:
+        if parts is not None:
+            packed = parts.weights(
+                lambda n: len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)])),
+                lambda n: (model.get_parameter(n).shape[0] if model.get_parameter(n).dim() == 3
+                           else None))
+            unpacked = _fill_unpacked(model, parts, packed, slices, dev)
             saved = install(model, packed, dev)
-            log.info("FP8 checkpoint (%s, %s): %d dense weights kept as FP8 for the FP8 GEMMs "
-                     "(%.2f GiB less than %s), %d others dequantized", fp8.method, blocks,
-                     len(packed), saved / 2**30, str(model.dtype).removeprefix("torch."),
-                     dequantized - fp8_tensors(packed, slices))
+            log.info("FP8 checkpoint (%s, %s): %d weights kept as FP8 for the FP8 kernels "
+                     "(%.2f GiB less than %s), %d dequantized", fp8.method, blocks, len(packed),
+                     saved / 2**30, str(model.dtype).removeprefix("torch."),
+                     dequantized + unpacked)
         else:
             log.info("FP8 checkpoint (%s, %s): %d weights dequantized to %s at load "
                      "(weight-only)", fp8.method, blocks, dequantized,
                      str(model.dtype).removeprefix("torch."))
+    still = [n for n, p in model.named_parameters() if p.is_meta]
+    if still:
+        raise ValueError(f"checkpoint in {path}: nothing loaded {', '.join(still[:8])}")
     return model
 
 
-def fp8_tensors(packed: dict, slices: dict) -> int:
-    """Checkpoint tensors the packed parameters came from (experts: one per expert and part,
-    as per-expert checkpoints store them)."""
-    return sum(len(slices.get(n.rsplit(".", 1)[-1], [(0, 0)])) * (w.q.shape[0] if w.dim() == 3
-                                                                 else 1)
-               for n, w in packed.items())
+def _fill_unpacked(model: Transformer, parts: Fp8Parts, packed: dict, slices: dict,
+                   dev: torch.device) -> int:
+    """Dequantize into their parameters the kept FP8 parts of parameters that could not be
+    assembled (a part stored unquantized, a fused part ending inside a block); returns how
+    many parts."""
+    count = 0
+    for name, entries in parts.items():
+        if name in packed:
+            continue
+        param = model.get_parameter(name)
+        if param.is_meta:
+            param = allocate(model, name, dev)
+        short = name.rsplit(".", 1)[-1]
+        for (expert, part), (q, s) in entries.items():
+            dst = param.data if expert < 0 else param.data[expert]
+            if short in slices and dst.dim() == 2:  # a fused part's rows
+                lo, hi = slices[short][part]
+                dst = dst[lo:hi]
+            dst.copy_(dequantize(name, q, s, FP8_BLOCK).to(dst.dtype))
+            count += 1
+    return count
 
 
 def _read_kv_scale(name: str, f: Any, arch: ModelArch,
@@ -291,10 +328,17 @@ _COL_KINDS = ("o", "down", "cols", "experts_down")  # split the input dim
 
 
 def _dequantized(name: str, w: torch.Tensor, where: dict, fp8: Fp8Format | None,
-                 tp: TensorParallel, kind: str, arch: ModelArch
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 weights of FP8 tensor ``name`` and its scales (read from whichever file
-    holds them); under TP, first refuse a shard that would split one of its scale blocks."""
+                 tp: TensorParallel, kind: str, arch: ModelArch) -> torch.Tensor:
+    """The float32 weights of FP8 tensor ``name``."""
+    scale = _fp8_scale(name, w, where, fp8, tp, kind, arch)
+    assert fp8 is not None
+    return dequantize(name, w, scale, fp8.block)
+
+
+def _fp8_scale(name: str, w: torch.Tensor, where: dict, fp8: Fp8Format | None,
+               tp: TensorParallel, kind: str, arch: ModelArch) -> torch.Tensor:
+    """The scales of FP8 tensor ``name`` (read from whichever file holds them), checked
+    against its shape; under TP, first refuse a shard that would split one of its blocks."""
     if fp8 is None:
         raise Fp8Error(f"{name} is {str(w.dtype).removeprefix('torch.')} but config.json has "
                        "no quantization_config: its scales cannot be interpreted")
@@ -305,7 +349,8 @@ def _dequantized(name: str, w: torch.Tensor, where: dict, fp8: Fp8Format | None,
     if fp8.block is not None:
         _check_blocks(name, w, fp8.block, tp, kind, arch)
     scale = where[scale_name].get_tensor(scale_name)
-    return dequantize(name, w, scale, fp8.block), scale
+    check_scale(name, w, scale, fp8.block)
+    return scale
 
 
 def _check_blocks(name: str, w: torch.Tensor, block: tuple[int, int], tp: TensorParallel,

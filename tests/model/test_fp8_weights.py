@@ -236,3 +236,35 @@ def test_tp_ranks_keep_their_shard_of_the_experts(tmp_path):
         for name, w in weights.items():
             assert torch.equal(w.dequantize(torch.float32), plain.get_parameter(name)), (rank,
                                                                                          name)
+
+
+def test_kept_weights_are_never_dequantized_at_load(wide_fp8, monkeypatch):
+    """The packed parameters are built on the meta device and never allocated in the model's
+    dtype (a checkpoint bigger dequantized than the GPUs loads): nothing is dequantized for a
+    dense checkpoint, and no parameter is left unallocated."""
+    import disagg.model.loader as loader
+
+    calls = []
+    real = loader.dequantize
+    monkeypatch.setattr(loader, "dequantize", lambda name, *a, **k: calls.append(name) or
+                        real(name, *a, **k))
+    model = load_model(wide_fp8["llama"], "float32", fp8_gemm=True)
+    assert calls == []
+    assert not any(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())
+    assert model.device == torch.device("cpu") and model.rotary.inv_freq.device.type == "cpu"
+
+
+def test_a_projection_stored_unquantized_is_loaded_beside_the_fp8_parts(tmp_path):
+    src = make_tiny_model("llama", tmp_path / "src", **WIDE)
+    quantize_dir(src, tmp_path / "fp8", (128, 128), skip=("k_proj",))
+    kept = load_model(tmp_path / "fp8", "float32", fp8_gemm=True)
+    plain = load_model(tmp_path / "fp8", "float32", fp8_gemm=False)
+    weights = kept_weights(kept)
+    assert not any(n.endswith("qkv_weight") for n in weights)  # k is bf16: dequantized whole
+    assert len(weights) == 3 * len(kept.layers)
+    for i in range(len(kept.layers)):
+        assert torch.equal(kept.layers[i].qkv_weight, plain.layers[i].qkv_weight)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert [o.token_ids for o in LLM(kept, num_pages=64, page_size=4).generate(PROMPTS, sp)] \
+        == [o.token_ids for o in LLM(plain, num_pages=64, page_size=4).generate(PROMPTS, sp)]
