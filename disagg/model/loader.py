@@ -159,7 +159,11 @@ def load_model(
     if online:
         fp8 = Fp8Format("fp8", FP8_BLOCK)
     if fp8_gemm is None:
-        fp8_gemm = fp8 is not None and fp8.block == FP8_BLOCK and fp8_gemm_device(dev)
+        fp8_gemm = fp8 is not None and fp8_gemm_device(dev)
+        if fp8_gemm and fp8 is not None and fp8.block != FP8_BLOCK:
+            log.warning("FP8 weights dequantized at load: the FP8 kernels take 128x128 blocks, "
+                        "this checkpoint has %s", f"{fp8.block[0]}x{fp8.block[1]} blocks"
+                        if fp8.block else "per-tensor / per-channel scales")
     keep = bool(fp8_gemm) and fp8 is not None and fp8.block == FP8_BLOCK
     # kept FP8: the packed parameters are never allocated in the model's dtype (a checkpoint
     # larger than its dequantized size fits loads), the rest is allocated on ``dev``
