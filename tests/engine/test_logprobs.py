@@ -198,3 +198,28 @@ def test_logit_bias_outside_vocabulary_refused_by_the_node():
                           sampling=SamplingParams(logit_bias={320: 1.0}))
     with pytest.raises(RequestRejected, match="logit_bias"):
         prepare_prompt(req, None, 320, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_processors_and_logprobs_in_cuda_graphs_with_overlap(tiny_models, hf):
+    """On CUDA the decode steps replay graphs: the processors run on the graph's logits and
+    its argmax is replaced for processed rows; overlapped decoding's follow chunks add the
+    in-flight token to the penalties' counts on the device."""
+    cuda = load_model(tiny_models["qwen2"], "float32", device="cuda")
+    llm = LLM(cuda, num_pages=128, page_size=PAGE, overlap=True)
+    llm.runner.enable_cuda_graphs(16, 256)
+    assert llm.runner.graphs is not None
+    ids = [prompt(6 + i, salt=7) for i in range(len(PENALTIES))]
+    plain = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=4)
+    outs = llm.generate(ids + [ids[0]], PENALTIES + [plain])
+    for i, p in enumerate(PENALTIES):
+        assert outs[i].token_ids == reference_greedy(hf, ids[i], p), p
+    last = outs[-1]
+    assert last.logprobs is not None and llm.core.steps_ahead > 0
+    seq = list(ids[0])
+    for token, entry in zip(last.token_ids, last.logprobs, strict=True):
+        lps = torch.log_softmax(hf_logits(hf, seq)[-1], -1)
+        assert token == int(lps.argmax())
+        assert abs(entry.logprob - float(lps[token])) < 1e-3
+        seq.append(token)
