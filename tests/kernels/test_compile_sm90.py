@@ -150,7 +150,38 @@ def test_fp8_quantize_groups_compiles_for_sm90() -> None:
     from disagg.kernels import fp8_gemm
 
     types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32",
-             "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32"}
+             "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32", "stride_sg": "i32"}
     asm = compile_sm90(fp8_gemm._quantize_groups_kernel, types,
                        dict(ROWS=16, GROUP=fp8_gemm.GROUP))
     assert "cubin" in asm and "div.rn.f32" in asm["ptx"]
+
+
+def test_fp8_gemv_compiles_for_sm90() -> None:
+    from disagg.kernels import fp8_gemm
+
+    bn, sub, _, stages = fp8_gemm.GEMV_TILE
+    types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_ptr": "*bf16", "out_ptr": "*bf16",
+             "N": "i32", "K": "i32", "stride_sn": "i32"}
+    asm = compile_sm90(fp8_gemm._fp8_gemv_kernel, types, dict(
+        GROUP=fp8_gemm.GROUP, BN=bn, SUB=sub, STAGES=stages))
+    assert "cubin" in asm
+
+
+# FP8 experts in the fused MoE kernel (weight-only): every tile of its table, gate_up and down
+@pytest.mark.parametrize("entry", range(4))
+@pytest.mark.parametrize("gated", [True, False])
+def test_fp8_moe_gemm_compiles_for_sm90(entry: int, gated: bool) -> None:
+    from disagg.kernels import fused_moe
+
+    tiles = fused_moe.TILE_TABLE[entry][1]
+    tile = tiles.up if gated else tiles.down
+    types = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
+             "topk_w_ptr": "*bf16", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+             "num_post_ptr": "*i32", "num_pairs": "i32", "num_rows_cap": "i32", "N": "i32",
+             "K": "i32", "a_div": "i32", "stride_am": "i32", "stride_we": "i32",
+             "stride_wn": "i32", "stride_om": "i32", "stride_se": "i32", "stride_sn": "i32"}
+    asm = compile_sm90(fused_moe._moe_gemm_kernel, types, dict(
+        GATED=gated, ROUTED=not gated, EVEN=True, F32_DOT=False, FP8_W=True,
+        BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m))
+    assert "cubin" in asm
