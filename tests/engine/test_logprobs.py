@@ -223,3 +223,24 @@ def test_processors_and_logprobs_in_cuda_graphs_with_overlap(tiny_models, hf):
         assert token == int(lps.argmax())
         assert abs(entry.logprob - float(lps[token])) < 1e-3
         seq.append(token)
+
+
+def test_processed_rows_beside_drafted_ones_with_speculation(hf, model):
+    """With speculative decoding, rows with processors or logprobs decode one token a step
+    while other rows of the same steps carry drafts (verified together)."""
+    from disagg.engine.speculative import Speculation
+
+    llm = LLM(model, num_pages=128, page_size=PAGE, speculative=Speculation("ngram", 3))
+    loop = [5, 6, 7, 8] * 4  # prompt lookup drafts from the repeats
+    p = PENALTIES[5]
+    lp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = llm.generate([loop, prompt(9, salt=3), loop, prompt(7)],
+                        [SamplingParams(max_tokens=12, ignore_eos=True), p, lp,
+                         SamplingParams(max_tokens=12, ignore_eos=True)])
+    assert llm.scheduler.spec_draft_tokens > 0
+    assert outs[1].token_ids == reference_greedy(hf, prompt(9, salt=3), p)
+    assert outs[2].logprobs is not None and len(outs[2].logprobs) == 6
+    seq = list(loop)
+    for token, entry in zip(outs[2].token_ids, outs[2].logprobs, strict=True):
+        check_entry(entry, torch.log_softmax(hf_logits(hf, seq)[-1], -1), token, 2)
+        seq.append(token)
