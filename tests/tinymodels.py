@@ -304,3 +304,31 @@ def listening_tcp(pid: int) -> list[tuple[str, int]]:
                 addr = str(ipaddress.IPv4Address(raw[::-1]))
             out.append((addr, int(hexport, 16)))
     return out
+
+
+def add_byte_bpe_tokenizer(path: Path, vocab_size: int = TINY["vocab_size"],
+                           chat_template: str | None = None) -> None:
+    """A byte-level BPE tokenizer (as SmolLM2's, Llama 3's, Qwen's) trained on a little JSON,
+    ``<pad>`` ``<s>`` ``</s>`` at ids 0-2 (the tiny models' EOS is 2): every text encodes, so
+    grammar-constrained decoding works on tiny models. ``chat_template`` goes into its
+    ``tokenizer_config.json``."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    corpus = [json.dumps({"name": f"item{i}", "count": i, "tags": ["a", "b"], "ok": i % 2 == 0,
+                          "nested": {"x": i * 1.5, "y": None}}) for i in range(200)]
+    corpus += ['{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+               "<tool_call>\n</tool_call> the weather in Paris is sunny"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>"}
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))

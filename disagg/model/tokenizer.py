@@ -45,6 +45,11 @@ class Tokenizer:
         return max(1, max((len(t) for t in vocab), default=1))
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers`` tokenizer (its vocabulary, for grammar-constrained decoding)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 

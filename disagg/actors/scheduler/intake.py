@@ -22,6 +22,7 @@ from typing import Annotated, Any, Protocol
 
 import msgspec
 
+from disagg.engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars, GrammarState
 from disagg.engine.scheduling import Sequence
 from disagg.model.tokenizer import Tokenizer
 from disagg.protocol import (
@@ -76,9 +77,11 @@ class IntakeHost(Protocol):
 class ClientIntake:
     def __init__(self, host: IntakeHost, limits: Limits, counters: Counters,
                  tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 raise_hint: str):
+                 raise_hint: str, grammars: Grammars | None = None):
         """``counters``: the scheduler's (the intake counts what it starts, refuses and ends);
-        ``raise_hint``: what a user raises for longer contexts."""
+        ``raise_hint``: what a user raises for longer contexts; ``grammars``: compiles the
+        constraints of structured requests (None: such requests are refused)."""
+        self.grammars = grammars
         self.host = host
         self.limits = limits
         self.counters = counters
@@ -89,6 +92,7 @@ class ClientIntake:
         self.per_client: collections.Counter[bytes] = collections.Counter()  # live + tokenizing
         self.tenant_of: dict[bytes, bytes] = {}  # identity -> its tenant (a client key)
         self.queue: FairQueue[Sequence] = FairQueue()  # admitted, not handed to batching yet
+        # requests being prepared off the event loop: tokenized, or their grammar compiled
         self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}
         self._acks: dict[bytes, int] = {}  # client frames handled, not yet counted in a reply
         self._in_vocab = msgspec.msgpack.Decoder(  # a client's prompt ids (FromClient.prompt)
@@ -192,6 +196,13 @@ class ClientIntake:
             if why is not None:
                 await self._refuse(identity, req, "bad_request", why)
                 return
+        so = req.sampling.structured
+        if so is not None:
+            why = (self.grammars.unavailable(so.param) if self.grammars is not None
+                   else f"{so.param}: this node does not sample, so it constrains nothing")
+            if why is not None:
+                await self._refuse(identity, req, "bad_request", why)
+                return
         if req.prompt is not None and len(req.prompt) > INLINE_TOKENIZE_CHARS:
             if make_room:
                 await self._give_way()
@@ -210,6 +221,10 @@ class ClientIntake:
             await self._give_way()
         self.counters.started += 1
         self.per_client[tenant] += 1
+        if so is not None:  # its grammar is compiled off the event loop first
+            self.tokenizing[key] = req
+            self.host.spawn(self._compile_then_accept(identity, req, ids, encoded))
+            return
         self._accept(identity, req, ids, encoded)
 
     async def _give_way(self) -> None:
@@ -240,9 +255,38 @@ class ClientIntake:
                 self.counters.errored += 1
                 await self.host.send(identity, Error(e.code, str(e), req.request_id))
             return
+        if req.sampling.structured is not None:
+            await self._compile_then_accept(identity, req, ids)
+            return
         if self.tokenizing.pop(key, None) is None:
             return  # aborted (or its client left) meanwhile
         self._accept(identity, req, ids)  # the loop hands it to batching
+
+    async def _compile_then_accept(self, identity: bytes, req: GenerateRequest, ids: list[int],
+                                   encoded: memoryview | None = None) -> None:
+        """Compile ``req``'s constraint on the grammar threads within ``COMPILE_TIMEOUT_S``,
+        then accept it with its matcher; a constraint that fails (invalid, admits nothing,
+        too slow to compile) ends it ``bad_request`` naming its parameter."""
+        key = (identity, req.request_id)
+        so, grammars = req.sampling.structured, self.grammars
+        assert so is not None and grammars is not None
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(grammars.threads, grammars.compile,
+                                                             so)
+            try:
+                grammar = await asyncio.wait_for(fut, COMPILE_TIMEOUT_S)
+            except TimeoutError:
+                raise GrammarError(f"{so.param}: compiling the {so.kind} constraint took "
+                                   f"longer than {COMPILE_TIMEOUT_S:g} s; simplify it") from None
+        except GrammarError as e:
+            if self.tokenizing.pop(key, None) is not None:
+                self._forget_client(identity)
+                self.counters.errored += 1
+                await self.host.send(identity, Error("bad_request", str(e), req.request_id))
+            return
+        if self.tokenizing.pop(key, None) is None:
+            return  # aborted (or its client left) meanwhile
+        self._accept(identity, req, ids, encoded, grammar)
 
     def _forget_client(self, identity: bytes) -> None:
         tenant = self._tenant(identity)
@@ -251,13 +295,13 @@ class ClientIntake:
             del self.per_client[tenant]
 
     def _accept(self, identity: bytes, req: GenerateRequest, ids: list[int],
-                encoded: memoryview | None = None) -> None:
+                encoded: memoryview | None = None, grammar: GrammarState | None = None) -> None:
         """Make a validated request live and queue it fairly among its client's others."""
         p = req.sampling
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         slot = self.host.next_slot()
         seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot, prompt_msgpack=encoded,
-                       cache_salt=req.cache_salt)
+                       cache_salt=req.cache_salt, grammar=grammar)
         now = time.monotonic()
         self.host.make_live(identity, seq, now)
         self.queue.push(self._tenant(identity), seq, now + self.limits.queue_timeout_s)

@@ -32,6 +32,7 @@ from disagg.actors.scheduler.stepping import Stepper
 from disagg.actors.sockets import pending
 from disagg.engine.cache import PagePool
 from disagg.engine.core import EngineCore
+from disagg.engine.grammar import Grammars
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
 from disagg.engine.speculative import Speculation
 from disagg.model.config import ModelArch
@@ -120,8 +121,12 @@ class SchedulerActor:
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = Counters()
         self._slots = itertools.count()
+        spec = setup.speculative
+        grammars = Grammars(self.tokenizer, arch.vocab_size, arch.eos_token_ids, refuse=(
+            None if spec is None else "constrained decoding is not served with speculative "
+            f"decoding (--speculative-method {spec.method}); use a node without it"))
         self.intake = ClientIntake(self, self.limits, self.counters, self.tokenizer,
-                                   arch.vocab_size, max_model_len, self.raise_hint)
+                                   arch.vocab_size, max_model_len, self.raise_hint, grammars)
         # the engine core plans and applies every step (a step spans layers + 1 counter values)
         self.core = EngineCore(self.sched, setup.overlap, arch.num_layers + 1)
         self.stepper = Stepper(self)
@@ -259,7 +264,13 @@ class SchedulerActor:
         live = self.live[key]
         self.side.emitting(seq)
         text = live.detok.push(update.new_token_ids)
-        await self.send(live.identity, TokenChunk(seq.request_id, update.new_token_ids, text))
+        prompt_lps = None
+        if seq.params.prompt_logprobs is not None and len(seq.output_ids) == len(
+                update.new_token_ids):  # its first chunk
+            prompt_lps = seq.prompt_lps
+        await self.send(live.identity, TokenChunk(seq.request_id, update.new_token_ids, text,
+                                                  logprobs=update.logprobs,
+                                                  prompt_logprobs=prompt_lps))
         if update.finish_reason is not None and not await self.side.hold_finish(
                 seq, update.finish_reason):
             await self._end(seq, Finished(seq.request_id, update.finish_reason, self.usage(seq),

@@ -1,0 +1,169 @@
+"""Grammar-constrained decoding (disagg.engine.grammar, .constraints) in the in-process engine
+on a tiny random llama with a byte-level BPE tokenizer: greedy token-exact with transformers
+where the constraint admits the greedy tokens, 100 schema-constrained outputs that all parse
+and validate, the same tokens with overlapped decoding, and constraints refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from disagg.engine.constraints import apply_masks, unpack
+from disagg.engine.grammar import GrammarError, Grammars
+from disagg.llm import LLM
+from disagg.model.loader import load_model
+from disagg.model.tokenizer import Tokenizer
+from disagg.protocol import SamplingParams
+from disagg.protocol.executor import SeqChunk
+from disagg.protocol.structured import StructuredOutput
+from tinymodels import add_byte_bpe_tokenizer, hf_greedy, make_tiny_model
+
+pytest.importorskip("xgrammar")
+
+
+@pytest.fixture(scope="module")
+def bpe_llama(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("bpe") / "llama")
+    add_byte_bpe_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(bpe_llama):
+    return Tokenizer.from_dir(bpe_llama)
+
+
+@pytest.fixture(scope="module")
+def model(bpe_llama):
+    return load_model(bpe_llama)
+
+
+def test_unpack_and_masks_on_logits():
+    words = torch.tensor([[0b101, 0], [-1, 1]], dtype=torch.int32)
+    bits = unpack(words, 40)
+    assert bits[0].nonzero().flatten().tolist() == [0, 2]
+    assert bits[1].nonzero().flatten().tolist() == list(range(33))
+    logits = torch.zeros(2, 40)
+    mask = torch.tensor([1 << 7, 0], dtype=torch.int32).numpy().tobytes()
+    chunks = [SeqChunk(0, [1], 0, [0], True), SeqChunk(1, [1], 0, [0], True, allowed=mask)]
+    assert apply_masks(logits, chunks)
+    assert torch.isfinite(logits[0]).all()
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [7]
+    with pytest.raises(ValueError, match="grammar mask"):
+        apply_masks(logits, [SeqChunk(1, [1], 0, [0], True, allowed=b"\0" * 4)])
+
+
+def test_greedy_parity_when_the_constraint_admits_the_greedy_tokens(bpe_llama, model, tok):
+    llm = LLM(model, tokenizer=tok)
+    prompts = [[p, p + 1, 7] for p in range(3, 300)]
+    free = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+
+    def printable(ids):
+        text = tok.decode(ids, skip_special_tokens=False)
+        return text.isascii() and text.isprintable() and tok.encode(text) == ids
+
+    # a prompt whose greedy output is printable text (random weights mostly emit odd bytes)
+    i = next(i for i, o in enumerate(free) if printable(o.token_ids))
+    prompt, want = prompts[i], free[i].token_ids
+    assert hf_greedy(bpe_llama, prompt, 6) == want
+    text = tok.decode(want)
+    # a choice admitting exactly the greedy text (and a longer one, so it cannot end there)
+    so = StructuredOutput("choice", choices=[text, text + "zz"], param="guided_choice")
+    got = llm.generate([prompt], SamplingParams(max_tokens=6, structured=so))[0]
+    assert got.token_ids == want
+    # a constraint excluding the greedy first token changes it, and ends with its grammar
+    other = "q" if not text.startswith("q") else "w"
+    so = StructuredOutput("choice", choices=[other * 3], param="guided_choice")
+    got = llm.generate([prompt], SamplingParams(max_tokens=12, structured=so))[0]
+    assert tok.decode(got.token_ids) == other * 3 and got.finish_reason == "stop"
+
+
+def _schema(rng: random.Random, depth: int = 0) -> dict:
+    """A finite JSON schema: nested objects, enums, bounded integers, patterned strings,
+    bounded arrays, booleans; every object closed (additionalProperties false)."""
+    kinds = ["enum", "int", "str", "bool", "array"] + (["object"] if depth < 2 else [])
+    props = {}
+    for i in range(rng.randint(1, 3)):
+        k = rng.choice(kinds)
+        if k == "enum":
+            props[f"e{i}"] = {"enum": rng.sample(["red", "green", "blue", 1, None, True], 3)}
+        elif k == "int":
+            props[f"i{i}"] = {"type": "integer", "minimum": -5, "maximum": rng.randint(0, 300)}
+        elif k == "str":
+            props[f"s{i}"] = {"type": "string", "pattern": "^[a-z]{1,6}$"}
+        elif k == "bool":
+            props[f"b{i}"] = {"type": "boolean"}
+        elif k == "array":
+            props[f"a{i}"] = {"type": "array", "items": {"enum": ["x", "y", 3]},
+                              "minItems": 1, "maxItems": 3}
+        else:
+            props[f"o{i}"] = _schema(rng, depth + 1)
+    return {"type": "object", "properties": props, "required": sorted(props),
+            "additionalProperties": False}
+
+
+def test_100_schema_constrained_outputs_parse_and_validate(model, tok):
+    rng = random.Random(0)
+    schemas = [_schema(rng) for _ in range(100)]
+    params = [SamplingParams(max_tokens=400, temperature=(0.0 if i % 4 == 0 else 1.0), seed=i,
+                             structured=StructuredOutput("json", json.dumps(s)))
+              for i, s in enumerate(schemas)]
+    prompts = [[3 + i % 50, 7, 9 + i % 13] for i in range(100)]
+    outs = LLM(model, num_pages=1024, tokenizer=tok).generate(prompts, params)
+    for schema, out in zip(schemas, outs, strict=True):
+        assert out.finish_reason == "stop", tok.decode(out.token_ids)
+        value = json.loads(tok.decode(out.token_ids))
+        jsonschema.validate(value, schema)
+
+
+def test_overlapped_decoding_gives_the_same_tokens(model, tok):
+    so = StructuredOutput("regex", "[a-c]{3,9}x")
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=1, structured=so),
+              SamplingParams(max_tokens=20, ignore_eos=True),
+              SamplingParams(max_tokens=20, seed=2, temperature=1.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, structured=StructuredOutput("json_object"))]
+    prompts = [[5, 6], [7, 8, 9], [10], [11, 12]]
+    plain = LLM(model, tokenizer=tok).generate(prompts, params)
+    over = LLM(model, tokenizer=tok, overlap=True)
+    got = over.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert over.core.steps_ahead > 0  # the unconstrained rows overlapped
+    text = tok.decode(got[0].token_ids)
+    assert text.endswith("x") and set(text[:-1]) <= set("abc")
+
+
+@pytest.mark.parametrize("so, needle", [
+    (StructuredOutput("json", '{"type": "nonsense"}', param="response_format"),
+     "response_format: invalid JSON schema"),
+    (StructuredOutput("json", "{not json", param="guided_json"), "guided_json: the JSON schema"),
+    (StructuredOutput("regex", "(((", param="guided_regex"), "guided_regex: invalid regex"),
+    (StructuredOutput("grammar", "root ::= foo", param="guided_grammar"),
+     "guided_grammar: invalid grammar"),
+    (StructuredOutput("choice", choices=[], param="guided_choice"), "guided_choice"),
+    (StructuredOutput("xml", "x", param="structured_outputs"), "structured_outputs"),
+])
+def test_bad_constraints_are_refused_by_name(tok, so, needle):
+    grammars = Grammars(tok, 320, (2,))
+    with pytest.raises(GrammarError, match=needle):
+        grammars.compile(so)
+    good = grammars.compile(StructuredOutput("json_object"))  # still serving
+    assert good.mask()
+
+
+def test_unavailable_is_said_by_name(tok):
+    assert "speculative" in Grammars(tok, 320, (2,), refuse="not with speculative decoding"
+                                     ).unavailable("response_format")
+    assert "no tokenizer" in Grammars(None, 320, (2,)).unavailable("guided_json")
+    assert Grammars(tok, 320, (2,)).unavailable("guided_json") is None
+
+
+def test_compiled_grammars_are_cached(tok):
+    grammars = Grammars(tok, 320, (2,))
+    so = StructuredOutput("json", '{"type": "integer"}')
+    a, b = grammars.compile(so), grammars.compile(so)
+    assert a is not b and len(grammars._cache) == 1
+    assert a.mask() == b.mask()
