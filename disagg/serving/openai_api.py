@@ -16,11 +16,20 @@ from typing import Any
 import msgspec
 
 from disagg.protocol import MAX_CACHE_SALT, MAX_TOP_LOGPROBS, SamplingParams, Usage
+from disagg.protocol.structured import StructuredOutput
 from disagg.serving.api_error import ApiError
 from disagg.serving.openai_logprobs import MAX_COMPLETION_LOGPROBS
 from disagg.serving.openai_prompts import TokenizerLike, check_text_size
 from disagg.serving.openai_prompts import completion_prompts as _completion_prompts
 from disagg.serving.stop_strings import StopMatcher
+from disagg.serving.structured import CONSTRAINT_FIELDS, StructuredError, structured_output
+from disagg.serving.tool_calls import (
+    ToolError,
+    ToolPlan,
+    check_history,
+    plan_tools,
+    template_messages,
+)
 
 __all__ = ["ApiError", "StopMatcher", "TokenizerLike"]  # (defined apart, part of this API)
 
@@ -87,6 +96,13 @@ class _Common(msgspec.Struct):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = None  # extension (vLLM): share cached prefixes only within a salt
+    # output constraints (disagg.serving.structured): OpenAI's, then vLLM's extra-body keys
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionBody(_Common):
@@ -109,6 +125,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls (disagg.serving.tool_calls)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatBody(_Common):
@@ -117,7 +135,8 @@ class ChatBody(_Common):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None  # none | auto | required | {"type": "function", "function": ...}
+    parallel_tool_calls: bool | None = None
 
 
 def decode_body(data: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -163,6 +182,7 @@ class Prepared:
     n: int = 1  # choices per prompt: choice index = prompt index * n + j
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     logprobs: int | None = None  # alternatives per token (None: no logprobs)
+    tools: ToolPlan | None = None  # chat with tools: how its output becomes tool_calls
 
     @property
     def all_prompts(self) -> list[list[int]]:
@@ -202,21 +222,26 @@ def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                        f"{body.top_logprobs}", param="top_logprobs")
-    if body.tools:
-        raise ApiError(400, "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
-                       param="response_format")
     if not body.messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
     if tok is None:
         raise ApiError(400, "this model has no tokenizer, so chat is unavailable; "
                        "use /v1/completions with token ids", param="messages")
-    messages = [{"role": _message_role(m, i), "content": _message_text(m, i)}
-                for i, m in enumerate(body.messages)]
+    messages: list[dict[str, Any]] = [
+        {"role": _message_role(m, i), "content": _message_text(m, i)}
+        | {k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id),
+                             ("name", m.name)) if v is not None}
+        for i, m in enumerate(body.messages)]
     check_text_size(sum(len(m["content"]) for m in messages), tok, max_model_len, "messages")
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                          getattr(tok, "chat_template", None))
+        check_history(messages)
+    except ToolError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    try:
+        text = tok.apply_chat_template(template_messages(messages), add_generation_prompt=True,
+                                       **({"tools": plan.tools} if plan is not None else {}))
     except ValueError as e:  # no template
         raise ApiError(400, f"cannot build the chat prompt: {e}", param="messages") from None
     except Exception as e:  # a template error raised for this conversation (jinja2)
@@ -229,8 +254,25 @@ def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
         else body.max_tokens
     if max_tokens is None:  # as OpenAI: up to the context limit
         max_tokens = max(1, max_model_len - len(ids))
-    return _finish(body, ids, max_tokens, max_model_len, "messages",
-                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    if plan is not None and body.n not in (None, 1):
+        raise ApiError(400, "n > 1 is not served with tools", param="n")
+    forced = plan.structured() if plan is not None else None
+    if forced is not None and _constraint(body) is not None:
+        raise ApiError(400, f"tool_choice {body.tool_choice!r} forces the output; it cannot "
+                       "have another output constraint", param="tool_choice")
+    prep = _finish(body, ids, max_tokens, max_model_len, "messages",
+                   logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                   structured=forced)
+    prep.tools = plan
+    return prep
+
+
+def _constraint(body: _Common) -> StructuredOutput | None:
+    """The body's output constraint (``disagg.serving.structured``), 400 naming a bad one."""
+    try:
+        return structured_output({name: getattr(body, name) for name in CONSTRAINT_FIELDS})
+    except StructuredError as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def check_model(requested: str | None, model_name: str) -> None:
@@ -293,8 +335,11 @@ def _check_context(ids: list[int], max_tokens: int, max_model_len: int,
 
 
 def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
-            prompt_param: str, logprobs: int | None = None, echo: bool = False) -> Prepared:
+            prompt_param: str, logprobs: int | None = None, echo: bool = False,
+            structured: StructuredOutput | None = None) -> Prepared:
     _check_context(ids, max_tokens, max_model_len, prompt_param)
+    if structured is None:
+        structured = _constraint(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}",
@@ -322,6 +367,7 @@ def _finish(body: _Common, ids: list[int], max_tokens: int, max_model_len: int,
             logit_bias={int(k): float(v) for k, v in (body.logit_bias or {}).items()},
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
+            structured=structured,
         )
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"invalid sampling parameters: {e}") from None
@@ -380,7 +426,7 @@ def completion_chunk(rid: str, model: str, created: int, text: str,
     return out
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str],
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any],
                finish_reason: str | None = None, include_usage: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                            "model": model, "choices": [{"index": 0, "delta": delta,

@@ -17,8 +17,8 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kw: Any) -> str: ...
 
 
 def check_text_size(chars: int, tok: TokenizerLike, max_model_len: int, param: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from disagg.protocol.structured import StructuredOutput
 
 GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+CONSTRAINT_FIELDS = ("response_format", *GUIDED, "structured_outputs")  # the body's fields
 STRUCTURED_KEYS = {"json": "json", "regex": "regex", "grammar": "grammar", "choice": "choice",
                    "json_object": "json_object"}
 

@@ -378,8 +378,8 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 def check_history(messages: list[Any]) -> None:
-    """Assistant ``tool_calls`` and ``tool`` messages are well formed (``ToolError`` naming the
-    message)."""
+    """Assistant ``tool_calls`` and ``tool_call_id`` (of ``tool`` messages) are where they
+    belong and well formed (``ToolError`` naming the message)."""
     for i, m in enumerate(messages):
         calls = m.get("tool_calls")
         if calls is not None:
@@ -391,6 +391,24 @@ def check_history(messages: list[Any]) -> None:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise ToolError(f"messages[{i}].tool_calls[{j}].function.name is required",
                                     "messages")
-        if m.get("role") == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise ToolError(f"messages[{i}]: a tool message needs its tool_call_id",
+        call_id = m.get("tool_call_id")
+        if call_id is not None and m.get("role") != "tool":
+            raise ToolError(f"messages[{i}].tool_call_id belongs to a tool message",
                             "messages")
+
+
+def finish_reason(reason: str, called: bool) -> str:
+    """OpenAI's ``tool_calls`` for an output that ended by itself with calls."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def apply_tool_calls(choice: dict[str, Any], plan: ToolPlan) -> None:
+    """A whole chat choice (``message.content`` the output) with its calls parsed into
+    ``message.tool_calls`` (and ``finish_reason`` ``tool_calls``), in place."""
+    msg = choice["message"]
+    content, calls = plan.parse(msg.get("content") or "")
+    if not calls:
+        return
+    msg["content"] = content
+    msg["tool_calls"] = [c.to_openai() for c in calls]
+    choice["finish_reason"] = finish_reason(choice["finish_reason"], True)

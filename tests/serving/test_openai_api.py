@@ -102,7 +102,7 @@ def test_chat_refusals():
     for kw in (dict(messages=[]), dict(messages=[{"content": "w1"}]),
                dict(messages=[{"role": "user", "content": "w1"}], tools=[{"type": "function"}]),
                dict(messages=[{"role": "user", "content": "w1"}],
-                    response_format={"type": "json_object"})):
+                    response_format={"type": "yaml"})):
         with pytest.raises(ApiError) as e:
             chat(**kw)
         assert e.value.status == 400

@@ -67,6 +67,8 @@ from disagg.serving.openai_api import (
     usage_chunk,
 )
 from disagg.serving.openai_logprobs import token_text_of
+from disagg.serving.tool_calls import apply_tool_calls
+from disagg.serving.tool_calls import finish_reason as tool_finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +340,8 @@ class Gateway:
                 body = build(rid, self.model_name, shaper.text("".join(parts), True),
                              ev.finish_reason, ev.usage)
                 body["choices"][0]["logprobs"] = shaper.final()
+                if chat and prep.tools is not None:
+                    apply_tool_calls(body["choices"][0], prep.tools)
                 return _json(body), ev.finish_reason
         raise ApiError(502, "the node's stream ended without a finish", "server_error")
 
@@ -355,6 +359,11 @@ class Gateway:
             await send(request, resp, data, self.limits.write_timeout_s)
 
         shaper = Shaper(prep, chat, self.text_of, self.tokenizer)  # echo, logprobs
+        tools = prep.tools.stream() if chat and prep.tools is not None else None
+
+        async def tool_deltas(deltas: list[dict[str, Any]]) -> None:
+            for delta in deltas:
+                await put(sse(chat_chunk(rid, model, created, delta, None, usage_on)))
 
         def chunk(text: str | None, reason: str | None = None,
                   lp: dict[str, Any] | None = None) -> bytes:
@@ -374,11 +383,18 @@ class Gateway:
             ev: Event | None = first
             while ev is not None:
                 text, lp = shaper.text(ev.text, ev is first), shaper.chunk(ev)
+                if tools is not None:  # content and calls as delta.tool_calls
+                    await tool_deltas(tools.push(text))
+                    text = ""
                 if ev.finish_reason is not None:
                     assert ev.usage is not None
                     if text or lp is not None and ev.tokens:
                         await put(chunk(text, None, lp))
-                    await put(chunk(None, ev.finish_reason))
+                    reason = ev.finish_reason
+                    if tools is not None:
+                        await tool_deltas(tools.finish())
+                        reason = tool_finish_reason(reason, tools.called)
+                    await put(chunk(None, reason))
                     if usage_on:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         await put(sse(usage_chunk(rid, model, created, obj, ev.usage)))
