@@ -1,0 +1,128 @@
+"""Structured output and tool calls through the gateway with the official openai SDK, on a
+mixed node serving a tiny random llama with a byte-level BPE tokenizer and a Hermes-style chat
+template: ``chat.completions.parse`` with a pydantic model, a tool loop (a forced call, the
+tool's answer in the history, then text), streamed calls, guided_* extra-body keys, and bad
+input refused with a 400 naming the parameter while the node keeps serving."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import openai
+import pydantic
+import pytest
+
+import nodes
+from nodes import node, running
+from tinymodels import add_byte_bpe_tokenizer, make_tiny_model
+
+pytest.importorskip("xgrammar")
+
+HERMES = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}"
+    "{% endif %}{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}"
+    "\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather",
+           "parameters": {"type": "object", "properties": {
+               "city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog"]
+    legs: int = pydantic.Field(ge=0, le=8)
+    vaccinated: bool
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("bpe-chat") / "llama")
+    add_byte_bpe_tokenizer(path, chat_template=HERMES)
+    addr, proc = node("mixed", path, tmp_path_factory.mktemp("structured-node"),
+                      "--num-pages", "256", "--max-model-len", "512")
+    with running([proc]), nodes.gateway(addr, path, "tiny") as g:
+        yield g
+
+
+@pytest.fixture
+def oai(gw):
+    with nodes.openai_client(gw.url) as client:
+        yield client
+
+
+def test_parse_with_a_pydantic_model(oai):
+    for seed in range(3):
+        done = oai.chat.completions.parse(
+            model="tiny", messages=[{"role": "user", "content": "a pet"}], response_format=Pet,
+            max_tokens=200, temperature=1.0, seed=seed)
+        pet = done.choices[0].message.parsed
+        assert isinstance(pet, Pet), done.choices[0].message.content
+
+
+def test_tool_loop_forced_call_then_text(oai):
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    r = oai.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
+                                    tool_choice="required", parallel_tool_calls=False,
+                                    max_tokens=200, seed=1)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Rome")
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    named = oai.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], max_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert set(json.loads(named.choices[0].message.tool_calls[0].function.arguments)) == {
+        "city", "unit"}
+    last = oai.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
+                                       tool_choice="none", max_tokens=5)
+    assert last.choices[0].message.tool_calls is None
+    assert last.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_tool_call(oai):
+    stream = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=200, stream=True,
+        seed=2)
+    calls, reasons = [], []
+    for ch in stream:
+        delta = ch.choices[0].delta
+        calls += delta.tool_calls or []
+        reasons.append(ch.choices[0].finish_reason)
+    assert reasons[-1] == "tool_calls"
+    assert calls and calls[0].function.name == "get_weather"
+    json.loads(calls[0].function.arguments)
+
+
+def test_guided_keys_in_extra_body(oai):
+    r = oai.completions.create(model="tiny", prompt="pick", max_tokens=20,
+                               extra_body={"guided_choice": ["alpha", "beta"]})
+    assert r.choices[0].text in ("alpha", "beta")
+    r = oai.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=1.0,
+                               extra_body={"guided_regex": "[0-9]{2,4}"})
+    assert re.fullmatch("[0-9]{2,4}", r.choices[0].text)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    ({"extra_body": {"guided_grammar": "root ::= undefined_rule"}}, "guided_grammar"),
+    ({"extra_body": {"guided_regex": "((("}}, "guided_regex"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
+])
+def test_bad_constraints_are_400_and_the_node_keeps_serving(oai, kw, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                    max_tokens=5, **kw)
+    assert needle in str(e.value)
+    ok = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                     max_tokens=3, response_format={"type": "json_object"})
+    assert ok.choices[0].message.content.startswith("{")
