@@ -126,3 +126,28 @@ def test_bad_constraints_are_400_and_the_node_keeps_serving(oai, kw, needle):
     ok = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                      max_tokens=3, response_format={"type": "json_object"})
     assert ok.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.fabric
+def test_split_constrains_the_first_token_on_the_decoder(tmp_path_factory):
+    """Prefill -> decode: the prefiller computes the prompt's KV (it never samples), the
+    decoder's first step samples the first token under the grammar."""
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("bpe-split") / "llama")
+    add_byte_bpe_tokenizer(path, chat_template=HERMES)
+    tmp = tmp_path_factory.mktemp("split-log")
+    common = ["--num-pages", "160", "--max-model-len", "512", "--fabric-provider", "tcp"]
+    p_addr, prefill = node("prefill", path, tmp, *common)
+    d_addr, decode = node("decode", path, tmp, "--prefill-peer", p_addr, "--heartbeat", "0.2",
+                          "--local-prefill-max-tokens", "0", *common)
+    prompt = "a prompt long enough to go to the prefiller, " * 3
+    with running([prefill, decode], [d_addr]), nodes.gateway(d_addr, path, "tiny") as g, \
+            nodes.openai_client(g.url) as client:
+        sent = nodes.stats(p_addr).kv_writes_sent
+        free = client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        first = free.choices[0].text[:1]
+        word = "zq" if first != "z" else "qz"
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
+                                        temperature=0, extra_body={"guided_choice": [word]})
+        assert got.choices[0].text == word and got.choices[0].finish_reason == "stop"
+        assert nodes.stats(p_addr).kv_writes_sent > sent  # prefilled remotely
