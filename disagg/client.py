@@ -1,13 +1,16 @@
 """Python clients for the client protocol (see README): async and a thin sync one.
 
-Every wait has a deadline (``timeout`` seconds per message); a request that times out is
-aborted on the node.
+Every wait has a deadline (``timeout`` seconds per message, sending included: a DEALER with
+no connection waits in its send); a request that times out is aborted on the node. A failed
+CURVE handshake (a missing, wrong or revoked key), seen on the socket's monitor, ends every
+wait at once with ``HandshakeError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -29,6 +32,23 @@ from disagg.protocol import (
 )
 from disagg.serving import security
 from disagg.serving.security import CurveKeys
+
+
+class HandshakeError(ConnectionError):
+    """The node refused this client's handshake (``security.handshake_refusal`` says why)."""
+
+
+_MONITORED = security.HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
+def _refusal_of(frames: list[bytes], current: str | None) -> str | None:
+    """The handshake state after one monitor message: a refusal, or None once one succeeds."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    event = parse_monitor_message(frames)
+    if int(event["event"]) == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        return None
+    return security.handshake_refusal(int(event["event"]), int(event["value"])) or current
 
 
 class RequestError(RuntimeError):
@@ -56,17 +76,57 @@ class AsyncClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         security.client(self.sock, curve_keys or security.keys_from_env())
+        self.address = address
+        self.monitor = self.sock.get_monitor_socket(_MONITORED)
         self.sock.connect(address)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(NodeReply)
         self._queues: dict[str | None, asyncio.Queue[Any]] = {}
-        self._stats: asyncio.Queue[Stats | Error] = asyncio.Queue()
+        self._stats: asyncio.Queue[Stats | Error | HandshakeError] = asyncio.Queue()
         self._stats_waiting = 0
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self.refused: str | None = None  # why the last handshake failed, until one succeeds
+        self._refused = asyncio.Event()
 
     def _ensure_reader(self) -> None:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
+            self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Loop: 1. read a connection event; 2. on a failed handshake fail every waiter."""
+        while True:
+            self.refused = _refusal_of(await self.monitor.recv_multipart(), self.refused)
+            if self.refused is None:
+                self._refused.clear()
+                continue
+            self._refused.set()
+            err = HandshakeError(f"{self.address}: {self.refused}")
+            for q in self._queues.values():
+                q.put_nowait(err)
+            if self._stats_waiting:
+                self._stats.put_nowait(err)
+
+    def _check_refused(self) -> None:
+        if self.refused is not None:
+            raise HandshakeError(f"{self.address}: {self.refused}")
+
+    async def _send(self, frame: bytes, timeout: float) -> None:
+        """Send within ``timeout`` (TimeoutError: no connection), or HandshakeError."""
+        self._check_refused()
+        send = asyncio.ensure_future(self.sock.send(frame))
+        refused = asyncio.ensure_future(self._refused.wait())
+        done, _ = await asyncio.wait({send, refused}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        refused.cancel()
+        if send in done:
+            send.result()
+            return
+        send.cancel()
+        self._check_refused()
+        raise TimeoutError(f"could not send to {self.address} in {timeout}s: no connection "
+                           "to the node (is it up, and listening there?)")
 
     async def _read(self) -> None:
         while True:
@@ -105,12 +165,15 @@ class AsyncClient:
         self._queues[req.request_id] = q
         finished = False
         try:
-            await self.sock.send(self._enc.encode(req))
+            await self._send(self._enc.encode(req), timeout)
             while True:
                 try:
                     msg = await asyncio.wait_for(q.get(), timeout)
                 except asyncio.TimeoutError:
                     raise TimeoutError(f"no reply for request {req.request_id} in {timeout}s") from None
+                if isinstance(msg, HandshakeError):
+                    finished = True
+                    raise msg
                 if isinstance(msg, Error):
                     finished = True
                     raise RequestError(msg)
@@ -121,8 +184,8 @@ class AsyncClient:
         finally:
             self._queues.pop(req.request_id, None)
             if not finished:
-                with contextlib.suppress(zmq.ZMQError):
-                    await self.sock.send(self._enc.encode(Abort(req.request_id)))
+                with contextlib.suppress(zmq.ZMQError):  # Again: no connection to tell
+                    await self.sock.send(self._enc.encode(Abort(req.request_id)), zmq.NOBLOCK)
 
     async def complete(self, **kw: Any) -> tuple[list[int], str, Finished]:
         """Run a request to the end: (token ids, text, the Finished message)."""
@@ -136,12 +199,12 @@ class AsyncClient:
                 return ids, "".join(text), msg
         raise RuntimeError("stream ended without Finished")
 
-    async def abort(self, request_id: str) -> None:
-        await self.sock.send(self._enc.encode(Abort(request_id)))
+    async def abort(self, request_id: str, timeout: float = 10.0) -> None:
+        await self._send(self._enc.encode(Abort(request_id)), timeout)
 
     async def stats(self, timeout: float = 10.0) -> Stats:
         self._ensure_reader()
-        await self.sock.send(self._enc.encode(StatsRequest()))
+        await self._send(self._enc.encode(StatsRequest()), timeout)
         self._stats_waiting += 1
         try:
             msg = await asyncio.wait_for(self._stats.get(), timeout)
@@ -149,15 +212,20 @@ class AsyncClient:
             raise TimeoutError(f"no Stats reply in {timeout}s") from None
         finally:
             self._stats_waiting -= 1
+        if isinstance(msg, HandshakeError):
+            raise msg
         if isinstance(msg, Error):
             raise RequestError(msg)
         return msg
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(BaseException):
-                await self._reader
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()
         if self._own_ctx:
             self.ctx.term()
@@ -171,12 +239,45 @@ class Client:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         security.client(self.sock, curve_keys or security.keys_from_env())
+        self.address = address
+        self.monitor = self.sock.get_monitor_socket(_MONITORED)
         self.sock.connect(address)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(NodeReply)
+        self.refused: str | None = None  # why the last handshake failed, until one succeeds
+
+    def _check_refused(self) -> None:
+        while self.monitor.poll(0):
+            self.refused = _refusal_of(self.monitor.recv_multipart(), self.refused)
+        if self.refused is not None:
+            raise HandshakeError(f"{self.address}: {self.refused}")
+
+    def _wait(self, event: int, timeout: float) -> bool:
+        """Wait until the socket has ``event`` (True) or ``timeout`` passes (False); raise
+        HandshakeError as soon as a handshake fails."""
+        deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(self.sock, event)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            self._check_refused()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if self.monitor in ready:
+                continue
+            if self.sock in ready:
+                return True
+
+    def _send(self, frame: bytes, timeout: float) -> None:
+        if not self._wait(zmq.POLLOUT, timeout):
+            raise TimeoutError(f"could not send to {self.address} in {timeout}s: no connection "
+                               "to the node (is it up, and listening there?)")
+        self.sock.send(frame, zmq.NOBLOCK)
 
     def _recv(self, timeout: float) -> NodeReply:
-        if not self.sock.poll(int(timeout * 1000)):
+        if not self._wait(zmq.POLLIN, timeout):
             raise TimeoutError(f"no reply from the node in {timeout}s")
         return self._dec.decode(self.sock.recv())
 
@@ -190,7 +291,7 @@ class Client:
         cache_salt: str | None = None,
     ) -> Iterator[TokenChunk | Finished]:
         req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt)
-        self.sock.send(self._enc.encode(req))
+        self._send(self._enc.encode(req), timeout)
         done = False
         try:
             while True:
@@ -205,15 +306,18 @@ class Client:
                         return
         finally:
             if not done:
-                self.sock.send(self._enc.encode(Abort(req.request_id)))
+                with contextlib.suppress(zmq.ZMQError):  # Again: no connection to tell
+                    self.sock.send(self._enc.encode(Abort(req.request_id)), zmq.NOBLOCK)
 
     def stats(self, timeout: float = 10.0) -> Stats:
-        self.sock.send(self._enc.encode(StatsRequest()))
+        self._send(self._enc.encode(StatsRequest()), timeout)
         while True:
             msg = self._recv(timeout)
             if isinstance(msg, Stats):
                 return msg
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()
         self.ctx.term()

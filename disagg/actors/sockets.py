@@ -20,15 +20,15 @@ from disagg.serving import security
 CLIENT_FRAME_BYTES = 16 << 20  # the client protocol (node frontend, router): one frame at most
 PEER_FRAME_BYTES = 64 << 20  # a prefill node's peer socket (a PrefillRequest of a long prompt)
 # a failed ZMTP/CURVE handshake (an impostor or a plain socket on a peer's address)
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+HANDSHAKE_FAILED = security.HANDSHAKE_FAILED
 
 
 def listening(ctx: zmq.asyncio.Context, address: str, *, max_frame: int,
               who: Literal["clients", "nodes"] = "clients",
               mandatory: bool = False) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
     """A bound ROUTER (CURVE server when keys are configured: ``who`` may connect) and the
-    monitor socket of its disconnects. ``mandatory``: a reply to a full or unknown route
+    monitor socket of its disconnects and failed handshakes (``disconnected_fds`` logs
+    those). ``mandatory``: a reply to a full or unknown route
     raises instead of being dropped silently."""
     sock = ctx.socket(zmq.ROUTER)
     security.server(sock, nodes_only=who == "nodes")
@@ -36,7 +36,7 @@ def listening(ctx: zmq.asyncio.Context, address: str, *, max_frame: int,
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     if mandatory:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
     sock.bind(address)
     return sock, monitor
 
@@ -118,6 +118,14 @@ async def monitor_events(monitor: zmq.asyncio.Socket) -> list[tuple[int, int]]:
 
 
 async def disconnected_fds(monitor: zmq.asyncio.Socket) -> list[int]:
-    """Drain a monitor socket (without waiting): the fds of connections that went down."""
-    return [value for event, value in await monitor_events(monitor)
-            if event == zmq.EVENT_DISCONNECTED]
+    """Drain a listening socket's monitor (without waiting): the fds of connections that went
+    down. Failed handshakes are noted in ``security.REFUSALS`` (a rate-limited warning); those
+    the ZAP handler refused (``AUTH``) it noted already, naming the key."""
+    fds = []
+    for event, value in await monitor_events(monitor):
+        if event == zmq.EVENT_DISCONNECTED:
+            fds.append(value)
+        elif event & HANDSHAKE_FAILED and event != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            security.REFUSALS.note(f"a client's handshake failed ({zmq.Event(event).name}: "
+                                   "no CURVE keys, the wrong server key, or not ZeroMQ)")
+    return fds

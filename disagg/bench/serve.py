@@ -387,7 +387,7 @@ def _run_loop(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     try:
         result = _run_loop(run_benchmark(args))
-    except (ValueError, TimeoutError) as e:
+    except (ValueError, TimeoutError, ConnectionError) as e:  # ConnectionError: HandshakeError
         sys.stderr.write(f"disagg-bench serve: {e}\n")
         return 2
     if args.json_path:

@@ -9,7 +9,7 @@ import time
 
 import msgspec
 
-from disagg.client import Client, RequestError
+from disagg.client import Client, HandshakeError, RequestError
 from disagg.protocol import Finished, SamplingParams, TokenChunk, TokenLogprobs
 
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(out))
         else:
             sys.stdout.write("\n")
-    except RequestError as e:
+    except (RequestError, HandshakeError) as e:
         print(f"disagg-client: {e}", file=sys.stderr)
         sys.exit(1)
     except TimeoutError as e:

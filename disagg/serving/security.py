@@ -16,6 +16,7 @@ Executor sockets are ``ipc://`` in a private (0700) directory and are not affect
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ import zmq.asyncio
 import zmq.auth
 
 from disagg.config import env
+
+log = logging.getLogger(__name__)
 
 LAYOUT = """\
 Key layout (files 0600, directories 0700):
@@ -234,6 +237,54 @@ def keys_from_env() -> CurveKeys | None:
         raise KeyFileError(f"DISAGG_CURVE_KEYS={directory}: {e}") from None
 
 
+# ---------------------------------------------------------------------------- handshakes
+
+# a failed ZMTP/CURVE handshake (a missing, wrong or unauthorised key; a plain socket)
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def handshake_refusal(event: int, value: int) -> str | None:
+    """What a connecting socket's monitor ``event`` (with its ``value``) tells its user: the
+    reason a handshake failed, or None for any other event."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"not authorised: the node refused this client's CURVE key (ZAP status {value}); "
+                "a node admits the keys in its DIR/node/clients/ (`disagg-node keygen DIR "
+                "--add-client NAME`)")
+    if event & HANDSHAKE_FAILED:
+        return ("the CURVE handshake with the node failed: the client has no keys, or the "
+                "wrong server key (--curve-keys DIR/client, $DISAGG_CURVE_KEYS), or the node "
+                "runs without --curve-keys while the client has keys")
+    return None
+
+
+class RefusalLog:
+    """Warnings of refused handshakes, rate-limited: the first at once, then at most one per
+    ``interval`` seconds, counting the refusals it did not log. Time is passed in."""
+
+    def __init__(self, interval: float = 10.0, logger: logging.Logger = log):
+        self.interval = interval
+        self.logger = logger
+        self.total = 0
+        self._last: float | None = None
+        self._unlogged = 0
+
+    def note(self, what: str, now: float | None = None) -> bool:
+        """Count one refusal; True when it was logged."""
+        now = time.monotonic() if now is None else now
+        self.total += 1
+        if self._last is not None and now - self._last < self.interval:
+            self._unlogged += 1
+            return False
+        more = f" (and {self._unlogged} more refused since the last warning)" if self._unlogged else ""
+        self.logger.warning("refused a handshake: %s%s", what, more)
+        self._last, self._unlogged = now, 0
+        return True
+
+
+REFUSALS = RefusalLog()  # this process's refused handshakes (the ZAP handler and monitors)
+
+
 # ---------------------------------------------------------------------------- sockets
 
 
@@ -243,8 +294,9 @@ class AuthorizedKeys:
 
     RACY_NS = 2_000_000_000  # a directory changed this recently may change again unseen
 
-    def __init__(self, *directories: Path):
+    def __init__(self, *directories: Path, refusals: RefusalLog | None = None):
         self.directories = directories
+        self.refusals = refusals  # where a refused key is noted (the ZAP handler's)
         self._cache: dict[Path, tuple[int, dict[bytes, bool]]] = {}
 
     def keys(self, directory: Path) -> dict[bytes, bool]:
@@ -261,7 +313,11 @@ class AuthorizedKeys:
         return cached[1]
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return any(key in self.keys(d) for d in self.directories)
+        allowed = any(key in self.keys(d) for d in self.directories)
+        if not allowed and self.refusals is not None:
+            self.refusals.note(f"key {key.decode(errors='replace')} is not authorised for "
+                               f"{domain} sockets")
+        return allowed
 
 
 class ClientKeyIds:
@@ -309,8 +365,9 @@ def install(ctx: zmq.Context, keys: CurveKeys | None) -> None:
 
             auth = ThreadAuthenticator(ctx)
         auth.start()
-        auth.configure_curve_callback("client", AuthorizedKeys(keys.clients, keys.nodes))
-        auth.configure_curve_callback("node", AuthorizedKeys(keys.nodes))
+        auth.configure_curve_callback(
+            "client", AuthorizedKeys(keys.clients, keys.nodes, refusals=REFUSALS))
+        auth.configure_curve_callback("node", AuthorizedKeys(keys.nodes, refusals=REFUSALS))
     _KEYS[id(ctx)] = (keys, auth)
 
 

@@ -20,7 +20,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from disagg.client import Client
+from disagg.client import Client, HandshakeError
 from disagg.protocol import SamplingParams
 from disagg.serving import security
 from disagg.serving.security import CurveKeys, KeyFileError, load_client, load_node
@@ -77,7 +77,7 @@ def answers(addr: str, keys: CurveKeys, timeout: float = 1.5) -> bool:
     try:
         c.stats(timeout=timeout)
         return True
-    except TimeoutError:
+    except (TimeoutError, HandshakeError):
         return False
     finally:
         c.close()

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.frontend.frontend import READ_BATCH, decode_client_frames
-from disagg.actors.sockets import CLIENT_FRAME_BYTES, listening, monitor_events, pending_frames
+from disagg.actors.sockets import CLIENT_FRAME_BYTES, disconnected_fds, listening, pending_frames
 from disagg.protocol import Abort, ClientMessage, Error, ErrorCode, GenerateRequest
 from disagg.serving import security
 
@@ -105,7 +105,7 @@ class FrontDoor:
         while True:
             events = dict(await poller.poll())
             if self.monitor in events:
-                await monitor_events(self.monitor)
+                await disconnected_fds(self.monitor)  # logs failed handshakes
             if self.sock in events:
                 async for frames in pending_frames(self.sock, READ_BATCH):
                     identity, msg = decode_client_frames([f.bytes for f in frames])
