@@ -25,6 +25,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -79,6 +80,19 @@ def _file_digest(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+_CONVERTED = re.compile(r".+-[0-9a-f]{12}-c[0-9]+")  # default_model_dir's names
+
+
+def served_model_name(model_dir: str | Path) -> str:
+    """The model name the OpenAI API serves by default: ``DEFAULT_SERVED_NAME`` for the
+    embedded model (its cache directory's name is hashed), else the directory's name."""
+    d = Path(model_dir)
+    if _CONVERTED.fullmatch(d.name) and d.resolve().parent == cache_root().resolve():
+        return DEFAULT_SERVED_NAME
+    return d.name
 
 
 def default_model_dir(progress: bool = True) -> Path:

@@ -21,7 +21,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -470,15 +469,16 @@ async def start_http_gateway(node_client_address: str, http_listen: str, model_d
 
     ``model_dir`` gives the tokenizer (chat template, prompt lengths) and, unless
     ``max_model_len`` is set, the context limit. ``model_name`` defaults to the directory's
-    name. ``await gateway.stop()`` closes the listener and the node connection."""
+    name (``SmolLM2-135M-Instruct`` for the embedded model). ``await gateway.stop()`` closes the listener and the node connection."""
     from disagg.model.config import ModelArch
+    from disagg.model.default import served_model_name
     from disagg.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     if max_model_len is None:
         max_model_len = ModelArch.from_dir(model_dir).max_position_embeddings
     client = AsyncClient(node_client_address)
-    gateway = Gateway(client, http_listen, model_name or Path(model_dir).name, tokenizer,
+    gateway = Gateway(client, http_listen, model_name or served_model_name(model_dir), tokenizer,
                       max_model_len, metrics, stats_interval, request_timeout,
                       stats_label=node_client_address, on_stop=client.close, limits=limits)
     try:

@@ -389,14 +389,13 @@ async def start_router(listen: str | None, decode_peers: list[str], http_listen:
                 from disagg.model.default import default_model_dir
 
                 model_dir = str(await asyncio.to_thread(default_model_dir))
-            from pathlib import Path
-
             from disagg.model.config import ModelArch
+            from disagg.model.default import served_model_name
             from disagg.model.tokenizer import Tokenizer
 
             tok = Tokenizer.from_dir(model_dir)
             mml = max_model_len or ModelArch.from_dir(model_dir).max_position_embeddings
-            gateway = Gateway(router, http_listen, model_name or Path(model_dir).name, tok, mml,
+            gateway = Gateway(router, http_listen, model_name or served_model_name(model_dir), tok, mml,
                               router.metrics, stats_interval=poll_interval * 2, stats_label=None,
                               limits=http_limits)
             await gateway.start()
