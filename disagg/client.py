@@ -25,6 +25,7 @@ from disagg.protocol import (
     Finished,
     GenerateRequest,
     NodeReply,
+    Pong,
     SamplingParams,
     Stats,
     StatsRequest,
@@ -133,6 +134,8 @@ class AsyncClient:
             msg = self._dec.decode(await self.sock.recv())
             if isinstance(msg, Stats):
                 self._stats.put_nowait(msg)
+                continue
+            if isinstance(msg, Pong):  # an answer to a heartbeat: no request's
                 continue
             q = self._queues.get(msg.request_id)
             if q is None and isinstance(msg, Error) and msg.request_id is None:

@@ -26,7 +26,9 @@ deferred. While it runs, the next step is built without its tokens
 (``BatchScheduler.schedule_ahead``: follow chunks whose token the executor fills in on the
 device from the step before) and sent before the deferred result is taken, so the host work of
 step N+1 (planning, messages, flattening, copies, launch) runs while the device computes step
-N. When the next step cannot be known ahead (new work arrived, a page is missing) the core
+N. A constrained row's mask needs the token in flight: its follow chunk goes ``late_mask``
+and the driver sends its mask (``late_masks``) once the step before it has been applied; the
+executor runs the forward pass meanwhile and picks when the masks come. When the next step cannot be known ahead (new work arrived, a page is missing) the core
 answers ``Collect`` and plans normally afterwards. A sequence that stops in flight wastes its
 row of the step after; its pages stay out of the pool until every deferred step that writes
 them has landed (``BatchScheduler.launched`` / ``landed``, called here).
@@ -138,6 +140,11 @@ class EngineCore:
         self.land(step)
         return self.sched.update(step.batch, tokens, counts, drafts, logprobs, prompt_logprobs)
 
+    def late_masks(self, step: Step) -> dict[int, bytes] | None:
+        """The masks ``step``'s constrained follow chunks wait for (``SeqChunk.late_mask``),
+        to send once the step before it has been applied; None when it has none."""
+        return self.sched.late_masks(step.batch)
+
     def abandon(self) -> None:
         """The executors failed: no step is on the device any more."""
         for step in self._on_device:
@@ -151,6 +158,8 @@ class Pending(Protocol):
 
     def logprob_maps(self) -> tuple[dict[int, TokenLogprobs] | None,
                                     dict[int, list[TokenLogprobs]] | None]: ...
+
+    def with_masks(self, masks: dict[int, bytes]) -> Pending: ...
 
 
 class Runner(Protocol):
@@ -182,6 +191,8 @@ def drive(core: EngineCore, runner: Runner) -> list[SeqUpdate]:
                     done = launched.pop(then.plan.step_id)
                     tokens, _, counts = done.wait()
                     updates += core.apply(then, tokens, counts, None, *done.logprob_maps())
+                if (masks := core.late_masks(step)) is not None:
+                    launched[step.plan.step_id] = launched[step.plan.step_id].with_masks(masks)
             case Collect(step):
                 done = launched.pop(step.plan.step_id)
                 tokens, _, counts = done.wait()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import numpy as np
 import torch
 
@@ -133,6 +134,18 @@ class Launched:
         self.tokens, self.ctx, self.counts, self.event = tokens, ctx, counts, event
         self.logprobs: LogprobRows | None = None  # sampled tokens' (rows that asked), by slot
         self.prompt: LogprobRows | None = None  # prompt rows' (chunks with prompt_rows)
+        # a step with late_mask chunks: its forward pass is queued, its tokens are picked by
+        # ``with_masks`` once their masks arrive (until then there is nothing to wait for)
+        self.picker: Callable[[dict[int, bytes]], Launched] | None = None
+
+    def with_masks(self, masks: dict[int, bytes]) -> Launched:
+        """The step picked with its late chunks' grammar masks (by slot); a step that had
+        none is returned as it is."""
+        if self.picker is None:
+            return self
+        out = self.picker(masks)
+        out.prompt = self.prompt
+        return out
 
     def logprob_maps(self) -> tuple[dict[int, TokenLogprobs] | None,
                                     dict[int, list[TokenLogprobs]] | None]:
@@ -142,6 +155,8 @@ class Launched:
                 None if self.prompt is None else self.prompt.grouped())
 
     def wait(self) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
+        if self.picker is not None:
+            raise RuntimeError("the step's grammar masks never arrived (late_mask chunks)")
         if isinstance(self.tokens, torch.Tensor):
             if self.event is not None:
                 self.event.synchronize()
@@ -400,6 +415,8 @@ class ModelRunner:
         if graphs_ok and self.graphs is not None and self._graphable(plan, host):
             logits, greedy = self.graphs.run(host.token_ids, host.positions, host.slots,
                                              host.tables, fill)
+            if any(c.late_mask for c in plan.chunks):
+                return self._late_pick(plan.chunks, logits, greedy, fill)
             return self._pick(plan.chunks, plan.chunks, logits, greedy, fill)
         if graphs_ok and self.spec_graphs is not None and (
                 out := self._spec_graph_step(plan, host)):
@@ -419,6 +436,8 @@ class ModelRunner:
             logits = self.model.logits(hidden[rows])
             if len(rows) != len(sampled):
                 out = self._verify(logits, sampled, ctx)
+            elif any(c.late_mask for c in plan.chunks) and self.mtp_drafter is None:
+                out = self._late_pick(plan.chunks, logits, None, fill, ctx)
             else:
                 out = self._pick(plan.chunks, sampled, logits, None, fill, ctx,
                                  keep=self.mtp_drafter is None)
@@ -437,6 +456,26 @@ class ModelRunner:
         tokens, logprobs = pick(logits, chunks, sampled, argmax, fill)
         out = self._sampled(sampled, tokens, ctx) if keep else Launched(tokens, ctx)
         out.logprobs = logprobs
+        return out
+
+    def _late_pick(self, chunks: list[SeqChunk], logits: torch.Tensor,
+                   argmax: torch.Tensor | None, fill: Fill | None,
+                   ctx: torch.Tensor | None = None) -> Launched:
+        """A step with ``late_mask`` chunks, its forward pass queued: the tokens are picked
+        (``_pick``, on the same logits) when ``Launched.with_masks`` brings the masks; a late
+        chunk without one is picked unconstrained (its request ended: the token is dropped).
+        Nothing may follow the step before that."""
+        self._prev = None
+
+        def picker(masks: dict[int, bytes]) -> Launched:
+            new = [msgspec.structs.replace(c, allowed=masks.get(c.slot, b""), late_mask=False)
+                   if c.late_mask else c for c in chunks]
+            with torch.inference_mode():
+                return self._pick(new, [c for c in new if c.sample], logits, argmax, fill,
+                                  ctx)
+
+        out = Launched([], ctx)
+        out.picker = picker
         return out
 
     def _verify(self, logits: torch.Tensor, sampled: list[SeqChunk],

@@ -331,9 +331,7 @@ class BatchScheduler:
         (``schedule_ahead``): decode-only, no speculative decoding, every running sequence in
         it and none waiting."""
         return (not (self.spec_tokens or self.mtp or self.waiting)
-                and batch.num_decodes == len(batch.chunks) == len(self.running)
-                # a batch of constrained rows only has no successor to overlap
-                and any(c.seq.grammar is None for c in batch.chunks))
+                and batch.num_decodes == len(batch.chunks) == len(self.running))
 
     def schedule_ahead(self, batch: Batch) -> Batch | None:
         """The step after ``batch``, which is in flight with its tokens not back yet, when it
@@ -344,30 +342,17 @@ class BatchScheduler:
         longer holds (new work: the caller steps normally) or a page is missing (no
         preemption ahead).
 
-        A constrained sequence (``Sequence.grammar``) needs its previous token for its mask, so
-        it sits out the step built ahead of that token and rejoins the next one as an ordinary
-        decode (its token known by then): while unconstrained rows overlap, constrained ones
-        advance every other step (docs/ARCHITECTURE.md, grammar-constrained decoding)."""
+        A constrained sequence (``Sequence.grammar``) gets its follow chunk too; its mask needs
+        the token in flight, so the chunk is sent ``late_mask`` and its mask follows once that
+        token is back (``late_masks``; docs/ARCHITECTURE.md, grammar-constrained decoding)."""
         live = [c for c in batch.chunks if c.seq.status is Status.RUNNING]
         flying = {c.seq.slot for c in live}
-        rejoin = [s for s in self.running if s.slot not in flying]
         if (batch.num_decodes != len(batch.chunks) or self.spec_tokens or self.mtp
-                or self.waiting or any(s.grammar is None or not s.is_decode for s in rejoin)):
+                or self.waiting or any(s.slot not in flying for s in self.running)):
             return None
         chunks: list[ScheduledChunk] = []
-        for seq in rejoin:
-            need = pages_needed(seq.num_tokens, self.page_size) - len(seq.block_table)
-            if need > 0:
-                pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table
-                                           else None)
-                if pages is None:
-                    return None
-                seq.block_table.extend(pages)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, 1, True))
         for c in live:
             seq = c.seq
-            if seq.grammar is not None:
-                continue  # its token is in flight: it rejoins the step after
             if seq.num_computed != c.start or seq.num_tokens != c.start + 1:
                 return None
             if (len(seq.output_ids) + 1 >= seq.params.max_tokens
@@ -381,6 +366,17 @@ class BatchScheduler:
                 seq.block_table.extend(pages)
             chunks.append(ScheduledChunk(seq, c.start + 1, 1, True, follow=True))
         return Batch(chunks, len(chunks)) if chunks else None
+
+    def late_masks(self, batch: Batch) -> dict[int, bytes] | None:
+        """The grammar masks of ``batch``'s constrained follow chunks (sent ``late_mask``), by
+        slot, now that the tokens before them have been applied; a sequence that ended
+        meanwhile (its grammar complete, aborted) has none. None when ``batch`` has no such
+        chunk."""
+        late = [c.seq for c in batch.chunks if c.follow and c.seq.grammar is not None]
+        if not late:
+            return None
+        return {s.slot: s.grammar.mask() for s in late
+                if s.status is Status.RUNNING and not s.grammar.terminated}
 
     def launched(self, batch: Batch) -> None:
         """``batch`` went to the executors deferred: pages its sequences release before it

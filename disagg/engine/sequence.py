@@ -122,10 +122,11 @@ class ScheduledChunk:
             chunk = msgspec.structs.replace(chunk, **processor_fields(s))
         if p.logprobs is not None and sampling:
             chunk = msgspec.structs.replace(chunk, logprobs=p.logprobs)
-        if s.grammar is not None and sampling and not self.follow:
-            # what its grammar admits next (a follow chunk is never constrained: its mask
-            # would need the token in flight, BatchScheduler.schedule_ahead)
-            chunk = msgspec.structs.replace(chunk, allowed=s.grammar.mask())
+        if s.grammar is not None and sampling:
+            # what its grammar admits next; a follow chunk's mask needs the token in flight,
+            # so it follows the step (EngineCore.late_masks)
+            chunk = msgspec.structs.replace(chunk, **(
+                {"late_mask": True} if self.follow else {"allowed": s.grammar.mask()}))
         if p.prompt_logprobs is not None and self.start < len(s.prompt_ids) - 1:
             # rows predicting prompt tokens: positions start .. min(end, P - 1) - 1
             rows = min(self.start + n, len(s.prompt_ids) - 1) - self.start

@@ -13,7 +13,10 @@ Client protocol (client DEALER -> node ROUTER, one msgpack map per frame):
   [int] | null, "sampling": {...}, "cache_salt": str | null}`` -> a stream of ``token``
   chunks then one ``finished`` (or one ``error``);
 - ``{"type": "abort", "request_id": str}`` -> ``finished`` with reason ``abort`` (if running);
-- ``{"type": "stats"}`` -> one ``stats``.
+- ``{"type": "stats"}`` -> one ``stats``;
+- ``{"type": "ping"}`` -> one ``pong`` (answered by the node's frontend itself, never queued
+  behind a step: the heartbeat a router's liveness comes from; ``draining`` while the node
+  drains).
 
 Executor protocol (main process <-> executor process over ``ipc://``): ``StepPlan`` ->
 ``StepResult``; ``ExecutorReady`` once at start-up; ``Shutdown`` to stop.
@@ -37,6 +40,7 @@ MAX_TOKENS_LIMIT = 2**31 - 1  # sanity bound on max_tokens (the context limit st
 MIN_TEMPERATURE = 1e-5  # below this (except 0) float32 logits / temperature overflow
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CACHE_SALT = 256  # characters of a request's cache_salt
+MAX_TENANT = 256  # characters of a request's tenant
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound for chat top_logprobs)
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
@@ -155,16 +159,23 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     # only requests of the same salt share cached prompt prefixes (disagg.serving.salting);
     # 1-MAX_CACHE_SALT characters, None = unsalted; a node salting by tenant replaces it
     cache_salt: str | None = None
+    # the unit of fairness this request counts under on the node (its fair queue and
+    # --max-requests-per-client), set by a router or gateway for its own clients (an API key's
+    # id, a header's value); 1-MAX_TENANT characters, None = the sender's own. Ignored from a
+    # CURVE client key (its key is its tenant); honoured from node keys and without CURVE
+    tenant: str | None = None
 
     def validate(self) -> str | None:
-        """The protocol version, the cache salt, then the sampling parameters: a message naming
-        the first bad field, or None (the prompt is checked by the node, which knows the
-        vocabulary)."""
+        """The protocol version, the cache salt, the tenant, then the sampling parameters: a
+        message naming the first bad field, or None (the prompt is checked by the node, which
+        knows the vocabulary)."""
         if self.v != PROTOCOL_VERSION:
             return f"v must be {PROTOCOL_VERSION} (the protocol version of this node), got {self.v}"
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT:
             return (f"cache_salt must have 1-{MAX_CACHE_SALT} characters, "
                     f"got {len(self.cache_salt)}")
+        if self.tenant is not None and not 1 <= len(self.tenant) <= MAX_TENANT:
+            return f"tenant must have 1-{MAX_TENANT} characters, got {len(self.tenant)}"
         return self.sampling.validate()
 
 
@@ -178,7 +189,12 @@ class StatsRequest(msgspec.Struct, tag="stats", frozen=True, forbid_unknown_fiel
     """Ask for one ``Stats`` reply."""
 
 
-ClientMessage = GenerateRequest | Abort | StatsRequest
+class Ping(msgspec.Struct, tag="ping", frozen=True, forbid_unknown_fields=True):
+    """Ask for one ``Pong`` (a heartbeat: the frontend answers it at once, however busy the
+    scheduler is)."""
+
+
+ClientMessage = GenerateRequest | Abort | StatsRequest | Ping
 
 # ------------------------------------------------------------------ node -> client
 
@@ -284,8 +300,17 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     spec_draft_tokens: int = 0  # speculative decoding: drafted tokens verified (cumulative)
     spec_accepted_tokens: int = 0  # ... of which accepted (emitted without their own step)
     steps_overlapped: int = 0  # decode steps sent before their predecessor's tokens were back
+    draining: int = 0  # 1 while the node drains (admits nothing new; a router: nodes draining)
     v: int = PROTOCOL_VERSION
 
 
-NodeReply = TokenChunk | Finished | Error | Stats
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    """The answer to ``Ping``: the node's event loop runs. ``draining``: it admits no new
+    request (``--drain``: they get ``unavailable``) and finishes its streams, then exits."""
+
+    draining: bool = False
+    v: int = PROTOCOL_VERSION
+
+
+NodeReply = TokenChunk | Finished | Error | Stats | Pong
 

@@ -65,6 +65,10 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # of the tokens the request's grammar admits at the sampled position (little-endian int32
     # words, token t is bit t % 32 of word t // 32, ceil(vocab / 32) words); b"" = none
     allowed: bytes = b""
+    # overlapped decoding of a constrained follow chunk: its mask needs the token in flight,
+    # so it arrives after the step was launched, in a ``Masks`` message for this step; the
+    # executor runs the step's forward pass at once and picks its tokens when the masks come
+    late_mask: bool = False
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):
@@ -133,7 +137,17 @@ class Collect(msgspec.Struct, tag="collect", array_like=True, frozen=True):
     """Reply the deferred step's result (if any) without launching another."""
 
 
-ExecutorCommand = StepPlan | Collect | Shutdown
+class Masks(msgspec.Struct, tag="masks", array_like=True, frozen=True):
+    """The grammar masks of the deferred step ``step_id``'s ``late_mask`` chunks, by slot (as
+    ``SeqChunk.allowed``); a late chunk without one (its request ended meanwhile) is picked
+    unconstrained and its token dropped by the scheduler. Sent once per such step, before any
+    later command."""
+
+    step_id: int
+    masks: dict[int, bytes]
+
+
+ExecutorCommand = StepPlan | Collect | Masks | Shutdown
 ExecutorReply = StepResult | ExecutorReady
 
 

@@ -4,9 +4,15 @@ over the candidates of ``disagg.remote.prefillers.PrefillerTable``).
 
 Load of a peer = requests this router has live on it (exact, updated at once) + the load its
 last ``Stats`` showed beyond those (``running + waiting`` minus what this router had in flight
-when the snapshot arrived: requests from other clients, held until the next snapshot). A peer
-is live while its last Stats reply is younger than ``dead_after`` seconds; one that never
-answered is not live.
+when the snapshot arrived: requests from other clients, held until the next snapshot).
+
+Liveness comes from heartbeats, not from Stats latency: a peer is live while anything it sent
+(a ``Pong``, which its frontend answers at once however busy its scheduler is, a Stats reply,
+a token) is younger than ``dead_after`` seconds, and dead at once when its connection goes
+down (a killed process); one that never answered is not live. A live peer is *chosen* only
+while it accepts: not draining (its ``Pong`` or Stats says so) and not refusing (it answered
+a heartbeat ``unavailable``: restarting). ``serving()`` is what a request would get, and so
+what ``/health`` says.
 
 Prefix-aware: the router remembers (``PrefixIndex``, bounded, least recently used forgotten
 first) which peer it last sent each prompt prefix to, in blocks of ``ROUTE_BLOCK`` tokens (or
@@ -137,7 +143,9 @@ class PrefixIndex:
 class PeerLoad:
     address: str
     alive: bool = False
-    last_reply: float | None = None  # monotonic seconds of the last Stats reply
+    last_reply: float | None = None  # monotonic seconds of the last thing it sent
+    accepting: bool = True  # not draining, not refusing heartbeats (restarting)
+    stats_asked: float | None = None  # a Stats request of ours not answered yet, since
     running: int = 0  # from the last Stats
     waiting: int = 0  # from the last Stats
     in_flight: int = 0  # requests this router has live on the peer now
@@ -166,15 +174,55 @@ class LoadBalancer:
         self.index = PrefixIndex()
         self.prefix_routed = 0  # requests sent to the peer of their known prefix
 
-    def on_stats(self, peer: str, running: int, waiting: int, now: float) -> bool:
-        """A Stats reply arrived. Returns True when the peer is (again) live because of it."""
+    def on_stats(self, peer: str, running: int, waiting: int, now: float,
+                 draining: bool = False) -> bool:
+        """A Stats reply arrived (its loads; ``draining``: the node's). Returns True when the
+        peer is (again) live because of it."""
         p = self.peers[peer]
         p.running, p.waiting = running, waiting
         p.external = max(0, running + waiting - p.in_flight)
+        p.stats_asked = None
+        if draining:
+            p.accepting = False
+        return self.on_heard(peer, now)
+
+    def on_heard(self, peer: str, now: float) -> bool:
+        """Anything arrived from ``peer``: it is live. True when it is (again) live because of it."""
+        p = self.peers[peer]
         p.last_reply = now
         revived = not p.alive
         p.alive = True
         return revived
+
+    def on_pong(self, peer: str, draining: bool, now: float) -> bool:
+        """A heartbeat's answer: live, and accepting unless ``draining``. True when revived."""
+        self.peers[peer].accepting = not draining
+        return self.on_heard(peer, now)
+
+    def on_refused(self, peer: str, now: float) -> bool:
+        """A heartbeat answered ``unavailable`` (the node restarts): live, not chosen until a
+        ``Pong``. True when revived."""
+        self.peers[peer].accepting = False
+        return self.on_heard(peer, now)
+
+    def on_down(self, peer: str) -> bool:
+        """``peer``'s connection went down (its process is gone, and with it what it held of
+        ours): dead at once. True when it was live."""
+        p = self.peers.get(peer)
+        if p is None or not p.alive:
+            return False
+        p.alive = False
+        return True
+
+    def stats_due(self, peer: str, now: float) -> bool:
+        """Whether to ask ``peer`` for Stats now: none of ours is unanswered (a busy node answers
+        them between steps; they are not piled up), or the last was asked ``dead_after`` ago.
+        Marks it asked."""
+        p = self.peers[peer]
+        if p.stats_asked is not None and now - p.stats_asked < self.dead_after:
+            return False
+        p.stats_asked = now
+        return True
 
     def check(self, now: float) -> list[str]:
         """Mark peers silent for longer than ``dead_after`` as dead; returns the newly dead."""
@@ -185,6 +233,10 @@ class LoadBalancer:
                 dead.append(p.address)
         return dead
 
+    def chosen(self, p: PeerLoad) -> bool:
+        """Whether ``p`` may get new requests: live and accepting."""
+        return p.alive and p.accepting
+
     def pick(self, exclude: set[str] | frozenset[str] = frozenset(),
              keys: list[bytes] | None = None) -> str | None:
         """The live peer not in ``exclude`` for a request with prefix ``keys``: the one that
@@ -193,7 +245,7 @@ class LoadBalancer:
         least = self._least(exclude)
         if least is None:
             return None
-        load = {a: p.load for a, p in self.peers.items() if p.alive and a not in exclude}
+        load = {a: p.load for a, p in self.peers.items() if self.chosen(p) and a not in exclude}
         chosen = self.index.prefer(keys or [], least, load, SLACK_REQUESTS)
         self.prefix_routed += chosen != least
         return chosen
@@ -204,7 +256,8 @@ class LoadBalancer:
         best: PeerLoad | None = None
         for i in range(n):
             p = self.peers[self.order[(self._turn + i) % n]]
-            if p.alive and p.address not in exclude and (best is None or p.load < best.load):
+            if self.chosen(p) and p.address not in exclude and (best is None
+                                                                 or p.load < best.load):
                 best = p
         if best is None:
             return None
@@ -245,6 +298,11 @@ class LoadBalancer:
 
     def alive(self) -> list[str]:
         return [a for a in self.order if self.peers[a].alive]
+
+    def serving(self) -> list[str]:
+        """The peers a new request may go to now (live and accepting): none means a request
+        gets ``unavailable``, and ``/health`` a 503."""
+        return [a for a in self.order if self.chosen(self.peers[a])]
 
 
 class PrefillerChoice:

@@ -131,9 +131,29 @@ def test_overlapped_decoding_gives_the_same_tokens(model, tok):
     over = LLM(model, tokenizer=tok, overlap=True)
     got = over.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
-    assert over.core.steps_ahead > 0  # the unconstrained rows overlapped
+    assert over.core.steps_ahead > 0
     text = tok.decode(got[0].token_ids)
     assert text.endswith("x") and set(text[:-1]) <= set("abc")
+
+
+def test_a_batch_of_constrained_rows_only_overlaps_with_late_masks(model, tok):
+    """Every row constrained (greedy, sampled, with a penalty): each step is launched before
+    the tokens its masks need are back, the masks follow it (``SeqChunk.late_mask``), and the
+    tokens are those of the plain schedule."""
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=7,
+                             structured=StructuredOutput("regex", "[a-z]{5,25}\\.")),
+              SamplingParams(max_tokens=30, structured=StructuredOutput("json_object")),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=8, presence_penalty=1.5,
+                             structured=StructuredOutput("choice", choices=["yes", "no"]))]
+    prompts = [[5, 6], [7, 8, 9], [10]]
+    plain = LLM(model, tokenizer=tok).generate(prompts, params)
+    over = LLM(model, tokenizer=tok, overlap=True)
+    got = over.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert over.core.steps_ahead >= 5  # not one step ahead of a constrained row before
+    text = tok.decode(got[0].token_ids)
+    assert text.endswith(".") and text[:-1].isalpha()
+    assert tok.decode(got[2].token_ids) in ("yes", "no")
 
 
 @pytest.mark.parametrize("so, needle", [

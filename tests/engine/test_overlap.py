@@ -148,3 +148,33 @@ def test_a_follow_chunk_needs_its_slot_sampled_by_the_step_before(llama):
         runner.launch(StepPlan(3, [SeqChunk(5, [0], 4, [0, 99], True, follow=True)], 1))
     with pytest.raises(ValueError, match="slot 5: follows a step that sampled no token"):
         runner.launch(StepPlan(4, [follow], 1))  # a failed step leaves nothing to follow
+
+
+def test_a_late_mask_step_picks_when_its_masks_come(llama):
+    """A step with a ``late_mask`` chunk runs its forward pass at once and picks its tokens
+    only with the masks (``Launched.with_masks``); until then nothing can wait for it or
+    follow it, and a late chunk without a mask is picked unconstrained."""
+    _, model = llama
+    runner = LLM(model, num_pages=16, page_size=PAGE).runner
+    vocab = model.arch.vocab_size
+    first, _, _ = runner.execute(StepPlan(1, [SeqChunk(5, [7, 8, 9], 0, [0], True),
+                                              SeqChunk(6, [4, 3], 0, [1], True)], 0))
+    late = [SeqChunk(5, [0], 3, [0], True, follow=True, late_mask=True),
+            SeqChunk(6, [0], 2, [1], True, follow=True, late_mask=True)]
+    pending = runner.launch(StepPlan(2, late, 2))
+    with pytest.raises(RuntimeError, match="grammar masks never arrived"):
+        pending.wait()
+    with pytest.raises(ValueError, match="follows a step that sampled no token"):
+        runner.launch(StepPlan(3, [SeqChunk(5, [0], 4, [0, 2], True, follow=True)], 1))
+    words = [0] * (-(-vocab // 32))
+    words[41 // 32] |= 1 << (41 % 32)  # slot 5 may only say token 41
+    mask = b"".join(w.to_bytes(4, "little", signed=False) for w in words)
+    done = pending.with_masks({5: mask})
+    tokens, _, _ = done.wait()
+    assert tokens[0] == 41
+    after, _, _ = runner.execute(StepPlan(4, [SeqChunk(5, [0], 4, [0, 2], True, follow=True)],
+                                          1))
+    assert len(after) == 1  # the picked step's tokens can be followed
+    unmasked, _, _ = runner.execute(StepPlan(5, [SeqChunk(6, [4, 3, first[1]], 0, [1], True)],
+                                             0))
+    assert tokens[1] == unmasked[0]  # picked as without a grammar

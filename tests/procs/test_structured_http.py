@@ -40,13 +40,20 @@ class Pet(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory):
+def served(tmp_path_factory):
+    """(the gateway, the node's address): a mixed node whose constrained rows overlap their
+    decode steps (their masks follow each launched step, ``SeqChunk.late_mask``)."""
     path = make_tiny_model("llama", tmp_path_factory.mktemp("bpe-chat") / "llama")
     add_byte_bpe_tokenizer(path, chat_template=HERMES)
     addr, proc = node("mixed", path, tmp_path_factory.mktemp("structured-node"),
-                      "--num-pages", "256", "--max-model-len", "512")
+                      "--num-pages", "256", "--max-model-len", "512", "--overlap-schedule", "on")
     with running([proc]), nodes.gateway(addr, path, "tiny") as g:
-        yield g
+        yield g, addr
+
+
+@pytest.fixture(scope="module")
+def gw(served):
+    return served[0]
 
 
 @pytest.fixture
@@ -111,6 +118,16 @@ def test_guided_keys_in_extra_body(oai):
     assert re.fullmatch("[0-9]{2,4}", r.choices[0].text)
 
 
+def test_constrained_steps_overlap_with_their_masks_sent_late(served, oai):
+    """Every row constrained: the decode steps still overlap (the masks follow each step the
+    node launched ahead of the token they need), and the outputs obey the grammar."""
+    before = nodes.stats(served[1]).steps_overlapped
+    r = oai.completions.create(model="tiny", prompt="y", max_tokens=24, temperature=1.0, n=3,
+                               seed=3, extra_body={"guided_regex": "[a-f]{12,20}!"})
+    assert all(re.fullmatch("[a-f]{12,20}!", c.text) for c in r.choices), r.choices
+    assert nodes.stats(served[1]).steps_overlapped > before
+
+
 @pytest.mark.parametrize("kw, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
@@ -138,7 +155,7 @@ def test_split_constrains_the_first_token_on_the_decoder(tmp_path_factory):
     common = ["--num-pages", "160", "--max-model-len", "512", "--fabric-provider", "tcp"]
     p_addr, prefill = node("prefill", path, tmp, *common)
     d_addr, decode = node("decode", path, tmp, "--prefill-peer", p_addr, "--heartbeat", "0.2",
-                          "--local-prefill-max-tokens", "0", *common)
+                          "--local-prefill-max-tokens", "0", "--overlap-schedule", "on", *common)
     prompt = "a prompt long enough to go to the prefiller, " * 3
     with running([prefill, decode], [d_addr]), nodes.gateway(d_addr, path, "tiny") as g, \
             nodes.openai_client(g.url) as client:

@@ -30,11 +30,13 @@ from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorError, rendezvous_path
 from disagg.config import NodeConfig
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
+from disagg.model.ep import ExpertParallel
 from disagg.model.tp import TensorParallel
 from disagg.protocol.executor import (
     Collect,
     ExecutorCommand,
     ExecutorReady,
+    Masks,
     Shutdown,
     StepPlan,
     StepResult,
@@ -204,6 +206,11 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                         deferred = (plan.step_id, launched)
                     else:
                         answer(plan.step_id, launched)
+                case Masks(step_id, masks):  # the deferred step's late grammar masks
+                    if deferred is not None and deferred[0] == step_id:
+                        deferred = (step_id, finish(deferred[1], masks))
+                    else:
+                        log.error("ignoring grammar masks for step %d, not in flight", step_id)
                 case Collect():
                     if deferred is not None:
                         answer(*deferred)
@@ -223,6 +230,17 @@ def launch(runner: ModelRunner, plan: StepPlan) -> Launched | Exception:
         return runner.launch(plan)
     except Exception as e:  # noqa: BLE001
         log.exception("step %d failed", plan.step_id)
+        return e
+
+
+def finish(launched: Launched | Exception, masks: dict[int, bytes]) -> Launched | Exception:
+    """Pick a launched step's tokens with its late grammar masks (``Launched.with_masks``)."""
+    if isinstance(launched, Exception):
+        return launched
+    try:
+        return launched.with_masks(masks)
+    except Exception as e:  # noqa: BLE001
+        log.exception("picking a step with its grammar masks failed")
         return e
 
 

@@ -29,6 +29,7 @@ from disagg.protocol.executor import (
     ExecutorReady,
     ExecutorReply,
     KVMemoryInfo,
+    Masks,
     Shutdown,
     StepPlan,
     StepResult,
@@ -161,6 +162,12 @@ class ExecutorGroup:
         """Send ``plan`` to every rank (its result: ``result``; a deferred plan's comes after
         the next ``submit`` or ``collect``)."""
         payload = self._enc.encode(plan)
+        for ident in self._identities:
+            await self.sock.send_multipart([ident, payload])
+
+    async def masks(self, masks: Masks) -> None:
+        """Send every rank the grammar masks its deferred step waits for (``late_mask``)."""
+        payload = self._enc.encode(masks)
         for ident in self._identities:
             await self.sock.send_multipart([ident, payload])
 

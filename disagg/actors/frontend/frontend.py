@@ -4,7 +4,8 @@ Receives: client frames on a ROUTER socket (``--listen``); replies from the sche
 ``inproc://`` (a ``ToClient`` header, then the encoded reply, forwarded untouched except
 Stats, which get this actor's counters); connection events of the socket (its monitor).
 Sends: decoded, well-formed ``FromClient`` messages to the scheduler, and ``ClientGone`` when a
-client disconnects or stops reading; replies to clients.
+client disconnects or stops reading; replies to clients; a ``Pong`` to each ``Ping`` itself, at
+once (the heartbeat a router's liveness comes from: never behind a step).
 Owns: the listening socket, the count of frames that did not decode, and the ``ClientBook``
 (each client's frames in flight, replies a slow reader has not taken, its connection).
 
@@ -36,6 +37,8 @@ from disagg.protocol import (
     Finished,
     GenerateRequest,
     NodeReply,
+    Ping,
+    Pong,
     Stats,
     StatsRequest,
 )
@@ -86,6 +89,7 @@ class FrontendActor:
                                max_conns_per_address=max_conns_per_address)
         self.bad_frames = 0
         self.overloaded_frames = 0
+        self.draining = False  # said in every Pong (the node's drain sets it)
         self._enc = msgspec.msgpack.Encoder()
         self._header_dec = msgspec.msgpack.Decoder(ToClient)
         self._stats_dec = msgspec.msgpack.Decoder(Stats)
@@ -118,6 +122,9 @@ class FrontendActor:
             identity, msg = decode_client_frames([f.bytes for f in frames])
             if isinstance(msg, str):
                 await self._reject(identity, msg)
+                continue
+            if isinstance(msg, Ping):  # answered here, not counted in flight
+                await self._deliver(identity, Pong(self.draining))
                 continue
             nbytes = len(frames[-1])
             fd = source_fd(frames[0])

@@ -142,6 +142,9 @@ class Gateway:
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
         ])
+        # the router's: None while a request would find a decode node, else why not (/health)
+        self._ready: Callable[[], str | None] | None = getattr(backend, "ready", None)
+        self._unready: str | None = None  # the node's: refusing (restarting) or draining
         self._advice = getattr(backend, "advice", None)  # the router's P:D advice
         if callable(self._advice):
             self.app.add_routes([web.get("/v1/disagg/advice", self.advice)])
@@ -199,18 +202,33 @@ class Gateway:
             stats = await self.backend.stats(timeout=max(1.0, 2 * self.stats_interval))
         except (TimeoutError, asyncio.TimeoutError):
             return
+        except RequestError as e:  # the node answers, but may refuse requests (restarting)
+            if e.error.code in ("unavailable", "shutting_down"):
+                self._unready = f"the node refuses requests: {e.error.message}"
+            return
         except Exception as e:  # keep polling whatever the backend does
             log.debug("stats poll failed: %s", e)
             return
         self._last_stats = time.monotonic()
+        self._unready = "the node is draining" if stats.draining else None
         if stats.max_model_len > 0:  # one limit everywhere: the node caps it by its KV pool
             self.max_model_len = min(self.configured_max_model_len, stats.max_model_len)
         if self.stats_label is not None:  # None: the backend feeds the gauges itself
             self.metrics.update_stats(stats, self.stats_label)
 
-    def healthy(self) -> bool:
+    def unhealthy(self) -> str | None:
+        """None while a request would be served, else why not: behind a router, whether it
+        has a decode node taking requests now (what a request would get); on a node, whether
+        its last Stats answer was recent and it neither refused (restarting) nor drained."""
+        if self._ready is not None:
+            return self._ready()
         limit = max(5.0, 3 * self.stats_interval)
-        return self._last_stats is not None and time.monotonic() - self._last_stats < limit
+        if self._last_stats is None or time.monotonic() - self._last_stats >= limit:
+            return "the node has not answered a Stats request recently"
+        return self._unready
+
+    def healthy(self) -> bool:
+        return self.unhealthy() is None
 
     @web.middleware
     async def _guard(self, request: web.Request,
@@ -235,10 +253,10 @@ class Gateway:
             "owned_by": "disagg", "max_model_len": self.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.StreamResponse:
-        if self.healthy():
+        why = self.unhealthy()
+        if why is None:
             return _json({"status": "ok"})
-        return _error(ApiError(503, "the node has not answered a Stats request recently",
-                               "server_error", code="unavailable"))
+        return _error(ApiError(503, why, "server_error", code="unavailable"))
 
     async def advice(self, request: web.Request) -> web.Response:
         assert self._advice is not None

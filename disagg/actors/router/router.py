@@ -4,8 +4,14 @@ Receives: client-protocol frames on a ROUTER socket (``listen``, same protocol a
 in-process ``generate()`` / ``stats()`` calls (the HTTP gateway uses the router as its backend);
 replies and Stats from each decode peer on one DEALER socket per peer.
 Sends: each ``GenerateRequest`` to the least loaded live peer (``disagg.serving.routing``) under a
-router-unique request id; ``Abort`` to the peer holding the request; ``StatsRequest`` to every
-peer every ``poll_interval`` seconds; replies back to clients under their own request ids.
+router-unique request id; ``Abort`` to the peer holding the request; a ``Ping`` to every peer
+every ``poll_interval`` seconds, and a ``StatsRequest`` once its last one was answered; replies
+back to clients under their own request ids.
+Liveness (``LoadBalancer``): a peer is silent when it sent nothing, not even a ``Pong`` (its
+frontend answers those however busy its scheduler is), for ``dead_after`` seconds, and dead at
+once when its connection goes down; a draining peer (its ``Pong`` says so) or one answering
+``unavailable`` (restarting) gets no new request. ``ready()`` (the gateway's ``/health``) is
+true exactly while a new request would find a peer.
 Owns: the in-flight table (router id -> client, peer); its client-protocol front (the frames
 of ``listen``, salted by client key) is ``disagg.actors.router.router_front``. A peer silent for
 ``dead_after`` seconds is dead: its requests that have not streamed a token yet are resent to
@@ -33,7 +39,7 @@ import zmq.asyncio
 
 from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.router.router_front import Flight, RouterFront
-from disagg.actors.sockets import CLIENT_FRAME_BYTES
+from disagg.actors.sockets import CLIENT_FRAME_BYTES, dialing, monitor_events
 from disagg.client import RequestError
 from disagg.protocol import (
     Abort,
@@ -41,6 +47,8 @@ from disagg.protocol import (
     Finished,
     GenerateRequest,
     NodeReply,
+    Ping,
+    Pong,
     SamplingParams,
     Stats,
     StatsRequest,
@@ -78,6 +86,8 @@ class Router(RouterFront):
         self.address: str | None = None
         self.front: zmq.asyncio.Socket | None = None
         self.peers: dict[str, zmq.asyncio.Socket] = {}
+        self.monitors: dict[str, zmq.asyncio.Socket] = {}  # each peer socket's connection events
+        self._was_accepting: dict[str, bool] = {}  # for the log: last seen taking new requests
         self.peer_stats: dict[str, Stats] = {}
         self.flights: dict[str, Flight] = {}
         self.by_client: dict[tuple[bytes, str], Flight] = {}
@@ -125,7 +135,10 @@ class Router(RouterFront):
             with contextlib.suppress(BaseException):
                 await t
         for s in self.peers.values():
+            s.disable_monitor()
             s.close()
+        for m in self.monitors.values():
+            m.close()
         if self.front is not None:
             self.front.close()
         if self._own_ctx:
@@ -144,12 +157,10 @@ class Router(RouterFront):
     # ------------------------------------------------------------------ peers
 
     def _connect(self, addr: str) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        security.client(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(addr)
+        sock, monitor = dialing(self.ctx, addr, zmq.EVENT_DISCONNECTED)
         self.peers[addr] = sock
-        task = asyncio.create_task(self._guard(self._from_peer(addr, sock)))
+        self.monitors[addr] = monitor
+        task = asyncio.create_task(self._guard(self._from_peer(addr, sock, monitor)))
         self._tasks.append(task)
         self._peer_tasks[addr] = task
 
@@ -168,43 +179,48 @@ class Router(RouterFront):
             task = self._peer_tasks.pop(addr)
             task.cancel()
             self._tasks.remove(task)
-            self.peers.pop(addr).close(linger=500)  # the Aborts just sent, if it is there
+            sock = self.peers.pop(addr)
+            sock.disable_monitor()
+            sock.close(linger=500)  # the Aborts just sent, if it is there
+            self.monitors.pop(addr).close()
             with contextlib.suppress(KeyError):
                 self.peer_up.remove(addr)
 
     async def _poll(self) -> None:
-        """Loop: 1. send StatsRequest to every peer; 2. declare silent peers dead and move or
-        fail their requests; 3. sleep ``poll_interval``."""
-        stats = self._enc.encode(StatsRequest())
+        """Loop: 1. send a Ping to every peer, and a StatsRequest to those that answered the
+        last one; 2. declare silent peers dead and move or fail their requests; 3. sleep
+        ``poll_interval``."""
+        ping, stats = self._enc.encode(Ping()), self._enc.encode(StatsRequest())
         while True:
-            for sock in list(self.peers.values()):
+            now = time.monotonic()
+            for addr, sock in list(self.peers.items()):
                 with contextlib.suppress(zmq.ZMQError):
-                    await sock.send(stats, zmq.NOBLOCK)
+                    await sock.send(ping, zmq.NOBLOCK)
+                    if self.balancer.stats_due(addr, now):
+                        await sock.send(stats, zmq.NOBLOCK)
             for addr in self.balancer.check(time.monotonic()):
                 await self._peer_died(addr)
             await asyncio.sleep(self.poll_interval)
 
-    async def _from_peer(self, addr: str, sock: zmq.asyncio.Socket) -> None:
-        """Loop: 1. receive a reply from ``addr``; 2. route it to its flight or the balancer."""
+    async def _from_peer(self, addr: str, sock: zmq.asyncio.Socket,
+                         monitor: zmq.asyncio.Socket) -> None:
+        """Loop: 1. receive a reply from ``addr`` (a dropped connection kills the peer at once
+        meanwhile); 2. a heartbeat's or Stats answer goes to the balancer, a request's to its
+        flight."""
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
-            data = await sock.recv()
+            data = await self._next_reply(addr, sock, monitor, poller)
             try:
                 msg = self._reply_dec.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("undecodable reply from %s: %s", addr, e)
                 continue
-            if isinstance(msg, Stats):
-                self.peer_stats[addr] = msg
-                self.metrics.update_stats(msg, addr)
-                if self.balancer.on_stats(addr, msg.running, msg.waiting, time.monotonic()):
-                    log.info("decode peer %s is live", addr)
-                    self.peer_up.labels(addr).set(1)
-                self._any_alive.set()
+            if isinstance(msg, (Stats, Pong)) or msg.request_id is None:
+                self._heartbeat(addr, msg)
                 continue
-            if msg.request_id is None:  # a Stats poll refused: restarting, or overloaded
-                (log.debug if msg.code == "unavailable" else log.warning)(
-                    "frame-level error from %s: %s", addr, msg)
-                continue
+            self._heard(addr, self.balancer.on_heard(addr, time.monotonic()))
             f = self.flights.get(msg.request_id)
             if f is None or f.peer != addr:
                 continue  # late reply of an aborted or moved request
@@ -234,7 +250,7 @@ class Router(RouterFront):
 
     async def _peer_died(self, addr: str, why: str = "") -> None:
         log.warning("decode peer %s %s: marked dead", addr,
-                    why or f"did not answer Stats for {self.balancer.dead_after:.1f}s")
+                    why or f"sent nothing (no Pong) for {self.balancer.dead_after:.1f}s")
         self.peer_up.labels(addr).set(0)
         self.metrics.forget_node(addr)
         self.peer_stats.pop(addr, None)
@@ -248,6 +264,59 @@ class Router(RouterFront):
                                          "mid-stream", f.client_id))
             else:
                 await self._place(f)
+
+    async def _next_reply(self, addr: str, sock: zmq.asyncio.Socket,
+                          monitor: zmq.asyncio.Socket, poller: zmq.asyncio.Poller) -> bytes:
+        """The next frame from ``addr``; a connection of its that went down meanwhile (its
+        process is gone, and with it what it held of ours) kills it at once."""
+        while True:
+            try:
+                return await sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            events = dict(await poller.poll())
+            if monitor in events:
+                for event, _ in await monitor_events(monitor):
+                    if event == zmq.EVENT_DISCONNECTED and self.balancer.on_down(addr):
+                        await self._peer_died(addr, "closed its connection")
+
+    def _heartbeat(self, addr: str, msg: Stats | Pong | Error) -> None:
+        """A Pong, a Stats reply or a frame-level Error (a Ping or Stats refused) from
+        ``addr``: it is live; whether it takes new requests (draining, restarting)."""
+        now = time.monotonic()
+        if isinstance(msg, Pong):
+            revived = self.balancer.on_pong(addr, msg.draining, now)
+        elif isinstance(msg, Stats):
+            self.peer_stats[addr] = msg
+            self.metrics.update_stats(msg, addr)
+            revived = self.balancer.on_stats(addr, msg.running, msg.waiting, now,
+                                             draining=bool(msg.draining))
+        elif msg.code == "unavailable":  # restarting: its door refuses every frame
+            revived = self.balancer.on_refused(addr, now)
+        else:
+            log.warning("frame-level error from %s: %s", addr, msg)
+            revived = self.balancer.on_heard(addr, now)
+        self._heard(addr, revived)
+        accepting = self.balancer.peers[addr].accepting
+        if accepting != self._was_accepting.get(addr, True):
+            log.info("decode peer %s %s", addr, "takes new requests again" if accepting else (
+                f"refuses new requests ({msg.message})" if isinstance(msg, Error)
+                else "is draining: no new request goes to it"))
+        self._was_accepting[addr] = accepting
+
+    def _heard(self, addr: str, revived: bool) -> None:
+        if revived:
+            log.info("decode peer %s is live", addr)
+            self.peer_up.labels(addr).set(1)
+        self._any_alive.set()
+
+    def ready(self) -> str | None:
+        """None while a new request would find a decode node, else why not (``/health``)."""
+        if self.balancer.serving():
+            return None
+        alive = self.balancer.alive()
+        return ("no decode node is available" + (
+            f": {len(alive)} live, all draining or restarting" if alive else ""))
 
     async def _place(self, f: Flight) -> None:
         """Send ``f`` to the least loaded live peer it has not tried, or end it."""

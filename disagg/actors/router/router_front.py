@@ -1,8 +1,9 @@
 """The router's client-protocol front (``RouterFront``, a base of ``Router``): each frame on
 its ROUTER socket is decoded, a generate request checked (id length, duplicates) and placed,
-an abort forwarded, a stats request answered with the peers' sum; a request under a CURVE
-client key is salted by that key first, and that key's Stats have the prefix counters at 0
-(``disagg.serving.salting``). Also ``Flight``, one request's state in the router."""
+an abort forwarded, a stats request answered with the peers' sum, a ping with a pong; a
+request under a CURVE client key is salted by that key first and counts under it as its
+``tenant`` on the decoders (their fair queue), and that key's Stats have the prefix counters
+at 0 (``disagg.serving.salting``). Also ``Flight``, one request's state in the router."""
 
 from __future__ import annotations
 
@@ -16,7 +17,16 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.frontend.frontend import decode_client_frames
-from disagg.protocol import Abort, Error, GenerateRequest, NodeReply, Stats, StatsRequest
+from disagg.protocol import (
+    Abort,
+    Error,
+    GenerateRequest,
+    NodeReply,
+    Ping,
+    Pong,
+    Stats,
+    StatsRequest,
+)
 from disagg.serving.admission import MAX_REQUEST_ID
 from disagg.serving.metrics import Metrics, RequestTimer
 from disagg.serving.routing import LoadBalancer
@@ -71,9 +81,12 @@ class RouterFront:
             if isinstance(msg, str):
                 await self._reject(identity, msg)
                 continue
-            tenant = self.key_ids.tenant(frames[-1]) if self.salting.enabled else None
+            key = self.key_ids.tenant(frames[-1])  # a client key: its tenant on the decoders
+            tenant = key if self.salting.enabled else None
             match msg:
                 case GenerateRequest() as req:
+                    if key is not None:
+                        req = msgspec.structs.replace(req, tenant=key)
                     await self._front_generate(identity, self.salting.request(req, tenant))
                 case Abort(request_id=rid):
                     f = self.by_client.get((identity, rid))
@@ -87,6 +100,8 @@ class RouterFront:
                             if a in self.peer_stats]
                     await self._to_client(identity, self.salting.stats(self._aggregate(live),
                                                                        tenant is not None))
+                case Ping():
+                    await self._to_client(identity, Pong())
 
     async def _front_generate(self, identity: bytes, req: GenerateRequest) -> None:
         rid = req.request_id

@@ -19,7 +19,7 @@ from disagg.actors.executor.executor_group import ExecutorGroup
 from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.engine.core import Collect, Command, EngineCore, Launch, Run, Step
 from disagg.engine.scheduling import Sequence, SeqUpdate, Status
-from disagg.protocol.executor import StepResult
+from disagg.protocol.executor import Masks, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class Stepper:
                 self._sent[step.plan.step_id] = time.monotonic()
                 if then is not None:
                     await self._take(then)
+                if (masks := port.core.late_masks(step)) is not None:
+                    await port.executors.masks(Masks(step.plan.step_id, masks))
             case Collect(step):
                 await port.executors.collect()
                 await self._take(step)
