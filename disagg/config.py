@@ -174,6 +174,13 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
         "round an unquantized checkpoint's linear weights, or --random-weights', to 128x128 "
         "block FP8 (--random-weights also follows an FP8 quantization_config in "
         "config.json)")] = "auto"
+    expert_parallel: Annotated[bool, Flag(
+        "MoE models: spread the routed experts whole over every executor of the node (--dp x "
+        "--tp ranks, E / ranks experts each; refused when that does not divide) and move each "
+        "token's rows to its experts' ranks and back by all-to-all")] = False
+    dp: Annotated[int, Flag(
+        "data-parallel attention ranks on the node, each of --tp executors (--dp x --tp "
+        "devices), each with its own batches and KV pool", metavar="N")] = 1
 
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -181,6 +188,8 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.quantization not in ("auto", "fp8"):
             raise ConfigError(f"--quantization must be auto or fp8, got {self.quantization!r}")
+        if self.dp < 1:
+            raise ConfigError(f"--dp must be >= 1, got {self.dp}")
         if self.random_weights and self.model is None:
             raise ConfigError("--random-weights needs --model DIR (a directory with config.json)")
         if self.dtype not in get_args(Dtype):
@@ -383,3 +392,11 @@ class NodeConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--speculative-method mtp on prefill and decode nodes runs with one "
                               "executor (--tp 1) for now (the MTP layer's KV moves lead rank to "
                               "lead rank)")
+        dp = self.executor.dp
+        if len(self.devices) % dp:
+            raise ConfigError(f"--dp {dp} does not divide the {len(self.devices)} --devices "
+                              "(--dp x --tp devices, one executor each)")
+        if self.scheduler.speculative_method and dp > 1:
+            raise ConfigError(f"--speculative-method {self.scheduler.speculative_method} is not "
+                              "served with --dp > 1 yet (the ranks' steps would differ in "
+                              "forwards, which expert parallelism's all-to-all cannot take)")

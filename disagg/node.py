@@ -35,7 +35,9 @@ from disagg.config import ConfigError, NodeConfig
 from disagg.engine.speculative import speculation
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.config import ModelArch
+from disagg.model.ep import ExpertParallel, check_layout
 from disagg.model.tokenizer import Tokenizer
+from disagg.model.tp import TensorParallel
 from disagg.protocol import ErrorCode
 from disagg.protocol.peer import KVLayoutDesc
 from disagg.remote.transfer_plan import shard_kv_heads
@@ -91,6 +93,11 @@ class Node:
         model_dir = cfg.executor.model
         assert model_dir is not None
         arch = ModelArch.from_dir(model_dir)
+        ex = cfg.executor
+        check_layout(lambda tp: TensorParallel(0, tp, ep=ExpertParallel(
+            0, len(cfg.devices)) if ex.expert_parallel else None).check(arch),
+            arch.moe.num_experts if arch.moe else None, len(cfg.devices), ex.dp,
+            ex.expert_parallel)
         tokenizer = Tokenizer.from_dir(model_dir)
         security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys else None)
         self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")

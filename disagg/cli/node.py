@@ -70,12 +70,19 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
                       max_n=args.max_n).validate()
 
 
-def tp_devices(devices: list[str], tp: int) -> list[str]:
-    """One device per tensor-parallel rank: ``--devices cpu --tp 2`` is two CPU executors."""
-    if tp <= 0 or tp == len(devices):
+def tp_devices(devices: list[str], tp: int, dp: int = 1) -> list[str]:
+    """One device per rank, ``--dp`` x ``--tp`` of them: ``--devices cpu --tp 2`` is two CPU
+    executors, ``--devices cpu --dp 2 --tp 2`` four; ``--tp`` 0 takes the devices given over
+    ``--dp`` ranks."""
+    if tp <= 0:
+        return devices
+    if dp * tp == len(devices):
         return devices
     if devices == ["cpu"]:
-        return ["cpu"] * tp
+        return ["cpu"] * (dp * tp)
+    if dp > 1:
+        raise ConfigError(f"--dp {dp} x --tp {tp} needs {dp * tp} --devices, got "
+                          f"{len(devices)}: {','.join(devices)!r}")
     raise ConfigError(f"--tp {tp} needs {tp} --devices, got {len(devices)}: "
                       f"{','.join(devices)!r}")
 
@@ -94,7 +101,10 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     """The validated ``NodeConfig`` of the parsed flags (ConfigError naming the flag)."""
     cfg = from_flags(NodeConfig, args)
     if cfg.role != "router":  # a router runs no executor: --tp and --devices do not apply
-        cfg = msgspec.structs.replace(cfg, devices=tp_devices(cfg.devices, args.tp))
+        devices = tp_devices(cfg.devices, args.tp, cfg.executor.dp)
+        if cfg.executor.dp > 1 and cfg.devices == ["cpu"] and args.tp <= 0:
+            devices = ["cpu"] * cfg.executor.dp  # --devices cpu --dp N: N CPU executors
+        cfg = msgspec.structs.replace(cfg, devices=devices)
     cfg.validate()
     return cfg
 

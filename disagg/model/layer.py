@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         self.register_buffer("v_scale", torch.ones(heads, dtype=torch.float32, device=device),
                              persistent=False)
         sparse = arch.moe is not None and arch.moe.sparse_layers[layer]
-        self.moe = MoEMLP(h, arch.moe, dtype, device) if sparse and arch.moe else None
+        self.moe = MoEMLP(h, arch.moe, dtype, device, self.tp) if sparse and arch.moe else None
         if self.moe is None:
             self.gate_up_weight = p(2 * arch.intermediate_size, h)
             self.down_weight = p(h, arch.intermediate_size)

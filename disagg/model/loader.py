@@ -23,6 +23,7 @@ import torch
 
 from disagg.kernels.kv_quant import checkpoint_scale, scales_identity
 from disagg.model.config import ModelArch
+from disagg.model.ep import EP_NO_FP8
 from disagg.model.fp8 import (
     FP8_DTYPES,
     Fp8Error,
@@ -165,6 +166,8 @@ def load_model(
                         "this checkpoint has %s", f"{fp8.block[0]}x{fp8.block[1]} blocks"
                         if fp8.block else "per-tensor / per-channel scales")
     keep = bool(fp8_gemm) and fp8 is not None and fp8.block == FP8_BLOCK
+    if fp8 is not None and tp.ep is not None and tp.ep.size > 1:
+        raise Fp8Error(EP_NO_FP8)
     # kept FP8: the packed parameters are never allocated in the model's dtype (a checkpoint
     # larger than its dequantized size fits loads), the rest is allocated on ``dev``
     model = Transformer(arch, resolve_dtype(dtype, arch, dev),
@@ -198,6 +201,8 @@ def load_model(
                 if _read_kv_scale(name, f, full, kv_scales):
                     continue
                 target = _target(name, arch, mtp)
+                if target is not None and tp.ep is not None and full.moe is not None:
+                    target = tp.ep.place(target, full.moe.num_experts)  # held experts only
                 if target is None:
                     log.debug("skipping tensor %s", name)
                     continue
@@ -380,7 +385,11 @@ def _shard_kind(name: str) -> str:
 
 def _shard(tp: TensorParallel, kind: str, tensor: torch.Tensor, arch: ModelArch) -> torch.Tensor:
     """This rank's slice; fused ``[E, ...]`` expert tensors split each expert's intermediate
-    dimension (gate and up halves alike)."""
+    dimension (gate and up halves alike), or under expert parallelism keep this rank's
+    experts whole (``ep_experts``)."""
+    if kind == "ep_experts":
+        assert tp.ep is not None and arch.moe is not None
+        return tp.ep.held(tensor, arch.moe.num_experts)
     if tp.size == 1 or kind not in ("experts_gate_up", "experts_down"):
         return tp.shard(kind, tensor, arch)
     if kind == "experts_down":

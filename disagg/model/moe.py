@@ -8,7 +8,9 @@ plain softmax routing in one kernel (``disagg.kernels.moe_routing``): no host sy
 forward can be captured in a CUDA graph. Elsewhere ``experts_loop`` runs each
 expert hit on the rows routed to it (it asks the host which experts were hit). Under tensor
 parallelism every rank holds a slice of every expert's intermediate dimension (as for dense
-MLPs), so its output is a partial sum the caller all-reduces.
+MLPs), so its output is a partial sum the caller all-reduces. Under expert parallelism
+(``disagg.model.ep``) a rank holds ``E / ranks`` whole experts and the routed rows travel to
+them and back by all-to-all; with one EP rank that is today's path, unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from torch import nn
 
 from disagg.kernels.fp8_weight import Fp8Weight
 from disagg.model.config import MoEArch
+from disagg.model.ep import token_share
 from disagg.model.ops import project, silu_mul
+from disagg.model.tp import TensorParallel
 
 
 def route(logits: torch.Tensor, moe: MoEArch,
@@ -67,19 +71,25 @@ def experts_loop(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
 
 
 class MoEMLP(nn.Module):
-    def __init__(self, hidden: int, moe: MoEArch, dtype: torch.dtype, device: torch.device):
-        """``moe`` holds this rank's (local) intermediate sizes."""
+    def __init__(self, hidden: int, moe: MoEArch, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None):
+        """``moe`` holds this rank's (local) intermediate sizes; under ``tp.ep`` (expert
+        parallelism over more than one rank) only this rank's experts are held."""
         super().__init__()
         self.arch = moe
+        self.tp = tp or TensorParallel()
+        ep = self.tp.ep
+        self.ep = ep if ep is not None and ep.size > 1 else None
 
         def p(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dt, device=device), requires_grad=False)
 
         e, i, s = moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size
+        local = len(self.ep.experts(e)) if self.ep is not None else e
         self.router = p(e, hidden)
         self.correction_bias = p(e, dt=torch.float32) if moe.correction_bias else None
-        self.gate_up = p(e, 2 * i, hidden)
-        self.down = p(e, hidden, i)
+        self.gate_up = p(local, 2 * i, hidden)
+        self.down = p(local, hidden, i)
         self.shared_gate_up = p(2 * s, hidden) if s else None
         self.shared_down = p(hidden, s) if s else None
         self.shared_gate = p(1, hidden) if moe.shared_gate else None
@@ -108,17 +118,27 @@ class MoEMLP(nn.Module):
 
     def mix(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts for the given routing plus the shared expert: ``[T, H]``."""
+        return self._shared(x, self._experts(x, weights, experts))
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor,
+                 experts: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of this rank's experts ``experts [T, k]`` (ids into the experts
+        it holds) over ``x [T, H]``."""
         if self.use_fused(x):
             from disagg.kernels.fused_moe import fused_experts
 
-            out = fused_experts(x, weights, experts, self.gate_up, self.down)
-        else:
-            gate_up, down = self.gate_up, self.down
-            if isinstance(gate_up, Fp8Weight):  # the CPU path: dequantized per call
-                gate_up = gate_up.dequantize(x.dtype)
-            if isinstance(down, Fp8Weight):
-                down = down.dequantize(x.dtype)
-            out = experts_loop(x, weights, experts, gate_up, down)
+            if x.shape[0] == 0:
+                return torch.zeros_like(x)
+            return fused_experts(x, weights, experts, self.gate_up, self.down)
+        gate_up, down = self.gate_up, self.down
+        if isinstance(gate_up, Fp8Weight):  # the CPU path: dequantized per call
+            gate_up = gate_up.dequantize(x.dtype)
+        if isinstance(down, Fp8Weight):
+            down = down.dequantize(x.dtype)
+        return experts_loop(x, weights, experts, gate_up, down)
+
+    def _shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the shared expert over ``x`` (when the model has one)."""
         if self.shared_gate_up is not None and self.shared_down is not None:
             shared = project(silu_mul(project(x, self.shared_gate_up)), self.shared_down)
             if self.shared_gate is not None:
@@ -128,8 +148,29 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> this rank's partial MLP output ``[T, H]``."""
+        if self.ep is not None:
+            return self._forward_ep(x)
         weights, experts = self.route(x)
         return self.mix(x, weights, experts)
+
+    def _forward_ep(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: route this TP rank's share of the rows, send them to their
+        experts' ranks and back (``ExpertParallel.exchange``); the other rows stay zero (the
+        TP all-reduce after the MLP fills them in from their ranks)."""
+        assert self.ep is not None
+        lo, hi = token_share(x.shape[0], self.tp.rank, self.tp.size)
+        own = x[lo:hi]
+        weights, experts = self.route(own)
+
+        def local(rows: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+            return self._experts(rows, w[:, None], e[:, None])
+
+        routed = self.ep.exchange(own, weights, experts, self.arch.num_experts, local)
+        if self.tp.size > 1:
+            out = torch.zeros_like(x)
+            out[lo:hi] = routed
+            routed = out
+        return self._shared(x, routed)
 
 
 def warm(mlp: MoEMLP, max_tokens: int) -> list[int]:

@@ -12,6 +12,9 @@ MoE: every expert's intermediate dimension (and the shared expert's) is split li
 MLP's; the router is replicated. MLA: the heads are split (``q_b``/``q_proj`` and ``kv_b`` rows,
 ``o_proj`` columns); the latent projection, its norm and so the latent cache are replicated
 (one "kv head" on every rank).
+
+With ``ep`` (``--expert-parallel``, ``disagg.model.ep``) the routed experts are not split but
+spread whole over the EP group; the shared experts stay split as above.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from disagg.model.config import ModelArch, shard_kv_heads
+from disagg.model.ep import ExpertParallel
 
 
 class TPError(ValueError):
@@ -34,6 +38,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed process group (None: the default group)
+    ep: ExpertParallel | None = None  # --expert-parallel: the experts spread over its group
 
     def check(self, arch: ModelArch) -> None:
         if arch.num_heads % self.size:
@@ -41,7 +46,10 @@ class TensorParallel:
         if arch.intermediate_size % self.size:
             raise TPError(f"--tp {self.size} does not divide the MLP size {arch.intermediate_size}")
         moe = arch.moe
-        if moe is not None and (moe.intermediate_size % self.size
+        if moe is not None and self.ep is not None:
+            self.ep.check(moe.num_experts)
+        routed = 1 if self.ep is not None else self.size  # EP: the experts stay whole
+        if moe is not None and (moe.intermediate_size % routed
                                 or moe.shared_intermediate_size % self.size):
             raise TPError(f"--tp {self.size} does not divide the expert MLP sizes "
                           f"{moe.intermediate_size} / {moe.shared_intermediate_size}")
@@ -55,7 +63,8 @@ class TensorParallel:
         self.check(arch)
         kv, _ = shard_kv_heads(arch.num_kv_heads, self.size)
         moe = arch.moe and dataclasses.replace(
-            arch.moe, intermediate_size=arch.moe.intermediate_size // self.size,
+            arch.moe, intermediate_size=arch.moe.intermediate_size // (
+                1 if self.ep is not None else self.size),
             shared_intermediate_size=arch.moe.shared_intermediate_size // self.size)
         return dataclasses.replace(arch, num_heads=arch.num_heads // self.size, num_kv_heads=kv,
                                    intermediate_size=arch.intermediate_size // self.size, moe=moe)

@@ -79,6 +79,10 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     draft = (build_model(cfg, device, model_dir=ecfg.draft_model)  # prefill nodes prefill it
              if ecfg.draft_model is not None else None)
     arch = model.arch
+    if tp.ep is not None and tp.ep.size > 1 and arch.moe is not None:
+        mine = tp.ep.experts(arch.moe.num_experts)
+        log.info("expert parallel: rank %d of %d holds experts %d-%d of %d", tp.ep.rank,
+                 tp.ep.size, mine.start, mine.stop - 1, arch.moe.num_experts)
     backend_name = ecfg.attention_backend
     if arch.mla is not None and backend_name == "flashinfer":  # auto: triton on CUDA, else torch
         raise ExecutorError("--attention-backend flashinfer: MLA models run on the triton (CUDA) "
@@ -123,6 +127,9 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     if device.type == "cuda" and ecfg.cuda_graphs and cfg.role != "prefill":
         if tp.size > 1:
             log.info("CUDA graphs are not used with --tp > 1 yet; running decode eagerly")
+        elif tp.ep is not None and tp.ep.size > 1:
+            log.info("CUDA graphs are not used with --expert-parallel over several ranks (the "
+                     "all-to-all's split sizes go through the host); running decode eagerly")
         elif backend.name != "triton":
             log.info("CUDA graphs need the triton attention backend; running decode eagerly")
         elif arch.moe is not None and model.dtype == torch.float32:
@@ -277,10 +284,16 @@ def cpu_threads(requested: int, executors: int, torch_default: int) -> int:
 def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
                          device: torch.device) -> TensorParallel:
     """One executor per device; with several, join them in a torch.distributed group (gloo on
-    CPU, NCCL on CUDA) rendezvousing through a file in the node's private run directory."""
+    CPU, NCCL on CUDA) rendezvousing through a file in the node's private run directory.
+    Executor ``rank`` is TP rank ``rank % tp`` of DP rank ``rank // tp`` (``--dp``); each DP
+    rank's executors form a TP group, and with ``--expert-parallel`` every executor of the
+    node is one EP group (``disagg.model.ep``)."""
     size = len(cfg.devices)
+    dp = cfg.executor.dp
+    tp = size // dp
+    ep = ExpertParallel() if cfg.executor.expert_parallel and size == 1 else None
     if size == 1:
-        return TensorParallel()
+        return TensorParallel(ep=ep)
     import datetime
 
     import torch.distributed as dist
@@ -290,7 +303,13 @@ def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
         init_method="file://" + rendezvous_path(control),
         rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=cfg.startup_timeout_s))
-    return TensorParallel(rank, size)
+    group = None
+    if dp > 1:  # every rank creates every group, in the same order
+        groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
+        group = groups[rank // tp]
+    if cfg.executor.expert_parallel:
+        ep = ExpertParallel(rank, size)
+    return TensorParallel(rank % tp, tp, group, ep)
 
 
 def build_model(cfg: NodeConfig, device: torch.device, tp: TensorParallel | None = None,
