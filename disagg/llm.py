@@ -18,9 +18,12 @@ from disagg.engine.cache import PagePool
 from disagg.engine.core import EngineCore, drive
 from disagg.engine.grammar import Grammars
 from disagg.engine.kv_memory import KVLayout
+from disagg.engine.kv_tiers import KVTiers
+from disagg.engine.prefix_tiers import TieredScheduler
 from disagg.engine.runner import ModelRunner
 from disagg.engine.scheduling import BatchScheduler, Sequence
 from disagg.engine.speculative import Speculation
+from disagg.engine.tier_copy import HostPool, SyncMover, page_views
 from disagg.kernels.kv_quant import kv_dtype
 from disagg.model.tokenizer import Tokenizer
 from disagg.model.transformer import Transformer
@@ -54,13 +57,16 @@ class LLM:
         overlap: bool = False,
         kv_cache_dtype: str = "auto",
         tokenizer: Tokenizer | None = None,
+        kv_host_cache_mb: int = 0,
     ):
         """``speculative``: drafting (``Speculation``); with method ``draft``, ``draft_model``
         is the draft (same vocabulary, on the same device); ``overlap``: launch each decode step
         before the previous one's tokens are taken (``disagg.engine.core``);
         ``kv_cache_dtype``: ``--kv-cache-dtype`` (``fp8_e4m3``: FP8 pages, ``kv_quant``);
         ``tokenizer``: the model's, for constrained requests (``SamplingParams.structured``,
-        compiled here in the caller's thread; ``GrammarError`` for one that cannot be served)."""
+        compiled here in the caller's thread; ``GrammarError`` for one that cannot be served);
+        ``kv_host_cache_mb``: a host tier behind the prefix cache (``--kv-host-cache-mb``,
+        copies done synchronously here: ``disagg.engine.tier_copy.SyncMover``)."""
         arch = model.arch
         kv_dt = kv_dtype(kv_cache_dtype, model.dtype)
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
@@ -80,12 +86,19 @@ class LLM:
                          attention_backend, graphs=False, max_batch=1,
                          max_model_len=max_model_len or arch.max_position_embeddings)
         self.pool = PagePool(num_pages)
-        self.scheduler = BatchScheduler(
-            self.pool, page_size, max_batch_tokens, max_running,
-            max_model_len or arch.max_position_embeddings, arch.eos_token_ids,
-            prefix_caching=prefix_caching, cache_salt=arch.identity(str(kv_dt)),
-            **(speculative.scheduler_args() if speculative else {}),
-        )
+        args = (self.pool, page_size, max_batch_tokens, max_running,
+                max_model_len or arch.max_position_embeddings, arch.eos_token_ids)
+        kwargs = dict(prefix_caching=prefix_caching, cache_salt=arch.identity(str(kv_dt)),
+                      **(speculative.scheduler_args() if speculative else {}))
+        self.tiers: KVTiers | None = None
+        if kv_host_cache_mb and prefix_caching:
+            views = page_views([kv], arch.num_layers, num_pages, layout.page_bytes)
+            host = HostPool.create(kv_host_cache_mb, 1, arch.num_layers, layout.page_bytes,
+                                   pin=model.device.type == "cuda")
+            self.tiers = KVTiers(host.num_slots, SyncMover(views, host))
+            self.scheduler: BatchScheduler = TieredScheduler(*args, tiers=self.tiers, **kwargs)
+        else:
+            self.scheduler = BatchScheduler(*args, **kwargs)
         self.core = EngineCore(self.scheduler, overlap)
         self.grammars = Grammars(tokenizer, arch.vocab_size, arch.eos_token_ids, refuse=(
             None if speculative is None else "not served with speculative decoding"))
@@ -107,6 +120,8 @@ class LLM:
         for update in drive(self.core, self.runner):
             if update.logprobs:
                 logprobs.setdefault(update.seq.slot, []).extend(update.logprobs)
+        if isinstance(self.scheduler, TieredScheduler):
+            self.scheduler.settle()  # the last pages freed go to the host tier now
         return [Output(s.output_ids, s.finish_reason or "",
                        logprobs.get(s.slot, []) if s.params.logprobs is not None else None,
                        s.prompt_lps if s.params.prompt_logprobs is not None else None,

@@ -9,6 +9,10 @@ chained from its parent page's (``page_hashes``). When its last reference goes i
 and evictable (least recently used first) instead of going back to the free list; a request
 whose leading pages hash the same takes references on them (``match``) and computes only the
 rest. Evictable cached pages count as free: ``num_free`` still means "not in use".
+
+KV tiers (``disagg.engine.kv_tiers``) listen through ``tiers``: a cached page becoming
+evictable (``noticed``: copy it to the host tier) and one leaving the cache (``evicted``);
+eviction takes the least recently used page whose copy is not in flight, when there is one.
 """
 
 from __future__ import annotations
@@ -16,7 +20,19 @@ from __future__ import annotations
 import bisect
 import collections
 import hashlib
+import itertools
 from array import array
+from typing import Protocol
+
+
+class TierHooks(Protocol):
+    """What the pool tells the tiers behind it (``disagg.engine.kv_tiers.KVTiers``)."""
+
+    def noticed(self, page: int, h: bytes) -> None: ...
+
+    def evicted(self, page: int, h: bytes) -> None: ...
+
+    def copying(self, page: int) -> bool: ...
 
 
 class PagePool:
@@ -31,6 +47,12 @@ class PagePool:
         self._hash_of: dict[int, bytes] = {}  # cached page -> its chained hash
         self._page_of: dict[bytes, int] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
+        self.tiers: TierHooks | None = None
+
+    @property
+    def page_of(self) -> dict[bytes, int]:
+        """Cached hash -> page (read only)."""
+        return self._page_of
 
     @property
     def num_free(self) -> int:
@@ -74,12 +96,34 @@ class PagePool:
             pages.append(p)
         return pages
 
+    def take(self, h: bytes) -> int:
+        """One more reference to the page cached under ``h`` (it must be cached)."""
+        p = self._page_of[h]
+        if self._refs[p] == 0:
+            del self._evictable[p]
+        self._refs[p] += 1
+        return p
+
     def _evict(self, n: int) -> None:
-        """Return the ``n`` least recently used cached pages to the free list."""
-        for _ in range(n):
-            p, _ = self._evictable.popitem(last=False)
-            del self._page_of[self._hash_of.pop(p)]
+        """Return the ``n`` least recently used cached pages to the free list (those whose
+        copy to a lower tier is not in flight first)."""
+        tiers = self.tiers
+        if tiers is None:
+            victims = list(itertools.islice(self._evictable, n))
+        else:
+            victims = list(itertools.islice(
+                (p for p in self._evictable if not tiers.copying(p)), n))
+            if len(victims) < n:
+                chosen = set(victims)
+                victims += list(itertools.islice(
+                    (p for p in self._evictable if p not in chosen), n - len(victims)))
+        for p in victims:
+            del self._evictable[p]
+            h = self._hash_of.pop(p)
+            del self._page_of[h]
             bisect.insort(self._free, p)
+            if tiers is not None:
+                tiers.evicted(p, h)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -140,8 +184,10 @@ class PagePool:
                 raise ValueError(f"page {p} is not allocated")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                if p in self._hash_of:
+                if (h := self._hash_of.get(p)) is not None:
                     self._evictable[p] = None  # most recently used last
+                    if self.tiers is not None:
+                        self.tiers.noticed(p, h)
                 else:
                     bisect.insort(self._free, p)
 

@@ -173,7 +173,9 @@ class BatchScheduler:
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if self.prefix_caching and not seq.block_table and seq.params.prompt_logprobs is None:
-                self._match(seq)  # prompt logprobs: every prompt position is computed
+                if self._match(seq):  # prompt logprobs: every prompt position is computed
+                    self.waiting.pop(0)  # loading from a lower KV tier (prefix_tiers)
+                    continue
             count = min(seq.num_tokens - seq.num_computed, budget)
             need = pages_needed(seq.num_computed + count + self._ahead(seq, count),
                                 self.page_size) - len(seq.block_table)
@@ -225,12 +227,12 @@ class BatchScheduler:
         before are not hashed again (``Sequence.known_hashes``)."""
         full = (seq.num_tokens - 1) // self.page_size
         known = seq.known_hashes
-        hit = self.pool.cached_run(known[:full])
+        hit = self.held_run(known[:full])
         if hit < min(len(known), full):
             return known[:hit + 1]
         while len(known) < full:  # every known hash is cached: go on while they are
             self.page_hashes(seq, len(known) + 1)
-            if not self.pool.cached_run(known[-1:]):
+            if not self.held_run(known[-1:]):
                 break
         return known[:full]
 
@@ -245,8 +247,13 @@ class BatchScheduler:
             known.extend(page_hashes(seq.tokens(n * ps, pages * ps), ps, root, pages - n))
         return known[:pages]
 
-    def _match(self, seq: Sequence) -> None:
-        """Start ``seq`` on the cached pages of its longest cached prefix (whole pages)."""
+    def held_run(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` the cache holds (with KV tiers: any tier)."""
+        return self.pool.cached_run(hashes)
+
+    def _match(self, seq: Sequence) -> bool:
+        """Start ``seq`` on the cached pages of its longest cached prefix (whole pages); True
+        when it waits for some from a lower KV tier instead (``prefix_tiers``)."""
         ps = self.page_size
         hashes = self.prefix_hashes(seq)
         seq.block_table = self.pool.match(hashes)
@@ -255,6 +262,7 @@ class BatchScheduler:
         if self.draft_model:  # cached pages hold the draft's KV too (``_register``)
             seq.draft_computed = seq.num_computed
         self.count_lookup(seq, seq.num_computed)
+        return False
 
     def count_lookup(self, seq: Sequence, cached: int) -> None:
         """Statistics and usage of a sequence's first prefix-cache lookup (``cached``: tokens

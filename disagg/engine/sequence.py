@@ -18,6 +18,7 @@ class Status(enum.Enum):
     RUNNING = "running"
     REMOTE = "remote"  # decode side: waiting for a prefiller's KV (disagg.remote.decode)
     HELD = "held"  # prefill side: computed, pages held until their transfers complete
+    LOADING = "loading"  # its prefix's pages are reloading from a lower KV tier (prefix_tiers)
     FINISHED = "finished"
 
 

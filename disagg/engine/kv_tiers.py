@@ -1,0 +1,329 @@
+"""KV tiers behind the prefix cache: the bookkeeping (pure: no torch, no sockets, no threads).
+
+The device page pool (``disagg.engine.cache.PagePool``) is the first tier. Behind it, a host
+tier (pinned host memory, ``--kv-host-cache-mb``) and optionally a disk tier under it
+(``disagg.engine.kv_disk``) hold pages the device cache let go, keyed by the same chained
+block hashes (``page_hashes``): a hash covers the model's identity and the request's cache
+salt (``page_root``), so a tenant's pages are found only by that tenant's hashes, in every
+tier, and nothing here is keyed by anything else.
+
+- ``TierIndex``: one bounded tier's index, LRU over its slots; an entry is *pending* (its copy
+  in flight: never found) until ``commit``; slots being read are pinned (never reused).
+- ``KVTiers``: what the batch scheduler holds. A cached device page that becomes evictable is
+  copied to the host tier (``noticed`` -> the next ``flush`` hands the copy to the mover),
+  unless the host tier has it already (then it is only touched: LRU across tiers, a page in
+  both tiers counted once), so evicting it later costs nothing. Eviction takes pages whose
+  copy landed first; evicting one whose copy is still in flight waits for that copy (the
+  mover's ``wait``: only when the pool holds nothing else, a device pool smaller than what
+  runs), so a slot never holds a torn page. A lookup (``find``) walks a prefix's
+  hashes through the tiers; the scheduler reloads the host-tier pages into new device pages
+  (``reload``) and registers them again once the copy landed (``poll``).
+
+The copies themselves are a ``Mover``'s (``disagg.engine.tier_copy``: synchronous on the CPU
+in-process engine; a worker thread or a CUDA side stream in a node).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+TIERS = ("device", "host", "disk")
+
+
+class TierIndex:
+    """Block hash -> slot for a tier of ``num_slots`` slots, least recently used first."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 0:
+            raise ValueError(f"a tier needs a slot count >= 0, got {num_slots}")
+        self.num_slots = num_slots
+        self._slot: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU
+        self._pending: dict[bytes, int] = {}  # copies in flight into their slot
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: lowest first
+        self._pins: collections.Counter[int] = collections.Counter()
+
+    def __len__(self) -> int:
+        """Entries found by a lookup (committed)."""
+        return len(self._slot)
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._slot
+
+    @property
+    def num_used(self) -> int:
+        """Slots holding an entry or a copy in flight."""
+        return self.num_slots - len(self._free)
+
+    def known(self, h: bytes) -> bool:
+        """Held or on its way (no new copy needed)."""
+        return h in self._slot or h in self._pending
+
+    def get(self, h: bytes) -> int | None:
+        return self._slot.get(h)
+
+    def run(self, hashes: Iterable[bytes]) -> int:
+        """How many leading ``hashes`` this tier holds."""
+        n = 0
+        for h in hashes:
+            if h not in self._slot:
+                break
+            n += 1
+        return n
+
+    def touch(self, h: bytes) -> None:
+        """Most recently used now."""
+        if h in self._slot:
+            self._slot.move_to_end(h)
+
+    def reserve(self, h: bytes) -> tuple[int, bytes | None] | None:
+        """A slot for ``h``'s copy (pending until ``commit``): a free one, else the least
+        recently used unpinned entry's (returned as the second item: it is gone). None when
+        every slot is pinned or pending (the copy is skipped), or ``h`` is known already."""
+        if self.known(h) or self.num_slots == 0:
+            return None
+        if self._free:
+            slot = self._free.pop()
+            self._pending[h] = slot
+            return slot, None
+        for old, slot in self._slot.items():
+            if not self._pins[slot]:
+                del self._slot[old]
+                self._pending[h] = slot
+                return slot, old
+        return None
+
+    def commit(self, h: bytes) -> int | None:
+        """``h``'s copy landed: found from now on (most recently used). Its slot, or None if
+        it was not pending."""
+        slot = self._pending.pop(h, None)
+        if slot is not None:
+            self._slot[h] = slot
+        return slot
+
+    def abort(self, h: bytes) -> None:
+        """``h``'s copy failed or was voided: its slot is free again."""
+        slot = self._pending.pop(h, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def drop(self, h: bytes) -> None:
+        """Forget a committed entry (a lower tier found it corrupt, say); its slot is free
+        once unpinned (it is never pinned here: callers drop only what they do not read)."""
+        slot = self._slot.pop(h, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def pin(self, slot: int) -> None:
+        self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        if self._pins[slot] <= 0:
+            del self._pins[slot]
+
+    def pinned(self) -> int:
+        return len(self._pins)
+
+
+# ---------------------------------------------------------------------------- the copies
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One batch of page copies for the mover. ``kind``: ``out`` (device pages -> host
+    slots) or ``in`` (host slots -> device pages); ``pages[i]`` <-> ``slots[i]``."""
+
+    op: int  # the id ``Mover.done`` reports
+    kind: str
+    pages: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+class Mover(Protocol):
+    """What moves the bytes (``disagg.engine.tier_copy``)."""
+
+    page_bytes: int  # bytes of one page, every layer and rank (what a slot holds)
+
+    def submit(self, copy: Copy) -> None: ...
+
+    def done(self) -> list[tuple[int, bool]]:
+        """Copies finished since the last call: (op, ok)."""
+        ...
+
+    def busy(self) -> bool:
+        """Copies submitted and not reported yet."""
+        ...
+
+    def wait(self, op: int) -> None:
+        """Until copy ``op`` is done (``done`` still reports it)."""
+        ...
+
+
+@dataclass
+class Reload:
+    """A sequence's host-tier pages on their way into device pages (``KVTiers.reload``)."""
+
+    op: int
+    owner: object  # the scheduler's handle (its sequence)
+    pages: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    ok: bool = True
+
+
+@dataclass
+class TierCounters:
+    """Cumulative per-tier counters (Stats: ``tier_*``)."""
+
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    bytes_out: int = 0  # device -> host
+    bytes_in: int = 0  # host -> device
+    copies_waited: int = 0  # evictions that waited for their page's copy out
+    copies_skipped: int = 0  # not kept: no host slot free of pins, or evicted unsent
+
+
+@dataclass(frozen=True)
+class Found:
+    """A prefix lookup across tiers: per leading page, in order, (tier, its hash, its slot
+    in that tier: -1 on the device)."""
+
+    where: tuple[tuple[str, bytes, int], ...]
+
+    @property
+    def host_pages(self) -> int:
+        return sum(1 for t, _, _ in self.where if t == "host")
+
+
+class KVTiers:
+    """The host tier behind a device pool: index, copies in flight, counters."""
+
+    def __init__(self, host_slots: int, mover: Mover):
+        self.host = TierIndex(host_slots)
+        self.mover = mover
+        self.counters = TierCounters()
+        self._ops = iter(range(1 << 62))
+        self._out: dict[int, list[tuple[int, bytes, int]]] = {}  # op -> (page, hash, slot)
+        self._out_page: dict[int, tuple[int, bytes]] = {}  # page -> (op, hash): copy reads it
+        self._reloads: dict[int, Reload] = {}
+        self._slots_of: dict[int, tuple[int, ...]] = {}  # reload op -> the host slots it reads
+        self._queued: dict[int, bytes] = {}  # evictable pages noticed, not copied yet
+
+    # ---------------------------------------------------------------- device -> host
+
+    def noticed(self, page: int, h: bytes) -> None:
+        """The device pool's hook: cached ``page`` (hash ``h``) became evictable."""
+        if self.host.known(h):
+            self.host.touch(h)
+        elif page not in self._out_page:
+            self._queued[page] = h
+
+    def evicted(self, page: int, h: bytes) -> None:
+        """The device pool's hook: ``page`` left the device cache (reused from now on)."""
+        if self._queued.pop(page, None) is not None:
+            self.counters.copies_skipped += 1  # never sent: nothing reads it
+            return
+        inflight = self._out_page.pop(page, None)
+        if inflight is not None:  # the copy must have read it before it is written again
+            self.mover.wait(inflight[0])
+            self.counters.copies_waited += 1
+
+    def copying(self, page: int) -> bool:
+        """A copy out of ``page`` is queued or in flight (the pool evicts others first)."""
+        return page in self._queued or page in self._out_page
+
+    def flush(self) -> None:
+        """Hand the queued copies out of the device to the mover, as one batch."""
+        if not self._queued:
+            return
+        op = next(self._ops)
+        rows: list[tuple[int, bytes, int]] = []
+        for page, h in self._queued.items():
+            got = self.host.reserve(h)
+            if got is None:
+                self.counters.copies_skipped += int(not self.host.known(h))
+                continue
+            rows.append((page, h, got[0]))
+            self._out_page[page] = (op, h)
+        self._queued.clear()
+        if rows:
+            self._out[op] = rows
+            self.mover.submit(Copy(op, "out", tuple(r[0] for r in rows),
+                                   tuple(r[2] for r in rows)))
+
+    # ---------------------------------------------------------------- lookups
+
+    def find(self, hashes: list[bytes], on_device: dict[bytes, int]) -> Found:
+        """The leading run of ``hashes`` held by some tier, the device first."""
+        where: list[tuple[str, bytes, int]] = []
+        for h in hashes:
+            if h in on_device:
+                where.append(("device", h, -1))
+            elif (slot := self.host.get(h)) is not None:
+                where.append(("host", h, slot))
+            else:
+                break
+        return Found(tuple(where))
+
+    def held_run(self, hashes: list[bytes], on_device: dict[bytes, int]) -> int:
+        return len(self.find(hashes, on_device).where)
+
+    def reload(self, owner: object, slots: list[int], pages: list[int],
+               hashes: list[bytes]) -> Reload:
+        """Copy host ``slots`` into device ``pages`` (the caller's, just allocated); the
+        slots stay pinned until it lands."""
+        op = next(self._ops)
+        for s in slots:
+            self.host.pin(s)
+        for h in hashes:
+            self.host.touch(h)
+        r = Reload(op, owner, tuple(pages), tuple(hashes))
+        self._reloads[op] = r
+        self._slots_of[op] = tuple(slots)
+        self.mover.submit(Copy(op, "in", tuple(pages), tuple(slots)))
+        return r
+
+    def count_hit(self, tier: str, pages: int, tokens: int) -> None:
+        if pages:
+            self.counters.hits[tier] += 1
+            self.counters.hit_tokens[tier] += tokens
+
+    # ---------------------------------------------------------------- completions
+
+    def poll(self) -> list[Reload]:
+        """Apply the mover's finished copies: host entries of landed copies out become found;
+        returns the reloads that finished (``ok`` False: the copy failed, the pages hold
+        nothing)."""
+        landed: list[Reload] = []
+        pb = self.mover.page_bytes
+        for op, ok in self.mover.done():
+            rows = self._out.pop(op, None)
+            if rows is not None:
+                for page, h, _slot in rows:
+                    if self._out_page.get(page) == (op, h):
+                        del self._out_page[page]
+                    if ok:
+                        self.host.commit(h)
+                        self.counters.bytes_out += pb
+                    else:
+                        self.host.abort(h)
+                continue
+            r = self._reloads.pop(op, None)
+            if r is None:
+                continue
+            for s in self._slots_of.pop(op, ()):
+                self.host.unpin(s)
+            r.ok = ok
+            if ok:
+                self.counters.bytes_in += pb * len(r.pages)
+            landed.append(r)
+        return landed
+
+    def busy(self) -> bool:
+        """Copies queued or in flight (a driver keeps polling)."""
+        return bool(self._queued or self._out or self._reloads)
+
+    def loading(self) -> int:
+        return len(self._reloads)

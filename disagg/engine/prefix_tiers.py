@@ -1,0 +1,160 @@
+"""The batch scheduler with KV tiers behind its prefix cache (pure: no torch, no sockets).
+
+``TieredScheduler`` is a ``BatchScheduler`` over ``PrefixTiers``, which sits between it and
+``disagg.engine.kv_tiers.KVTiers``: a
+waiting sequence's prefix is looked up through every tier (``match``: the device pool's
+cached pages by reference, the host tier's by a reload into pages allocated here); a
+sequence whose reload is in flight is *loading*: out of the waiting queue, holding its pages,
+until ``poll`` sees the copy land, registers the reloaded pages in the device cache again and
+puts it back in the queue (by arrival) to start from its first uncached token. A sequence
+ended while loading keeps its pages out of the pool until the copy into them has landed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg.engine.cache import PagePool
+from disagg.engine.kv_tiers import KVTiers, Reload
+from disagg.engine.scheduling import Batch, BatchScheduler
+from disagg.engine.sequence import Sequence, Status
+
+
+class PrefixTiers:
+    def __init__(self, tiers: KVTiers):
+        self.tiers = tiers
+        self.loading: dict[int, Sequence] = {}  # reload op -> its sequence
+        self._op_of: dict[int, int] = {}  # slot -> reload op
+
+    def attach(self, pool: PagePool) -> None:
+        pool.tiers = self.tiers
+
+    def held_run(self, pool: PagePool, hashes: list[bytes]) -> int:
+        """Leading ``hashes`` some tier holds."""
+        return self.tiers.held_run(hashes, pool.page_of)
+
+    def match(self, sched: TieredScheduler, seq: Sequence, hashes: list[bytes]) -> bool:
+        """Start ``seq`` on its prefix across tiers. False: only device pages (or none) were
+        found and taken, as the plain cache does; True: host-tier pages are reloading into
+        pages allocated for them and ``seq`` is loading (out of the queue until ``poll``).
+        When the pages for a reload cannot be had, ``seq`` keeps the device pages before the
+        first host one."""
+        pool, ps = sched.pool, sched.page_size
+        found = self.tiers.find(hashes, pool.page_of)
+        # device references first: allocating the reload's pages may evict cached ones
+        table = [pool.take(h) if tier == "device" else -1 for tier, h, _ in found.where]
+        slots = [slot for tier, _, slot in found.where if tier == "host"]
+        fresh = pool.allocate(len(slots)) if slots else None
+        if slots and fresh is None:  # keep the device run before the first host page
+            first = table.index(-1)
+            pool.free([p for p in table[first + 1:] if p >= 0])
+            table = table[:first]
+            slots = []
+        loads = iter(fresh or ())
+        table = [p if p >= 0 else next(loads) for p in table]
+        seq.block_table = table
+        seq.hashes = hashes[:len(table)]
+        seq.num_computed = len(table) * ps
+        if sched.draft_model:
+            seq.draft_computed = seq.num_computed
+        first_lookup = not seq.matched
+        sched.count_lookup(seq, seq.num_computed)
+        if first_lookup and seq.matched:
+            device = len(table) - len(slots)
+            self.tiers.count_hit("device", device, device * ps)
+            self.tiers.count_hit("host", len(slots), len(slots) * ps)
+        if not slots:
+            return False
+        pages = [p for (tier, _, _), p in zip(found.where, table, strict=True)
+                 if tier == "host"]
+        hashes_in = [h for tier, h, _ in found.where if tier == "host"]
+        r = self.tiers.reload(seq, slots, pages, hashes_in)
+        self.loading[r.op] = seq
+        self._op_of[seq.slot] = r.op
+        seq.status = Status.LOADING
+        return True
+
+    def poll(self, sched: TieredScheduler) -> None:
+        """Apply finished copies: loaded sequences go back to the queue, their reloaded pages
+        cached on the device again (a failed reload: they start over, computing)."""
+        self.tiers.flush()  # the pages made evictable since (a synchronous mover: copied)
+        for r in self.tiers.poll():
+            self._landed(sched, r)
+
+    def _landed(self, sched: TieredScheduler, r: Reload) -> None:
+        seq = self.loading.pop(r.op)
+        self._op_of.pop(seq.slot, None)
+        if seq.status is not Status.LOADING:  # ended meanwhile: no copy writes its pages now
+            sched.pool.free(seq.block_table)
+            seq.block_table = []
+            return
+        if r.ok:
+            for page, h in zip(r.pages, r.hashes, strict=True):
+                sched.pool.cache_page(page, h)
+        else:
+            for h in r.hashes:
+                self.tiers.host.drop(h)
+            sched.pool.free(seq.block_table)
+            seq.block_table, seq.hashes = [], []
+            seq.num_computed = seq.draft_computed = 0
+        seq.status = Status.WAITING
+        sched.requeue(seq)
+
+    def end(self, seq: Sequence) -> bool:
+        """``seq`` ends (abort, error) while loading: its pages are freed once the copy into
+        them landed. False if it was not loading."""
+        if seq.slot not in self._op_of:
+            return False
+        seq.status = Status.FINISHED
+        return True
+
+    def busy(self) -> bool:
+        return bool(self.loading)
+
+
+class TieredScheduler(BatchScheduler):
+    """``BatchScheduler`` whose prefix lookups and registrations span the KV tiers: every
+    ``schedule`` first applies the copies that finished (``PrefixTiers.poll``) and ends by
+    handing the new ones to the mover."""
+
+    def __init__(self, *args: Any, tiers: KVTiers, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.tiers = PrefixTiers(tiers)
+        self.tiers.attach(self.pool)
+
+    def held_run(self, hashes: list[bytes]) -> int:
+        return self.tiers.held_run(self.pool, hashes)
+
+    def _match(self, seq: Sequence) -> bool:
+        return self.tiers.match(self, seq, self.prefix_hashes(seq))
+
+    def requeue(self, seq: Sequence) -> None:
+        """Back in the queue by arrival, keeping its pages (a tier reloaded them)."""
+        self._insert_waiting(seq)
+
+    def has_work(self) -> bool:
+        """Also while a sequence loads (``schedule`` polls its copy)."""
+        return super().has_work() or self.tiers.busy()
+
+    def schedule(self) -> Batch | None:
+        self.tiers.poll(self)
+        batch = super().schedule()
+        if batch is None and self.tiers.busy():  # a reload it started may have landed
+            self.tiers.poll(self)
+            batch = super().schedule()
+        self.tiers.tiers.flush()  # copies of the pages preemption made evictable
+        return batch
+
+    def settle(self) -> None:
+        """Hand out the copies of pages made evictable since the last step and apply those
+        done (an engine going idle: ``LLM.generate`` after its last step)."""
+        self.tiers.poll(self)
+
+    def remove(self, seq: Sequence) -> None:
+        if not self.tiers.end(seq):  # loading: its pages are freed once the copy landed
+            super().remove(seq)
+
+    def detach(self, seq: Sequence) -> list[int]:
+        """As ``BatchScheduler.detach``; a loading sequence's pages are none of the
+        caller's (freed once the copy into them landed)."""
+        return [] if self.tiers.end(seq) else super().detach(seq)

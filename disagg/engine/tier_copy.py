@@ -1,0 +1,202 @@
+"""The bytes of the KV tiers: a host pool and the movers that copy pages in and out of it.
+
+The host pool mirrors the device KV layout with host slots for page ids, per rank:
+``[num_layers, num_slots, page_bytes]`` bytes, so a slot's layer ``l`` sits where a page's
+would (``KVLayoutDesc.page_offset`` with slots for pages): the fabric can ship a slot as it
+ships a page. It is pinned where CUDA is (``pin_memory``), plain memory on the CPU.
+
+Movers (``disagg.engine.kv_tiers.Mover``): ``SyncMover`` copies when a copy is submitted (the
+in-process engine on the CPU); ``ThreadMover`` copies on one worker thread, so the event loop
+never waits for a copy: on the CPU a plain gather/scatter; on CUDA the device side runs on a
+side stream of this process (device gather -> pinned staging -> host slots out; host slots
+-> pinned staging -> device scatter in), the thread waiting for the stream, never the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from disagg.engine.kv_tiers import Copy
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 30.0  # the longest an eviction waits for its page's copy out
+
+
+def page_views(kv: Sequence[torch.Tensor], num_layers: int, num_pages: int,
+               page_bytes: int) -> list[torch.Tensor]:
+    """Each rank's KV memory as ``[num_layers, num_pages, page_bytes]`` bytes (the model's
+    region; a speculative region after it is not a tier's)."""
+    out = []
+    for t in kv:
+        raw = t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
+        out.append(raw[:num_layers * num_pages * page_bytes].view(num_layers, num_pages,
+                                                                  page_bytes))
+    return out
+
+
+def available_bytes() -> int:
+    """Memory the machine could still give (MemAvailable), or its physical size."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class HostPool:
+    """``num_slots`` host slots of one page (every layer) per rank."""
+
+    def __init__(self, ranks: int, num_layers: int, num_slots: int, page_bytes: int,
+                 pin: bool):
+        self.num_slots = num_slots
+        self.tensors = [torch.empty((num_layers, num_slots, page_bytes), dtype=torch.uint8,
+                                    pin_memory=pin) for _ in range(ranks)]
+        self.pinned = pin
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.tensors)
+
+    @staticmethod
+    def slots_for(budget_mb: int, ranks: int, num_layers: int, page_bytes: int) -> int:
+        return (budget_mb << 20) // max(1, ranks * num_layers * page_bytes)
+
+    @classmethod
+    def create(cls, budget_mb: int, ranks: int, num_layers: int, page_bytes: int,
+               pin: bool, flag: str = "--kv-host-cache-mb") -> HostPool:
+        """A pool of ``budget_mb`` MiB (whole slots); refuses a size this machine cannot give,
+        naming both numbers."""
+        avail = available_bytes()
+        if budget_mb << 20 > avail:
+            raise ValueError(f"{flag} {budget_mb} MiB is more than this machine can "
+                             f"{'pin' if pin else 'give'} ({avail >> 20} MiB available)")
+        slots = cls.slots_for(budget_mb, ranks, num_layers, page_bytes)
+        if slots < 1:
+            raise ValueError(f"{flag} {budget_mb} MiB holds no page "
+                             f"({ranks * num_layers * page_bytes} bytes each)")
+        try:
+            return cls(ranks, num_layers, slots, page_bytes, pin)
+        except RuntimeError as e:  # cudaHostAlloc refused it
+            raise ValueError(f"{flag} {budget_mb} MiB could not be pinned: {e}") from e
+
+
+def copy_pages(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
+               stream: torch.cuda.Stream | None = None) -> None:
+    """Carry out ``copy`` on every rank (synchronously: returns when the bytes are there)."""
+    for dev, pool in zip(kv, host, strict=True):
+        pages = torch.tensor(copy.pages, dtype=torch.long)
+        slots = torch.tensor(copy.slots, dtype=torch.long)
+        if not dev.is_cuda:
+            if copy.kind == "out":
+                pool.index_copy_(1, slots, dev.index_select(1, pages))
+            else:
+                dev.index_copy_(1, pages, pool.index_select(1, slots))
+            continue
+        assert stream is not None
+        with torch.cuda.stream(stream):
+            if copy.kind == "out":
+                staged = torch.empty((dev.shape[0], len(copy.pages), dev.shape[2]),
+                                     dtype=torch.uint8, pin_memory=True)
+                staged.copy_(dev.index_select(1, pages.to(dev.device, non_blocking=True)),
+                             non_blocking=True)
+                stream.synchronize()
+                pool.index_copy_(1, slots, staged)
+            else:
+                staged = pool.index_select(1, slots).pin_memory()
+                dev.index_copy_(1, pages.to(dev.device, non_blocking=True),
+                                staged.to(dev.device, non_blocking=True))
+                stream.synchronize()
+
+
+class SyncMover:
+    """Copies at ``submit`` (the caller's thread)."""
+
+    def __init__(self, kv: list[torch.Tensor], host: HostPool):
+        self.kv, self.host = kv, host
+        self.page_bytes = len(kv) * kv[0].shape[0] * kv[0].shape[2]
+        self._done: list[tuple[int, bool]] = []
+        self._stream = torch.cuda.Stream(kv[0].device) if kv[0].is_cuda else None
+
+    def submit(self, copy: Copy) -> None:
+        copy_pages(copy, self.kv, self.host.tensors, self._stream)
+        self._done.append((copy.op, True))
+
+    def done(self) -> list[tuple[int, bool]]:
+        out, self._done = self._done, []
+        return out
+
+    def busy(self) -> bool:
+        return bool(self._done)
+
+    def wait(self, op: int) -> None:
+        """Every copy is done at ``submit``."""
+
+
+class ThreadMover:
+    """Copies on one worker thread, in submission order; ``done`` reports what finished (a
+    copy that raised is reported not ok, and logged)."""
+
+    def __init__(self, kv: list[torch.Tensor], host: HostPool):
+        self.kv, self.host = kv, host
+        self.page_bytes = len(kv) * kv[0].shape[0] * kv[0].shape[2]
+        self._todo: queue.SimpleQueue[Copy | None] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._in_flight = 0
+        self._landed = threading.Condition()
+        self._last = -1  # the newest op done (copies finish in submission order)
+        self._stream = torch.cuda.Stream(kv[0].device) if kv[0].is_cuda else None
+        self._thread = threading.Thread(target=self._work, name="kv-tiers", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self.kv[0].device)
+        while (copy := self._todo.get()) is not None:
+            try:
+                copy_pages(copy, self.kv, self.host.tensors, self._stream)
+                ok = True
+            except Exception:  # noqa: BLE001 - a failed copy is a miss, never fatal
+                log.exception("KV tier copy %s of %d pages failed", copy.kind, len(copy.pages))
+                ok = False
+            self._finished.put((copy.op, ok))
+            with self._landed:
+                self._last = copy.op
+                self._landed.notify_all()
+
+    def submit(self, copy: Copy) -> None:
+        self._in_flight += 1
+        self._todo.put(copy)
+
+    def done(self) -> list[tuple[int, bool]]:
+        out = []
+        while True:
+            try:
+                out.append(self._finished.get_nowait())
+            except queue.Empty:
+                break
+        self._in_flight -= len(out)
+        return out
+
+    def busy(self) -> bool:
+        return self._in_flight > 0
+
+    def wait(self, op: int) -> None:
+        """Block until copy ``op`` (and every one before it) is done: an eviction of a page
+        whose copy is still in flight, at most one copy's time (WAIT_S bounds it)."""
+        with self._landed:
+            if not self._landed.wait_for(lambda: self._last >= op, timeout=WAIT_S):
+                raise RuntimeError(f"a KV tier copy did not finish within {WAIT_S:g} s")
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join(timeout=10)

@@ -1,0 +1,306 @@
+"""KV tiers behind the prefix cache: the tier index (LRU, pending copies, pins), the host
+tier's bookkeeping over a recording mover (copies when pages become evictable, voided by an
+eviction, reloads), tenant isolation through the salted hashes, and the tiered scheduler on a
+device pool far smaller than the conversations, token-exact with transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.engine.cache import PagePool, page_hashes, page_root
+from disagg.engine.kv_tiers import Copy, KVTiers, TierIndex
+from disagg.engine.prefix_tiers import TieredScheduler
+from disagg.engine.scheduling import Sequence, Status
+from disagg.llm import LLM
+from disagg.model.loader import load_model
+from disagg.protocol import SamplingParams
+from tinymodels import hf_greedy
+
+PAGE = 4
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def test_an_index_finds_only_committed_entries_and_evicts_the_least_recently_used():
+    idx = TierIndex(2)
+    assert idx.reserve(h(1)) == (0, None)
+    assert idx.get(h(1)) is None and idx.known(h(1))  # pending: not found, not copied again
+    assert idx.reserve(h(1)) is None
+    idx.commit(h(1))
+    assert idx.reserve(h(2)) == (1, None)
+    idx.commit(h(2))
+    assert idx.run([h(1), h(2), h(3)]) == 2
+    idx.touch(h(1))  # LRU now: 2, 1
+    assert idx.reserve(h(3)) == (1, h(2))  # 2's slot, 2 forgotten
+    assert h(2) not in idx and idx.get(h(1)) == 0
+    idx.abort(h(3))
+    assert idx.num_used == 1 and idx.reserve(h(4)) == (1, None)
+
+
+def test_a_pinned_slot_is_never_reused_and_a_full_pinned_index_skips_copies():
+    idx = TierIndex(1)
+    idx.reserve(h(1))
+    idx.commit(h(1))
+    idx.pin(0)
+    assert idx.reserve(h(2)) is None  # the only slot is being read
+    idx.unpin(0)
+    assert idx.reserve(h(2)) == (0, h(1))
+
+
+class Recorder:
+    """A mover that records copies and finishes them when told."""
+
+    page_bytes = 10
+
+    def __init__(self) -> None:
+        self.copies: list[Copy] = []
+        self.finished: list[tuple[int, bool]] = []
+        self.waited: list[int] = []
+
+    def submit(self, copy: Copy) -> None:
+        self.copies.append(copy)
+
+    def land(self, ok: bool = True) -> None:
+        self.finished += [(c.op, ok) for c in self.copies]
+        self.copies = []
+
+    def done(self) -> list[tuple[int, bool]]:
+        out, self.finished = self.finished, []
+        return out
+
+    def busy(self) -> bool:
+        return bool(self.copies)
+
+    def wait(self, op: int) -> None:
+        self.waited.append(op)
+        self.land()
+
+
+def pool_with_tiers(pages: int, slots: int) -> tuple[PagePool, KVTiers, Recorder]:
+    pool, mover = PagePool(pages), Recorder()
+    tiers = KVTiers(slots, mover)
+    pool.tiers = tiers
+    return pool, tiers, mover
+
+
+def test_an_evictable_page_is_copied_once_and_found_in_the_host_tier_after_eviction():
+    pool, tiers, mover = pool_with_tiers(2, 4)
+    [a, b] = pool.allocate(2)
+    pool.cache_page(a, h(1))
+    pool.cache_page(b, h(2))
+    pool.free([a, b])
+    tiers.flush()
+    [copy] = mover.copies
+    assert copy.kind == "out" and copy.pages == (a, b)
+    assert tiers.find([h(1)], pool.page_of).where[0][0] == "device"
+    mover.land()
+    tiers.poll()
+    assert len(tiers.host) == 2 and tiers.counters.bytes_out == 20
+    pool.match([h(1)])  # used again on the device, freed again: no second copy
+    pool.free([a])
+    tiers.flush()
+    assert mover.copies == []
+    pool.allocate(2)  # both evicted from the device
+    found = tiers.find([h(1), h(2), h(3)], pool.page_of)
+    assert [t for t, _, _ in found.where] == ["host", "host"]
+
+
+def test_evicting_a_page_whose_copy_is_in_flight_waits_for_that_copy():
+    pool, tiers, mover = pool_with_tiers(1, 4)
+    [a] = pool.allocate(1)
+    pool.cache_page(a, h(1))
+    pool.free([a])
+    tiers.flush()
+    [copy] = mover.copies
+    pool.allocate(1)  # to be written again: the copy must have read it
+    assert mover.waited == [copy.op] and tiers.counters.copies_waited == 1
+    tiers.poll()
+    assert tiers.host.get(h(1)) is not None
+
+
+def test_a_page_evicted_before_its_copy_was_sent_is_not_kept():
+    pool, tiers, mover = pool_with_tiers(1, 4)
+    [a] = pool.allocate(1)
+    pool.cache_page(a, h(1))
+    pool.free([a])  # queued, not flushed
+    pool.allocate(1)
+    tiers.flush()
+    assert mover.copies == [] and tiers.counters.copies_skipped == 1
+    assert tiers.host.num_used == 0
+
+
+def test_eviction_takes_pages_whose_copy_is_done_first():
+    pool, tiers, mover = pool_with_tiers(2, 4)
+    [a, b] = pool.allocate(2)
+    pool.cache_page(a, h(1))
+    pool.free([a])
+    tiers.flush()
+    mover.land()
+    tiers.poll()
+    pool.cache_page(b, h(2))
+    pool.free([b])  # b's copy queued, a's landed: a goes first though b is newer... and LRU
+    tiers.flush()
+    assert pool.allocate(1) == [a]
+    assert mover.waited == []
+
+
+def test_a_second_tenant_finds_nothing_of_the_first_in_the_host_tier():
+    """The tiers are keyed by the chained hashes, whose root carries the cache salt: the
+    same tokens under another salt hash differently in every tier."""
+    sched = make_sched(pages=4, slots=16)
+    tokens = list(range(10, 10 + 3 * PAGE + 1))
+    run_all(sched, [mk(0, tokens, salt="alice")])
+    flood(sched)  # alice's pages leave the device for the host tier
+    root_a, root_b = page_root(b"m", "alice"), page_root(b"m", "bob")
+    assert sched.tiers.tiers.host.run(page_hashes(tokens, PAGE, root_a, 3)) == 3
+    assert sched.tiers.tiers.host.run(page_hashes(tokens, PAGE, root_b, 3)) == 0
+    bob = mk(1, tokens, salt="bob")
+    run_all(sched, [bob])
+    assert bob.cached_tokens == 0
+    alice = mk(2, tokens, salt="alice")
+    run_all(sched, [alice])
+    assert alice.cached_tokens == 3 * PAGE
+
+
+class SyncRecorder(Recorder):
+    def submit(self, copy: Copy) -> None:
+        super().submit(copy)
+        self.land()
+
+
+def make_sched(pages: int, slots: int, mover: Recorder | None = None) -> TieredScheduler:
+    return TieredScheduler(PagePool(pages), PAGE, 64, 8, 256, prefix_caching=True,
+                           cache_salt=b"m", tiers=KVTiers(slots, mover or SyncRecorder()))
+
+
+def mk(slot: int, prompt: list[int], n_out: int = 2, salt: str | None = None) -> Sequence:
+    return Sequence(slot, str(slot), prompt, SamplingParams(max_tokens=n_out, ignore_eos=True),
+                    0, arrival=slot, cache_salt=salt)
+
+
+def run_all(s: TieredScheduler, seqs: list[Sequence], land: Recorder | None = None) -> None:
+    for q in seqs:
+        s.add(q)
+    for _ in range(1000):
+        if not s.has_work():
+            return
+        if land is not None:
+            land.land()
+        batch = s.schedule()
+        if batch is not None:
+            s.update(batch, [7] * sum(c.sample for c in batch.chunks))
+    raise AssertionError("did not finish")
+
+
+def flood(s: TieredScheduler) -> None:
+    """Distinct prompts that take every device page."""
+    run_all(s, [mk(100 + i, [300 + 20 * i + j for j in range(s.pool.num_pages * PAGE - 3)])
+                for i in range(2)])
+
+
+def test_a_host_hit_reloads_into_device_pages_and_registers_them_again():
+    mover = Recorder()
+    s = make_sched(pages=8, slots=32, mover=mover)
+    prompt = list(range(10, 10 + 4 * PAGE + 1))
+    run_all(s, [mk(0, prompt)], land=mover)
+    flood_with(s, mover)
+    again = mk(1, prompt)
+    s.add(again)
+    assert s.schedule() is None and again.status is Status.LOADING  # its copy is in flight
+    [reload] = mover.copies
+    assert reload.kind == "in" and len(reload.pages) == 4
+    assert s.has_work()
+    run_all(s, [], land=mover)
+    assert again.status is Status.FINISHED and again.cached_tokens == 4 * PAGE
+    assert s.tiers.tiers.counters.hit_tokens["host"] == 4 * PAGE
+    assert all(hh in s.pool.page_of for hh in again.known_hashes[:4])  # on the device again
+    assert s.pool.num_free == 8 and s.tiers.tiers.host.pinned() == 0
+
+
+def flood_with(s: TieredScheduler, mover: Recorder) -> None:
+    run_all(s, [mk(100 + i, [300 + 40 * i + j for j in range(s.pool.num_pages * PAGE - 3)])
+                for i in range(2)], land=mover)
+
+
+def test_a_sequence_ended_while_loading_gives_its_pages_back_once_the_copy_landed():
+    mover = Recorder()
+    s = make_sched(pages=8, slots=32, mover=mover)
+    prompt = list(range(10, 10 + 4 * PAGE + 1))
+    run_all(s, [mk(0, prompt)], land=mover)
+    flood_with(s, mover)
+    gone = mk(1, prompt)
+    s.add(gone)
+    s.schedule()
+    assert gone.status is Status.LOADING
+    s.remove(gone)
+    assert s.pool.num_free < 8  # the copy may still write its pages
+    mover.land()
+    s.schedule()
+    assert s.pool.num_free == 8 and not s.has_work()
+
+
+def test_a_failed_reload_computes_the_prefix_instead():
+    mover = Recorder()
+    s = make_sched(pages=8, slots=32, mover=mover)
+    prompt = list(range(10, 10 + 4 * PAGE + 1))
+    run_all(s, [mk(0, prompt)], land=mover)
+    flood_with(s, mover)
+    q = mk(1, prompt)
+    s.add(q)
+    s.schedule()
+    mover.land(ok=False)
+    batch = s.schedule()
+    assert batch is not None and batch.chunks[0].start == 0  # computed from the start
+    assert len(s.tiers.tiers.host) < 32 and q.status is Status.RUNNING
+
+
+def test_pressure_keeps_the_host_tier_bounded_and_every_page_returns():
+    """Conversations through 6 device pages and 10 host slots, growing past what the host
+    tier holds: it evicts its least recently used entries, nothing leaks in either tier."""
+    mover = Recorder()
+    s = make_sched(pages=6, slots=10, mover=mover)
+    histories = [[1000 * c + i for i in range(2 * PAGE + 1)] for c in range(3)]
+    for turn in range(5):
+        for c, hist in enumerate(histories):
+            q = mk(10 * turn + c + 1, list(hist))
+            run_all(s, [q], land=mover)
+            hist += q.output_ids + [5 + turn]
+    t = s.tiers.tiers
+    for _ in range(3):  # the last turn's pages are copied out as they become evictable
+        s.schedule()
+        mover.land()
+    s.schedule()
+    assert t.host.num_used <= 10 and len(t.host) <= 10
+    assert t.counters.hit_tokens["host"] > 0
+    assert s.pool.num_free == 6 and t.host.pinned() == 0 and not t.busy()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_conversations_larger_than_the_device_pool_are_token_exact_through_the_host_tier(
+        tiny_models, kind):
+    """Four conversations x three turns on a 12-page device pool (a turn alone needs up to
+    9): the device cache keeps little, so the later turns hit the host tier; every output
+    equals transformers' greedy one, and both tiers are whole at the end."""
+    path = tiny_models[kind]
+    model = load_model(path, "float32")
+    llm = LLM(model, num_pages=12, page_size=PAGE, kv_host_cache_mb=1)
+    assert llm.tiers is not None
+    g = torch.Generator().manual_seed(5)
+    histories = [torch.randint(3, 300, (2 * PAGE + 1,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    computed = [0] * 4  # tokens of each conversation whose KV its last turn left
+    for turn in range(3):
+        for c, hist in enumerate(histories):
+            out = llm.generate([hist], params)[0]
+            assert out.token_ids == hf_greedy(path, hist, 3), f"turn {turn} conversation {c}"
+            # every full page the last turn computed is found again, in some tier
+            assert out.cached_tokens == computed[c] // PAGE * PAGE
+            computed[c] = len(hist) + 2  # its prompt and outputs but the last
+            hist += out.token_ids + torch.randint(3, 300, (2,), generator=g).tolist()
+    t = llm.tiers.counters
+    assert t.hit_tokens["host"] > t.hit_tokens["device"]  # the host tier served most
+    assert t.hits["host"] >= 4 and t.bytes_in > 0 and t.bytes_out >= t.bytes_in
+    assert llm.pool.num_free == 12 and llm.tiers.host.pinned() == 0 and not llm.tiers.busy()
