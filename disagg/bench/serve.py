@@ -27,6 +27,7 @@ from dataclasses import asdict
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from disagg.bench.metrics_math import RequestRecord, aggregate, multiturn_summary
 from disagg.bench.transport import Done, Transport, TransportError, make_transport
@@ -37,9 +38,11 @@ from disagg.bench.workload import (
     copy_workload,
     fixed_workload,
     multiturn_workload,
+    random_prompt,
     sharegpt_workload,
 )
 from disagg.protocol import SamplingParams
+from disagg.protocol.structured import StructuredOutput
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -75,6 +78,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vocab-size", type=int, default=1000,
                     help="prompt token ids are uniform in [10, vocab-size)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                    help="constrain every request's output to this JSON schema (JSON text, or "
+                         "@FILE): SamplingParams.structured, guided_json over --http")
+    ap.add_argument("--top-logprobs", type=int, default=None, metavar="K",
+                    help="ask every output token's logprob and K alternatives (0-20; --http: "
+                         "completions logprobs, 0-5)")
+    ap.add_argument("--n", type=int, default=1,
+                    help="completions per request (--http only: one prefill, n decodes; TTFT "
+                         "is the first token of any)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="deadline in seconds per request (also per message)")
     ap.add_argument("--wait", type=float, default=30.0,
@@ -159,13 +171,55 @@ async def _run_one(transport: Transport, spec: RequestSpec, rec: RequestRecord, 
             await guarded()
 
 
+def warmup_specs(specs: list[RequestSpec], count: int, vocab_size: int,
+                 seed: int) -> list[RequestSpec]:
+    """``count`` warm-up requests of the first measured ones' lengths with other random
+    prompts (never a measured prompt: with prefix caching it would make the measured one a
+    cache hit)."""
+    rng = np.random.default_rng([seed, 0x5eed])
+    measured = {tuple(s.prompt_token_ids) for s in specs}
+    out = []
+    for i in range(count):
+        spec = specs[i % len(specs)]
+        while True:
+            ids = random_prompt(rng, spec.input_len, vocab_size)
+            if tuple(ids) not in measured:
+                break
+        out.append(RequestSpec(ids, spec.output_len))
+    return out
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """Every request's sampling parameters (``max_tokens`` set per request)."""
+    structured = None
+    if args.json_schema is not None:
+        text = args.json_schema
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--json-schema: not JSON: {e}") from None
+        structured = StructuredOutput("json", text, param="--json-schema")
+    if args.top_logprobs is not None and not 0 <= args.top_logprobs <= 20:
+        raise ValueError(f"--top-logprobs must be in [0, 20], got {args.top_logprobs}")
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    if args.n > 1 and (args.connect or not args.http):
+        raise ValueError("--n > 1 needs --http (the client protocol has no n: send n requests)")
+    return SamplingParams(max_tokens=1, temperature=args.temperature,
+                          ignore_eos=structured is None, structured=structured,
+                          logprobs=args.top_logprobs)
+
+
 async def _warmup(transports: list[Transport], specs: list[RequestSpec],
                   sampling: SamplingParams, args: argparse.Namespace) -> list[str]:
-    """``--warmup`` requests shaped like the first ones, sequentially; returns their errors."""
+    """``--warmup`` requests shaped like the first ones (other prompts), sequentially;
+    returns their errors."""
     errors = []
     t0 = time.perf_counter()
-    for i in range(args.warmup):
-        spec = specs[i % len(specs)]
+    for i, spec in enumerate(warmup_specs(specs, args.warmup, args.vocab_size, args.seed)):
         rec = RequestRecord(index=-1 - i, node=transports[i % len(transports)].address,
                             input_len=spec.input_len, output_len=spec.output_len,
                             scheduled_time=0.0)
@@ -197,8 +251,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     else:
         specs = build_workload(args)
     arrivals = arrival_times(len(convs or specs), args.request_rate, args.seed, args.burstiness)
-    sampling = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
-    transports = [make_transport(a) for a in addresses]
+    sampling = sampling_params(args)
+    transports = [make_transport(a, args.n) for a in addresses]
     try:
         stats_before = {t.address: await _wait_ready(t, args.wait) for t in transports}
         warmup_errors = await _warmup(transports, specs, sampling, args)

@@ -108,10 +108,11 @@ class HttpTransport(Transport):
     gives the true count (the gateway sends no event for a token whose text delta is empty, so
     per-token timings need a model with a tokenizer). The API carries no TTFT breakdown."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, n: int = 1):
         import aiohttp
 
         self.address = url.rstrip("/")
+        self.n = n  # completions per request (each event counts its choices with text)
         self._session = aiohttp.ClientSession()
         self._model: str | None = None
 
@@ -132,8 +133,14 @@ class HttpTransport(Transport):
         body = {
             "model": await self._model_id(timeout), "prompt": list(spec.prompt_token_ids),
             "max_tokens": spec.output_len, "temperature": sampling.temperature, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True},
+            "ignore_eos": sampling.ignore_eos, "stream_options": {"include_usage": True},
         }
+        if self.n > 1:
+            body["n"] = self.n
+        if sampling.structured is not None:
+            body["guided_json"] = msgspec.json.decode(sampling.structured.spec)
+        if sampling.logprobs is not None:
+            body["logprobs"] = sampling.logprobs
         reason = ""
         try:
             async with self._session.post(
@@ -151,10 +158,12 @@ class HttpTransport(Transport):
                         break
                     event = msgspec.json.decode(data)
                     now = time.perf_counter()
+                    texts = 0
                     for choice in event.get("choices") or []:
-                        if choice.get("text"):  # the closing event carries only the reason
-                            yield TokenEvent(now, 1)
+                        texts += bool(choice.get("text"))  # a closing event: only the reason
                         reason = choice.get("finish_reason") or reason
+                    if texts:
+                        yield TokenEvent(now, texts)
                     usage = event.get("usage")
                     if usage:
                         details = usage.get("prompt_tokens_details") or {}
@@ -181,12 +190,13 @@ class HttpTransport(Transport):
         await self._session.close()
 
 
-def make_transport(address: str) -> Transport:
+def make_transport(address: str, n: int = 1) -> Transport:
     """``tcp://``, ``ipc://`` and ``inproc://`` addresses speak the ZeroMQ client protocol;
-    ``http://`` and ``https://`` URLs the OpenAI-compatible HTTP API."""
+    ``http://`` and ``https://`` URLs the OpenAI-compatible HTTP API (``n`` completions per
+    request)."""
     if address.startswith(("tcp://", "ipc://", "inproc://")):
         return ZmqTransport(address)
     if address.startswith(("http://", "https://")):
-        return HttpTransport(address)
+        return HttpTransport(address, n)
     raise ValueError(f"--connect {address!r}: expected a tcp:// or ipc:// ZeroMQ address or an "
                      "http:// URL")

@@ -131,3 +131,14 @@ def test_multiturn_conversations_hit_the_prefix_cache(node, tmp_path):
     assert m["prefix_hit_rate"] > 0 and m["node_prefix_hit_rate"] > 0
     recs = [q for q in res["requests"] if q["conversation"] == 0]
     assert [q["turn"] for q in recs] == [0, 1, 2]
+
+
+def test_top_logprobs_on_every_request(node, tmp_path):
+    out = tmp_path / "logprobs.json"
+    r = bench("--connect", node, "--num-prompts", "4", "--input-len", str(IN_LEN),
+              "--output-len", str(OUT_LEN), "--vocab-size", str(TINY["vocab_size"]),
+              "--top-logprobs", "3", "--warmup", "1", "--timeout", "60", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["summary"]["completed"] == 4 and res["config"]["top_logprobs"] == 3
+    assert res["warmup"]["errors"] == []
