@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-n", type=int, default=h.max_n, metavar="N",
                       help="the most choices one HTTP request may ask for (n, times its "
                       "prompts in a batched /v1/completions); past it a 400 naming n")
+    http.add_argument("--default-max-tokens", type=int, default=h.default_max_tokens,
+                      metavar="N", help="output tokens at most of a chat request that sets "
+                      "neither max_tokens nor max_completion_tokens (finish_reason length); 0: "
+                      "up to the context limit, as OpenAI's API")
     return ap
 
 
@@ -67,7 +71,8 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
                       body_timeout_s=args.http_body_timeout,
                       write_timeout_s=args.http_write_timeout,
                       body_buffer_bytes=args.http_body_buffer_mb << 20,
-                      max_n=args.max_n).validate()
+                      max_n=args.max_n,
+                      default_max_tokens=args.default_max_tokens).validate()
 
 
 def tp_devices(devices: list[str], tp: int, dp: int = 1) -> list[str]:

@@ -27,8 +27,8 @@ MIN_CONNECTIONS = 8  # however small the fd table, the gateway keeps this many
 
 class HttpLimits(msgspec.Struct, frozen=True):
     """``--http-max-connections``, ``--http-header-timeout``, ``--http-body-timeout``,
-    ``--http-write-timeout``, ``--http-body-buffer-mb`` (bytes here), ``--max-n``, and the body
-    limit."""
+    ``--http-write-timeout``, ``--http-body-buffer-mb`` (bytes here), ``--max-n``,
+    ``--default-max-tokens``, and the body limit."""
 
     max_connections: int = 1024
     header_timeout_s: float = 15.0  # connection open / previous response -> complete head
@@ -37,6 +37,9 @@ class HttpLimits(msgspec.Struct, frozen=True):
     max_body_bytes: int = 8 << 20
     body_buffer_bytes: int = 256 << 20  # all bodies being read, together
     max_n: int = 16  # --max-n: choices per request (n) at most, times its prompts
+    # --default-max-tokens: a chat request's output cap when it names none (0: up to the context
+    # limit, as OpenAI's API does); a request's own max_tokens is never lowered by it
+    default_max_tokens: int = 1024
 
     def validate(self) -> HttpLimits:
         if self.max_connections < 1:
@@ -48,6 +51,8 @@ class HttpLimits(msgspec.Struct, frozen=True):
                 raise ValueError(f"{name} must be a finite number of seconds > 0")
         if self.max_n < 1:
             raise ValueError("--max-n must be >= 1")
+        if self.default_max_tokens < 0:
+            raise ValueError("--default-max-tokens must be >= 0 (0: up to the context limit)")
         if self.max_body_bytes < 1:
             raise ValueError("the body limit must be >= 1 byte")
         if self.body_buffer_bytes < self.max_body_bytes:

@@ -214,7 +214,9 @@ def prepare_completion(body: CompletionBody, tok: TokenizerLike | None, model_na
 
 
 def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
-                 max_model_len: int, max_n: int = 16) -> Prepared:
+                 max_model_len: int, max_n: int = 16, default_max_tokens: int = 0) -> Prepared:
+    """``default_max_tokens``: the output cap of a request naming none (``--default-max-tokens``;
+    0: up to the context limit)."""
     check_model(body.model, model_name)
     _check_common(body, max_n, 1, tok)
     if body.top_logprobs is not None and not body.logprobs:
@@ -252,8 +254,10 @@ def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
         raise ApiError(400, "the chat prompt is empty", param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
-    if max_tokens is None:  # as OpenAI: up to the context limit
+    if max_tokens is None:  # up to the context limit (as OpenAI), capped by the default
         max_tokens = max(1, max_model_len - len(ids))
+        if default_max_tokens > 0:
+            max_tokens = min(max_tokens, default_max_tokens)
     if plan is not None and body.n not in (None, 1):
         raise ApiError(400, "n > 1 is not served with tools", param="n")
     forced = plan.structured() if plan is not None else None

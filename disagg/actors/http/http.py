@@ -307,7 +307,8 @@ class Gateway:
     def _prepare(self, body: bytes, chat: bool) -> Prepared:
         if chat:
             return prepare_chat(decode_body(body, ChatBody), self.tokenizer, self.model_name,
-                                self.max_model_len, self.limits.max_n)
+                                self.max_model_len, self.limits.max_n,
+                                self.limits.default_max_tokens)
         return prepare_completion(decode_body(body, CompletionBody), self.tokenizer,
                                   self.model_name, self.max_model_len, self.limits.max_n)
 
