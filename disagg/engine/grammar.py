@@ -185,6 +185,35 @@ def _strip_location(reason: str) -> str:
     return reason
 
 
+def fill_masks(states: list[GrammarState]) -> list[bytes]:
+    """``GrammarState.mask`` of each of ``states``, filled in parallel by xgrammar's batch
+    matcher (its threads: half the machine's; the GIL is released meanwhile) when there are
+    several: a decode step's late masks (``BatchScheduler.late_masks``) are on the step's
+    critical path."""
+    if len(states) < FILL_BATCH_MIN:
+        return [s.mask() for s in states]
+    import xgrammar as xgr
+
+    global _batch_matcher
+    if _batch_matcher is None:
+        _batch_matcher = xgr.BatchGrammarMatcher()
+    words = bitmask_words(states[0].vocab_size)
+    buf = _fill_buffers.get(words)
+    if buf is None or buf.shape[0] < len(states):
+        buf = _fill_buffers[words] = xgr.allocate_token_bitmask(max(len(states), 64),
+                                                                states[0].vocab_size)
+    if any(s.vocab_size != states[0].vocab_size for s in states):
+        raise ValueError("fill_masks: matchers of different vocabularies")
+    _batch_matcher.batch_fill_next_token_bitmask([s._matcher for s in states], buf)
+    host = buf.numpy()
+    return [host[i].tobytes() for i in range(len(states))]
+
+
+FILL_BATCH_MIN = 4  # fewer matchers than this are filled one by one
+_batch_matcher: Any = None
+_fill_buffers: dict[int, Any] = {}
+
+
 class GrammarState:
     """One request's matcher: the bitmask of what it admits next, advanced token by token."""
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from disagg.engine import sequence as seqs
 from disagg.engine.cache import PagePool, page_hashes, page_root, pages_needed
+from disagg.engine.grammar import fill_masks
 from disagg.engine.sequence import Batch, ScheduledChunk, Sequence, SeqUpdate, Status
 from disagg.protocol import TokenLogprobs
 
@@ -383,8 +384,9 @@ class BatchScheduler:
         late = [c.seq for c in batch.chunks if c.follow and c.seq.grammar is not None]
         if not late:
             return None
-        return {s.slot: s.grammar.mask() for s in late
-                if s.status is Status.RUNNING and not s.grammar.terminated}
+        live = [s for s in late if s.status is Status.RUNNING and not s.grammar.terminated]
+        return dict(zip((s.slot for s in live), fill_masks([s.grammar for s in live]),
+                        strict=True))
 
     def launched(self, batch: Batch) -> None:
         """``batch`` went to the executors deferred: pages its sequences release before it

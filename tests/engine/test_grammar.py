@@ -187,3 +187,22 @@ def test_compiled_grammars_are_cached(tok):
     a, b = grammars.compile(so), grammars.compile(so)
     assert a is not b and len(grammars._cache) == 1
     assert a.mask() == b.mask()
+
+
+def test_batched_mask_fill_equals_one_by_one(tok):
+    """``fill_masks`` (xgrammar's batch matcher, the late masks of a decode step) gives each
+    matcher's own mask, at every point of differing outputs."""
+    from disagg.engine.grammar import fill_masks
+
+    g = Grammars(tok, 300, (2,))
+    states = [g.compile(StructuredOutput("regex", "[a-d]{2,6}(x|yz)")) for _ in range(5)] + [
+        g.compile(StructuredOutput("json_object")) for _ in range(3)]
+    rng = random.Random(4)
+    for _ in range(6):
+        live = [s for s in states if not s.terminated]
+        masks = fill_masks(live)
+        assert masks == [s.mask() for s in live]
+        assert fill_masks(live[:2]) == masks[:2]  # below the batch size: one by one
+        for s, m in zip(live, masks, strict=True):
+            words = torch.frombuffer(bytearray(m), dtype=torch.int32)
+            s.accept(rng.choice(unpack(words[None], 300)[0].nonzero().flatten().tolist()))
