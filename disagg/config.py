@@ -54,6 +54,18 @@ SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 
+def memory_available() -> int:
+    """Bytes of memory this machine can still give (MemAvailable), else its physical size."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _one_of(value: object, kind: object, flag: str) -> None:
     """``value`` is one of the ``Literal`` type ``kind``'s values, else a ConfigError."""
     if value not in get_args(kind):
@@ -78,6 +90,13 @@ class CacheConfig(msgspec.Struct, frozen=True):
         "what KV pages hold: auto = the model's dtype; fp8_e4m3 = float8 with scales per "
         "layer and kv head (the checkpoint's k_scale/v_scale, else 1.0): half the bytes of "
         "bf16, shipped as such to a decoder")] = "auto"
+    kv_host_cache_mb: Annotated[int, Flag(  # disagg.engine.kv_tiers
+        "a host-memory KV tier behind the prefix cache, MiB per node (pinned where CUDA is; "
+        "0 = off): cached pages the device lets go are kept here and reloaded on a hit")] = 0
+    kv_disk_cache_dir: Annotated[str, Flag(  # disagg.engine.kv_disk
+        "a local-disk KV tier under the host tier, in this directory ('' = off; needs "
+        "--kv-host-cache-mb); a restart reuses what it holds for the same model")] = ""
+    kv_disk_cache_mb: Annotated[int, Flag("the disk tier's bound in MiB")] = 4096
 
     def validate(self) -> None:
         _one_of(self.kv_cache_dtype, KvCacheDtype, "--kv-cache-dtype")
@@ -88,6 +107,16 @@ class CacheConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--num-pages must be >= 0, got {self.num_pages}")
         if self.num_pages == 0 and self.kv_cache_mb <= 0:
             raise ConfigError(f"--kv-cache-mb must be > 0, got {self.kv_cache_mb}")
+        if self.kv_host_cache_mb < 0:
+            raise ConfigError(f"--kv-host-cache-mb must be >= 0, got {self.kv_host_cache_mb}")
+        if self.kv_host_cache_mb and (self.kv_host_cache_mb << 20) > (free := memory_available()):
+            raise ConfigError(f"--kv-host-cache-mb {self.kv_host_cache_mb} MiB is more than this "
+                              f"machine can pin: {free >> 20} MiB available")
+        if self.kv_disk_cache_dir and not self.kv_host_cache_mb:
+            raise ConfigError("--kv-disk-cache-dir needs a host tier above it "
+                              "(--kv-host-cache-mb > 0)")
+        if self.kv_disk_cache_dir and self.kv_disk_cache_mb <= 0:
+            raise ConfigError(f"--kv-disk-cache-mb must be > 0, got {self.kv_disk_cache_mb}")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):

@@ -32,6 +32,7 @@ from disagg.actors.frontend.front_door import FrontDoor
 from disagg.actors.frontend.frontend import FrontendActor
 from disagg.actors.scheduler.scheduler import SchedulerActor, SchedulerSetup
 from disagg.config import ConfigError, NodeConfig
+from disagg.engine.kv_tiers import KVTiers
 from disagg.engine.speculative import speculation
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.config import ModelArch
@@ -77,6 +78,7 @@ class Node:
         self.messenger: Any = None  # PrefillMessenger | DecodeMessenger
         self.transfer: TransferEngine | None = None
         self.counter: Any = None
+        self.host_pool: Any = None  # the host KV tier's memory (disagg.engine.tier_copy)
         # fed by the messengers; served by --metrics-listen / the gateway (shared by restarts)
         self.metrics = metrics if metrics is not None else Metrics()
         self.address: str | None = None
@@ -119,7 +121,8 @@ class Node:
                                             or s.speculative_method == "mtp" else None),
                                overlap=cfg.role != "prefill" and (
                                    s.overlap_schedule == "on" or s.overlap_schedule == "auto"
-                                   and all(d.startswith("cuda") for d in cfg.devices)))
+                                   and all(d.startswith("cuda") for d in cfg.devices)),
+                               tiers=self._tiers(cfg))
         actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
             await self._start_prefill(cfg, arch, setup, actors)
@@ -198,6 +201,25 @@ class Node:
                                        mr_per_attempt=d.fabric_mr_per_attempt,
                                        address=d.fabric_address).start()
         return self.transfer
+
+    def _tiers(self, cfg: NodeConfig) -> KVTiers | None:
+        """The host tier behind the prefix cache (``--kv-host-cache-mb``), or None."""
+        c = cfg.cache
+        if not (c.kv_host_cache_mb and c.prefix_caching):
+            return None
+        if cfg.executor.draft_model is not None or cfg.scheduler.speculative_method == "mtp":
+            raise ConfigError("--kv-host-cache-mb is not served with a draft model or MTP yet "
+                              "(their KV beside the model's is not kept in the tiers)")
+        from disagg.engine.tier_copy import node_tiers
+
+        assert self.executors is not None
+        info = self.executors.ready[0].kv
+        try:
+            tiers, self.host_pool = node_tiers(self._kv_tensors(), info.shape, info.dtype,
+                                               c.kv_host_cache_mb)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        return tiers
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         """Every rank's KV cache, mapped into this process (one transfer engine drives all)."""

@@ -321,6 +321,16 @@ class KVTiers:
             landed.append(r)
         return landed
 
+    def stats(self) -> dict[str, int]:
+        """The ``Stats`` fields of the tiers."""
+        c = self.counters
+        out = {f"tier_hits_{t}": c.hits[t] for t in TIERS}
+        out |= {f"tier_hit_tokens_{t}": c.hit_tokens[t] for t in TIERS}
+        out |= {"kv_bytes_to_host": c.bytes_out, "kv_bytes_from_host": c.bytes_in,
+                "host_cache_pages_total": self.host.num_slots,
+                "host_cache_pages_used": self.host.num_used}
+        return out
+
     def busy(self) -> bool:
         """Copies queued or in flight (a driver keeps polling)."""
         return bool(self._queued or self._out or self._reloads)

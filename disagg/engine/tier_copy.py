@@ -15,14 +15,14 @@ side stream of this process (device gather -> pinned staging -> host slots out; 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import Sequence
 
 import torch
 
-from disagg.engine.kv_tiers import Copy
+from disagg.config import memory_available
+from disagg.engine.kv_tiers import Copy, KVTiers
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +39,6 @@ def page_views(kv: Sequence[torch.Tensor], num_layers: int, num_pages: int,
         out.append(raw[:num_layers * num_pages * page_bytes].view(num_layers, num_pages,
                                                                   page_bytes))
     return out
-
-
-def available_bytes() -> int:
-    """Memory the machine could still give (MemAvailable), or its physical size."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class HostPool:
@@ -76,7 +64,7 @@ class HostPool:
                pin: bool, flag: str = "--kv-host-cache-mb") -> HostPool:
         """A pool of ``budget_mb`` MiB (whole slots); refuses a size this machine cannot give,
         naming both numbers."""
-        avail = available_bytes()
+        avail = memory_available()
         if budget_mb << 20 > avail:
             raise ValueError(f"{flag} {budget_mb} MiB is more than this machine can "
                              f"{'pin' if pin else 'give'} ({avail >> 20} MiB available)")
@@ -200,3 +188,17 @@ class ThreadMover:
     def close(self) -> None:
         self._todo.put(None)
         self._thread.join(timeout=10)
+
+
+def node_tiers(kv: list[torch.Tensor], shape: list[int], dtype: str,
+               host_mb: int) -> tuple[KVTiers, HostPool]:
+    """A node's host tier over its executors' KV memory mapped into this process (one
+    tensor per rank; ``shape``, ``dtype``: ``KVMemoryInfo``'s), copied by a ``ThreadMover``."""
+    layers, pages, parts, heads, page, dim = shape
+    page_bytes = parts * heads * page * dim * torch.empty((), dtype=getattr(torch, dtype)
+                                                          ).element_size()
+    views = page_views(kv, layers, pages, page_bytes)
+    host = HostPool.create(host_mb, len(kv), layers, page_bytes, pin=views[0].is_cuda)
+    log.info("host KV tier: %d pages (%.1f MiB%s)", host.num_slots, host.nbytes / 2**20,
+             ", pinned" if host.pinned else "")
+    return KVTiers(host.num_slots, ThreadMover(views, host)), host

@@ -301,6 +301,24 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     spec_accepted_tokens: int = 0  # ... of which accepted (emitted without their own step)
     steps_overlapped: int = 0  # decode steps sent before their predecessor's tokens were back
     draining: int = 0  # 1 while the node drains (admits nothing new; a router: nodes draining)
+    # KV tiers behind the prefix cache (--kv-host-cache-mb, --kv-disk-cache-dir;
+    # disagg.engine.kv_tiers): lookups that found pages in each tier, and their tokens (a
+    # lookup spanning tiers counts in each; tokens add up to prefix_hit_tokens; read 0 for a
+    # client key salted by tenant, as the prefix counters)
+    tier_hits_device: int = 0
+    tier_hits_host: int = 0
+    tier_hits_disk: int = 0
+    tier_hit_tokens_device: int = 0
+    tier_hit_tokens_host: int = 0
+    tier_hit_tokens_disk: int = 0
+    kv_bytes_to_host: int = 0  # device -> host tier (cumulative)
+    kv_bytes_from_host: int = 0  # host tier -> device
+    kv_bytes_to_disk: int = 0  # host -> disk tier
+    kv_bytes_from_disk: int = 0  # disk tier -> host
+    host_cache_pages_total: int = 0  # the host tier's slots (0: no host tier)
+    host_cache_pages_used: int = 0  # ... holding a page (or a copy on its way)
+    disk_cache_bytes_total: int = 0  # the disk tier's bound (0: no disk tier)
+    disk_cache_bytes_used: int = 0  # its page files' bytes
     v: int = PROTOCOL_VERSION
 
 

@@ -80,6 +80,26 @@ _NODE_EXTRA = (
      "spec_accepted_tokens", "counter"),
     ("disagg_node_steps_overlapped", "Decode steps launched before their predecessor's "
      "tokens were back (--overlap-schedule).", "steps_overlapped", "counter"),
+    *((f"disagg_node_kv_tier_hits_{t}", f"Prefix lookups that found pages in the {t} tier.",
+       f"tier_hits_{t}", "counter") for t in ("device", "host", "disk")),
+    *((f"disagg_node_kv_tier_hit_tokens_{t}", f"Prompt tokens served from the {t} tier.",
+       f"tier_hit_tokens_{t}", "counter") for t in ("device", "host", "disk")),
+    ("disagg_node_kv_tier_bytes_to_host", "KV bytes copied device -> host tier.",
+     "kv_bytes_to_host", "counter"),
+    ("disagg_node_kv_tier_bytes_from_host", "KV bytes copied host tier -> device.",
+     "kv_bytes_from_host", "counter"),
+    ("disagg_node_kv_tier_bytes_to_disk", "KV bytes written host -> disk tier.",
+     "kv_bytes_to_disk", "counter"),
+    ("disagg_node_kv_tier_bytes_from_disk", "KV bytes read disk tier -> host.",
+     "kv_bytes_from_disk", "counter"),
+    ("disagg_kv_host_cache_pages_total", "Pages the host KV tier holds at most.",
+     "host_cache_pages_total", "gauge"),
+    ("disagg_kv_host_cache_pages_used", "Pages in the host KV tier.", "host_cache_pages_used",
+     "gauge"),
+    ("disagg_kv_disk_cache_bytes_total", "The disk KV tier's bound in bytes.",
+     "disk_cache_bytes_total", "gauge"),
+    ("disagg_kv_disk_cache_bytes_used", "Bytes of page files in the disk KV tier.",
+     "disk_cache_bytes_used", "gauge"),
 )
 
 

@@ -32,7 +32,9 @@ SaltByTenant = Literal["auto", "on", "off"]
 SALT_BY_TENANT_MODES: tuple[SaltByTenant, ...] = ("auto", "on", "off")
 TENANT_PREFIX = "tenant:"  # what a derived salt starts with (its digest follows, hex)
 # the Stats fields a tenant client sees as 0: cumulative prefix-cache counters of the node
-REDACTED_STATS = ("prefix_query_tokens", "prefix_hit_tokens")
+REDACTED_STATS = ("prefix_query_tokens", "prefix_hit_tokens", "tier_hits_device",
+                  "tier_hits_host", "tier_hits_disk", "tier_hit_tokens_device",
+                  "tier_hit_tokens_host", "tier_hit_tokens_disk")
 
 
 def tenant_salt(tenant: str, salt: str | None) -> str:

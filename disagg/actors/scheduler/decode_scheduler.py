@@ -90,7 +90,7 @@ class DecodeSide(SchedulerSide):
         sched, ps = self.port.sched, self.port.page_size
         n = len(seq.prompt_ids) - 1  # the prefiller computes all but the last token
         hashes = sched.prefix_hashes(seq) if sched.prefix_caching else []
-        held = self.port.pool.cached_run(hashes)
+        held = sched.held_run(hashes)  # in any KV tier: a host-tier prefix is reloaded here
         if n - held * ps <= self.local_prefill_max_tokens:
             return False  # the scheduler takes the same cached pages and computes the rest
         seq.status = Status.REMOTE

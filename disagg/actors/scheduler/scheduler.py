@@ -33,6 +33,8 @@ from disagg.actors.sockets import pending
 from disagg.engine.cache import PagePool
 from disagg.engine.core import EngineCore
 from disagg.engine.grammar import Grammars
+from disagg.engine.kv_tiers import KVTiers
+from disagg.engine.prefix_tiers import TieredScheduler
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
 from disagg.engine.speculative import Speculation
 from disagg.model.config import ModelArch
@@ -83,6 +85,7 @@ class SchedulerSetup:
     cache_salt: bytes = b""  # the model's identity: parent of every first page hash
     speculative: Speculation | None = None  # drafting for speculative decoding
     overlap: bool = False  # overlapped decoding (disagg.engine.core)
+    tiers: KVTiers | None = None  # KV tiers behind the prefix cache (disagg.engine.kv_tiers)
 
 
 class SchedulerActor:
@@ -110,12 +113,14 @@ class SchedulerActor:
             max_model_len = capacity
             self.raise_hint = "the KV pool (--num-pages or --kv-cache-mb)"
         self.max_model_len = max_model_len
-        self.sched = BatchScheduler(self.pool, page_size, max_batch_tokens, max_running,
-                                    max_model_len, arch.eos_token_ids,
-                                    prefix_caching=setup.prefix_caching,
-                                    cache_salt=setup.cache_salt,
-                                    **(setup.speculative.scheduler_args()
-                                       if setup.speculative else {}))
+        args = (self.pool, page_size, max_batch_tokens, max_running, max_model_len,
+                arch.eos_token_ids)
+        kwargs: dict[str, Any] = dict(
+            prefix_caching=setup.prefix_caching, cache_salt=setup.cache_salt,
+            **(setup.speculative.scheduler_args() if setup.speculative else {}))
+        self.tiers = setup.tiers
+        self.sched = (BatchScheduler(*args, **kwargs) if setup.tiers is None
+                      else TieredScheduler(*args, tiers=setup.tiers, **kwargs))
         self.live: dict[tuple[bytes, str], Live] = {}
         self.by_slot: dict[int, tuple[bytes, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -157,7 +162,9 @@ class SchedulerActor:
                 cmd = self.core.next()
                 if cmd is None:
                     if self.sched.has_work():  # nothing fits now: wait for a change, bounded
-                        await self._drain(block=True, timeout_ms=50)
+                        # (a tier's copy in flight: look again soon, it lands without a message)
+                        await self._drain(block=True, timeout_ms=1 if self.tiers is not None
+                                          and self.tiers.busy() else 50)
                     continue
                 await self.stepper.run(cmd)
         except ExecutorError as e:
@@ -364,6 +371,7 @@ class SchedulerActor:
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
             max_model_len=self.max_model_len, steps_overlapped=self.core.steps_ahead,
+            **(self.tiers.stats() if self.tiers is not None else {}),
             **msgspec.structs.asdict(self.messenger_stats)
             | ({} if n is None else {"transfers_in_flight": n}),
         )

@@ -1,0 +1,77 @@
+"""KV tiers on nodes (CPU): conversations whose KV is several times the device pool, through a
+mixed node and a prefill -> decode pair with host tiers; the host tier serves most hits, every
+output equals transformers' greedy one, usage counts every tier's tokens, and the pools (and
+the host tier's pins) are whole at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.client import Client
+from disagg.protocol import Finished, SamplingParams
+from nodes import PAGE, node, pools_full, running, stats, wait_for
+from tinymodels import hf_greedy, make_tiny_model
+
+CONVERSATIONS = 4
+TURNS = 3
+NEW = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiers") / "llama")
+
+
+def converse(addr: str, model_dir) -> list[int]:
+    """Every conversation's turns, round robin; checks each turn's tokens against
+    transformers and returns each later turn's cached tokens."""
+    histories = [[3 + 29 * c + i for i in range(3 * PAGE + 1)] for c in range(CONVERSATIONS)]
+    cached: list[int] = []
+    client = Client(addr)
+    try:
+        for turn in range(TURNS):
+            for c, hist in enumerate(histories):
+                msgs = list(client.generate(prompt_token_ids=hist, sampling=SamplingParams(
+                    max_tokens=NEW, ignore_eos=True), timeout=60))
+                ids = [t for m in msgs for t in getattr(m, "token_ids", [])]
+                fin = msgs[-1]
+                assert isinstance(fin, Finished), fin
+                assert ids == hf_greedy(model_dir, hist, NEW), f"turn {turn} conversation {c}"
+                if turn:
+                    cached.append(fin.usage.cached_tokens)
+                hist += ids + [5 + c, 6 + turn]
+    finally:
+        client.close()
+    return cached
+
+
+def test_a_mixed_node_serves_later_turns_from_its_host_tier(model_dir, tmp_path):
+    # 10 pages of 4 tokens; four conversations of 13-24 tokens each: a few turns at a time
+    addr, proc = node("mixed", model_dir, tmp_path, "--num-pages", "10",
+                      "--kv-host-cache-mb", "1")
+    with running([proc]):
+        cached = converse(addr, model_dir)
+        assert all(n >= 3 * PAGE for n in cached), cached  # every later turn hit some tier
+        wait_for(lambda: pools_full(addr), what="idle pool")
+        s = stats(addr)
+        assert s.tier_hit_tokens_host > s.tier_hit_tokens_device
+        assert s.tier_hit_tokens_host + s.tier_hit_tokens_device == s.prefix_hit_tokens
+        assert s.prefix_hit_tokens == sum(cached)  # usage counts every tier
+        assert s.kv_bytes_from_host > 0 and s.kv_bytes_to_host > 0  # (a page may reload twice)
+        assert 0 < s.host_cache_pages_used <= s.host_cache_pages_total
+
+
+def test_a_prefiller_serves_a_decoders_prefix_from_its_host_tier(model_dir, tmp_path):
+    p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "10",
+                     "--kv-host-cache-mb", "1")
+    # the decoder keeps no cache of its own: every turn's prefix comes from the prefiller
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "32", "--prefill-peer",
+                     p_addr, "--no-prefix-caching", "--heartbeat", "0.2")
+    with running([p, d], [d_addr]):
+        cached = converse(d_addr, model_dir)
+        assert all(n >= 3 * PAGE for n in cached), cached
+        for a in (p_addr, d_addr):
+            wait_for(lambda a=a: pools_full(a), what=f"idle pool on {a}")
+        s = stats(p_addr)
+        assert s.tier_hits_host > 0 and s.tier_hit_tokens_host > s.tier_hit_tokens_device
+        assert s.kv_bytes_from_host > 0
