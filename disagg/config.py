@@ -183,8 +183,8 @@ class ExecutorConfig(msgspec.Struct, frozen=True):
                                  "checkpoint's)")] = "auto"
     attention_backend: Annotated[AttentionBackend, Flag("attention kernels")] = "auto"
     threads: Annotated[int, Flag(
-        "torch CPU threads per executor (default 0: torch's default, the usable cores, shared "
-        "among the executors; on a busy or shared machine 1 is often much faster)")] = 0
+        "torch CPU threads per executor (default 0: the usable cores less one for the node's "
+        "main process, shared among the executors: 1 on a 2-core machine)")] = 0
     seed: Annotated[int, Flag("seed for --random-weights")] = 0
     random_weights: Annotated[bool, Flag(
         "draw the weights from --seed on the device; --model DIR needs only config.json (no "

@@ -254,7 +254,9 @@ def test_check_devices():
 
 
 def test_default_threads_share_the_cores_among_executors():
-    assert cpu_threads(0, 1, 8) == 8  # one executor: torch's default
-    assert cpu_threads(0, 2, 8) == 4  # --tp 2 on the CPU: half each, not 2 x 8
+    assert cpu_threads(0, 1, 8) == 7  # one executor: the cores less one for the main process
+    assert cpu_threads(0, 2, 8) == 3  # --tp 2 on the CPU: a share each, not 2 x 7
+    assert cpu_threads(0, 1, 2) == 1  # a 2-core box: 1 (2 ran 10-20x slower when busy)
     assert cpu_threads(0, 4, 2) == 1
+    assert cpu_threads(0, 1, 1) == 1
     assert cpu_threads(3, 2, 8) == 3  # --threads wins

@@ -274,11 +274,13 @@ def reply(enc: msgspec.msgpack.Encoder, runner: ModelRunner, step_id: int,
 
 def cpu_threads(requested: int, executors: int, torch_default: int) -> int:
     """Torch intra-op threads of one executor: ``--threads`` when given, else torch's default
-    (the cores this process may use) shared among the node's executors, so that ``--tp N`` on
-    the CPU does not run N times as many threads as there are cores."""
+    (the cores this process may use) less one for the node's main process (scheduler,
+    detokenizing, sockets), shared among the node's executors, so that ``--tp N`` on the CPU
+    does not run N times as many threads as there are cores. On 2 cores that is 1: with all
+    cores busy, torch's spinning threads made decode steps 10-20x slower (docs/NOTES.md)."""
     if requested > 0:
         return requested
-    return max(1, torch_default // max(1, executors))
+    return max(1, (torch_default - 1) // max(1, executors))
 
 
 def init_tensor_parallel(cfg: NodeConfig, rank: int, control: str,
