@@ -100,6 +100,9 @@ class Node:
             0, len(cfg.devices)) if ex.expert_parallel else None).check(arch),
             arch.moe.num_experts if arch.moe else None, len(cfg.devices), ex.dp,
             ex.expert_parallel)
+        if ex.dp > 1 and cfg.role != "mixed":
+            raise ConfigError(f"--dp {ex.dp} runs on mixed nodes for now (a {cfg.role} node's "
+                              "transfers address one rank's pages): use --tp, or --role mixed")
         tokenizer = Tokenizer.from_dir(model_dir)
         security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys else None)
         self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")
@@ -111,7 +114,7 @@ class Node:
             raise
         s = cfg.scheduler
         setup = SchedulerSetup(self.executors, arch, tokenizer, cfg.cache.page_size,
-                               s.max_batch_tokens, s.max_running,
+                               s.max_batch_tokens, s.max_running * ex.dp,  # seats per rank
                                s.max_model_len or arch.max_position_embeddings,
                                Limits(s.max_requests_per_client, s.max_queued_requests,
                                       s.queue_timeout_s),

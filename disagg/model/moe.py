@@ -139,7 +139,7 @@ class MoEMLP(nn.Module):
 
     def _shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` plus the shared expert over ``x`` (when the model has one)."""
-        if self.shared_gate_up is not None and self.shared_down is not None:
+        if self.shared_gate_up is not None and self.shared_down is not None and x.shape[0]:
             shared = project(silu_mul(project(x, self.shared_gate_up)), self.shared_down)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
@@ -160,7 +160,13 @@ class MoEMLP(nn.Module):
         assert self.ep is not None
         lo, hi = token_share(x.shape[0], self.tp.rank, self.tp.size)
         own = x[lo:hi]
-        weights, experts = self.route(own)
+        if hi > lo:
+            weights, experts = self.route(own)
+        else:  # no rows here (a dummy batch, or fewer rows than TP ranks): join with none
+            k = self.arch.top_k
+            weights = own.new_empty((0, k), dtype=torch.float32 if self.arch.router_fp32
+                                    else own.dtype)
+            experts = torch.empty((0, k), dtype=torch.long, device=own.device)
 
         def local(rows: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
             return self._experts(rows, w[:, None], e[:, None])

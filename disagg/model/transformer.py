@@ -20,6 +20,7 @@ from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.kernels.kv_quant import UNIT_SCALES
 from disagg.model.config import ModelArch
 from disagg.model.layer import DecoderLayer
+from disagg.model.moe import MoEMLP
 from disagg.model.mtp import MTPLayer
 from disagg.model.ops import add_norm, linear
 from disagg.model.rotary import Rotary
@@ -80,6 +81,17 @@ class Transformer(nn.Module):
             hook = None if layer_hook is None else (lambda i=i: layer_hook(i))
             x, delta = layer(x, cos, sin, kv[i, :, 0], kv[i, :, -1], meta, backend, hook, delta)
         return add_norm(x, delta, self.norm, self.arch.rms_norm_eps)[0]
+
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """A step without tokens on this rank (``--dp``): under expert parallelism every MoE
+        layer still joins its all-to-all, with zero rows (a dummy batch), so that every rank
+        runs the same collectives; nothing else runs."""
+        empty = torch.empty((0, self.arch.hidden_size), dtype=self.dtype, device=self.device)
+        for layer in self.layers:
+            moe = layer.moe
+            if isinstance(moe, MoEMLP) and moe.ep is not None:
+                moe(empty)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,3 +43,48 @@ def test_tp2_expert_parallel_matches_transformers(kind, tmp_path):
             c.close()
     finally:
         assert node.stop() == []
+
+
+@pytest.mark.parametrize("kind, ep", [("qwen3_moe", True), ("deepseek_v3", True),
+                                      ("qwen3_moe", False)])
+def test_dp2_matches_transformers(kind, ep, tmp_path):
+    """--dp 2 (with --expert-parallel: 4 experts a rank, a rank without requests joining each
+    step's all-to-all with no rows): concurrent requests spread over both ranks, each rank's
+    pool its own; tokens equal transformers'; pools full after."""
+    import threading
+
+    path = make_tiny_model(kind, tmp_path / kind)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    node = NodeProcess(["--model", str(path), "--listen", addr, "--dp", "2",
+                        *(["--expert-parallel"] if ep else []), "--max-batch-tokens", "8",
+                        *COMMON], tmp_path / "node.log")
+    try:
+        node.wait_ready()
+        assert len(node.children()) == 2
+        c = Client(addr)
+        try:
+            # one request alone: the other rank idles through its steps
+            assert generate(c, prompt(PAGE + 1), 5) == hf_greedy(path, prompt(PAGE + 1), 5)
+            lengths = [1, PAGE + 2, 2 * PAGE + 3, 3 * PAGE + 1]
+            got: dict[int, list[int]] = {}
+
+            def run(n: int) -> None:
+                cc = Client(addr)
+                try:
+                    got[n] = generate(cc, prompt(n, salt=n), 6)
+                finally:
+                    cc.close()
+
+            threads = [threading.Thread(target=run, args=(n,)) for n in lengths]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            for n in lengths:
+                assert got.get(n) == hf_greedy(path, prompt(n, salt=n), 6), n
+            s = c.stats()
+            assert s.pages_free == s.pages_total == 128  # two pools of 64
+        finally:
+            c.close()
+    finally:
+        assert node.stop() == []

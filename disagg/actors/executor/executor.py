@@ -234,6 +234,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
 def launch(runner: ModelRunner, plan: StepPlan) -> Launched | Exception:
     """Queue a step on the device; a failure is kept for its reply (the executor serves on)."""
     try:
+        if not plan.chunks:  # this DP rank has no work in the step (--dp)
+            return idle(runner)
         return runner.launch(plan)
     except Exception as e:  # noqa: BLE001
         log.exception("step %d failed", plan.step_id)
@@ -249,6 +251,15 @@ def finish(launched: Launched | Exception, masks: dict[int, bytes]) -> Launched 
     except Exception as e:  # noqa: BLE001
         log.exception("picking a step with its grammar masks failed")
         return e
+
+
+def idle(runner: ModelRunner) -> Launched:
+    """A step with no chunk for this DP rank: under expert parallelism the model still joins
+    every MoE layer's all-to-all with zero rows (``Transformer.idle``); no token comes back."""
+    from disagg.engine.runner import Launched
+
+    runner.model.idle()
+    return Launched([])
 
 
 def reply(enc: msgspec.msgpack.Encoder, runner: ModelRunner, step_id: int,

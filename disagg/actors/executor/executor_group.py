@@ -2,7 +2,9 @@
 device (``disagg.actors.executor.executor``), waits for their handshake, maps their KV memory, watches
 them (a death raises at once) and runs steps with a deadline: one at a time (``step``), or
 overlapped (``submit`` a deferred plan, then ``result``; ``collect`` asks for a deferred
-step's result without launching another).
+step's result without launching another). With ``--dp N`` each step is split by DP rank
+(``disagg.engine.dp.split_plan``: every rank gets its part, an empty one included) and the
+ranks' lead results merged (``merge_results``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.config import NodeConfig
+from disagg.engine.dp import merge_results, split_plan
 from disagg.protocol.executor import (
     Collect,
     ExecutorReady,
@@ -59,7 +62,8 @@ def rendezvous_path(control: str) -> str:
 
 
 class ExecutorGroup:
-    """Spawns and drives one executor process per device; rank 0's result is authoritative."""
+    """Spawns and drives one executor process per device; each DP rank's first executor's
+    result is authoritative (rank 0's without ``--dp``)."""
 
     def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
         self.bad_frames = 0
@@ -78,9 +82,13 @@ class ExecutorGroup:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(ExecutorReply)
         self._identities: list[bytes] = []
+        self.dp = cfg.executor.dp
+        self.tp = len(cfg.devices) // self.dp
+        self._plans: dict[int, StepPlan] = {}  # steps split over DP ranks, until merged
 
     @property
     def num_pages(self) -> int:
+        """Pages of one rank's KV pool (each DP rank has its own; ``--dp N`` has N of them)."""
         return min(r.num_pages for r in self.ready)
 
     async def start(self) -> None:
@@ -161,9 +169,16 @@ class ExecutorGroup:
     async def submit(self, plan: StepPlan) -> None:
         """Send ``plan`` to every rank (its result: ``result``; a deferred plan's comes after
         the next ``submit`` or ``collect``)."""
-        payload = self._enc.encode(plan)
-        for ident in self._identities:
-            await self.sock.send_multipart([ident, payload])
+        if self.dp == 1:
+            payload = self._enc.encode(plan)
+            for ident in self._identities:
+                await self.sock.send_multipart([ident, payload])
+            return
+        self._plans[plan.step_id] = plan
+        for d, part in enumerate(split_plan(plan, self.num_pages, self.dp)):
+            payload = self._enc.encode(part)
+            for ident in self._identities[d * self.tp:(d + 1) * self.tp]:
+                await self.sock.send_multipart([ident, payload])
 
     async def masks(self, masks: Masks) -> None:
         """Send every rank the grammar masks its deferred step waits for (``late_mask``)."""
@@ -198,7 +213,11 @@ class ExecutorGroup:
                         hidden = frames[2] if len(frames) > 2 else None
             else:
                 self._check_alive()
-        return results[self._identities[0]], hidden
+        plan = self._plans.pop(step_id, None)
+        if plan is None:
+            return results[self._identities[0]], hidden
+        leads = [results[self._identities[d * self.tp]] for d in range(self.dp)]
+        return merge_results(plan, leads, self.num_pages), None
 
     def _decode(self, frames: list[bytes]) -> tuple[bytes, ExecutorReply | None]:
         """(identity, message) of a frame from an executor; a malformed one is counted and

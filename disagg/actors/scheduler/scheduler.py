@@ -30,8 +30,8 @@ from disagg.actors.scheduler.intake import ClientIntake
 from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.actors.scheduler.stepping import Stepper
 from disagg.actors.sockets import pending
-from disagg.engine.cache import PagePool
 from disagg.engine.core import EngineCore
+from disagg.engine.dp import make_pool
 from disagg.engine.grammar import Grammars
 from disagg.engine.kv_tiers import KVTiers
 from disagg.engine.prefix_tiers import TieredScheduler
@@ -104,8 +104,9 @@ class SchedulerActor:
         self.page_size = page_size = setup.page_size
         max_model_len, max_batch_tokens = setup.max_model_len, setup.max_batch_tokens
         max_running = setup.max_running
-        self.pool = PagePool(executors.num_pages)
-        capacity = self.pool.num_pages * page_size
+        # one pool over every DP rank's pages (--dp: disagg.engine.dp; one rank: a PagePool)
+        self.pool = make_pool(executors.num_pages, executors.dp, lambda: self.sched.running)
+        capacity = executors.num_pages * page_size  # one rank's: a sequence stays on its rank
         self.raise_hint = "--max-model-len"  # what a user raises for longer contexts
         if max_model_len > capacity:
             log.info("max model length %d exceeds the KV pool (%d tokens); capping it",

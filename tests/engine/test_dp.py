@@ -1,0 +1,114 @@
+"""DP ranks under one scheduler (disagg.engine.dp): the rank choice, the pool over every
+rank's pages (a sequence's pages on one rank, per-rank prefix caching), and a step split by
+rank and merged back in chunk order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from disagg.engine.cache import page_hashes
+from disagg.engine.dp import DPPagePool, choose_rank, merge_results, pending_by_rank, split_plan
+from disagg.engine.scheduling import BatchScheduler
+from disagg.engine.sequence import Sequence
+from disagg.protocol import SamplingParams
+from disagg.protocol.executor import SeqChunk, StepPlan, StepResult
+
+
+def test_rank_choice_fewest_pending_then_most_free():
+    assert choose_rank([5, 3], [10, 10], 2) == 1
+    assert choose_rank([3, 3], [4, 9], 2) == 1
+    assert choose_rank([3, 3], [9, 9], 2) == 0
+    assert choose_rank([0, 9], [1, 9], 2) == 1  # rank 0 has no room
+    assert choose_rank([0, 0], [1, 1], 2) is None
+
+
+def test_a_sequence_stays_on_its_rank_and_pages_return():
+    pool = DPPagePool(8, 2)
+    pool.loads = lambda: [0, 0]
+    a = pool.allocate(3)
+    assert a is not None and {pool.rank_of(p) for p in a} == {0}
+    pool.loads = lambda: [10, 0]  # rank 0 busier: the next sequence goes to rank 1
+    b = pool.allocate(2)
+    assert b is not None and {pool.rank_of(p) for p in b} == {1}
+    more = pool.allocate(5, after=a[-1])
+    assert more is not None and {pool.rank_of(p) for p in more} == {0}
+    assert pool.allocate(1, after=a[-1]) is None  # rank 0 full, though rank 1 has room
+    assert pool.free_on(0) == 0 and pool.free_on(1) == 6 and pool.num_free == 6
+    pool.free(a + more + b)
+    assert pool.num_free == pool.num_pages == 16
+    with pytest.raises(ValueError):
+        pool.free([3])
+
+
+def test_prefix_matches_on_the_rank_that_cached_it():
+    pool = DPPagePool(8, 2)
+    pool.loads = lambda: [0, 0]
+    hashes = page_hashes(list(range(12)), 4, b"root", 3)
+    pool.loads = lambda: [9, 0]
+    pages = pool.allocate(3)
+    assert pages is not None and pool.rank_of(pages[0]) == 1
+    for p, h in zip(pages, hashes, strict=True):
+        pool.cache_page(p, h)
+    pool.free(pages)
+    assert pool.num_cached == 3 and pool.cached_run(hashes) == 3
+    pool.loads = lambda: [0, 9]  # rank 0 is idler, but only rank 1 holds the prefix
+    got = pool.match(hashes[:2])
+    assert got == pages[:2] and all(pool.refcount(p) == 1 for p in got)
+    assert pool.match(page_hashes([7, 7, 7, 7], 4, b"root", 1)) == []
+
+
+def test_pending_tokens_by_rank():
+    assert pending_by_rank([([0, 1], 5), ([9], 1), ([], 7), ([2], 1)], 8, 2) == [6, 1]
+
+
+def chunk(slot, pages, sample=True, n=1):
+    return SeqChunk(slot, [slot] * n, 0, pages, sample)
+
+
+def test_split_and_merge_keep_the_step_order():
+    plan = StepPlan(7, [chunk(1, [9]), chunk(2, [0]), chunk(3, [1, 2], n=5),
+                        chunk(4, [10, 11], sample=False, n=3)], num_decodes=2, defer=True)
+    parts = split_plan(plan, 8, 3)
+    assert [[c.slot for c in p.chunks] for p in parts] == [[2, 3], [1, 4], []]
+    assert [p.num_decodes for p in parts] == [1, 1, 0]
+    assert parts[1].chunks[1].block_table == [2, 3] and all(p.defer for p in parts)
+    assert parts[2].step_id == 7  # an empty plan: the rank joins the step with no rows
+    results = [StepResult(7, [20, 30]), StepResult(7, [10], logprobs=None), StepResult(7, [])]
+    merged = merge_results(plan, results, 8)
+    assert merged.token_ids == [10, 20, 30] and merged.error is None
+    failed = merge_results(plan, [results[0], StepResult(7, [], error="boom"), results[2]], 8)
+    assert failed.error == "boom" and failed.token_ids == []
+    short = merge_results(plan, [StepResult(7, [20]), results[1], results[2]], 8)
+    assert short.error is not None
+
+
+def test_a_chunk_spanning_ranks_is_refused():
+    with pytest.raises(ValueError, match="span DP ranks"):
+        split_plan(StepPlan(1, [chunk(1, [7, 8])], 1), 8, 2)
+
+
+def test_batch_scheduler_over_ranks_balances_and_frees():
+    """Random admissions through the real BatchScheduler: every sequence's pages on one rank,
+    both ranks used, and the pool whole once all finish."""
+    rng = random.Random(0)
+    pool = DPPagePool(16, 2)
+    sched = BatchScheduler(pool, 4, 32, 8, 64, [2])  # type: ignore[arg-type]
+    pool.loads = lambda: pending_by_rank(((s.block_table, s.num_tokens - s.num_computed)
+                                          for s in sched.running), 16, 2)
+    for i in range(6):
+        ids = [rng.randrange(3, 90) for _ in range(rng.randrange(1, 12))]
+        sched.add(Sequence(i, f"r{i}", ids, SamplingParams(max_tokens=4, ignore_eos=True), 0, i))
+    ranks_used = set()
+    for _ in range(60):
+        batch = sched.schedule()
+        if batch is None:
+            break
+        for c in batch.chunks:
+            assert len({pool.rank_of(p) for p in c.seq.block_table}) == 1
+            ranks_used.add(pool.rank_of(c.seq.block_table[0]))
+        plan_tokens = [5 for c in batch.chunks if c.sample]
+        sched.update(batch, plan_tokens)
+    assert ranks_used == {0, 1}
+    assert not sched.has_work() and pool.num_free == pool.num_pages
