@@ -325,6 +325,13 @@ class RouterConfig(msgspec.Struct, frozen=True):
     slo_tpot_ms: Annotated[float, Flag(
         "router role: time-per-output-token objective (p90) for the advice",
         metavar="MS")] = 50.0
+    migration_limit: Annotated[int, Flag(  # disagg.serving.migration
+        "router role: times a streaming request whose decode node dies or restarts is moved "
+        "to another, continuing from the exact token (0: never; past it: error unavailable)",
+        metavar="N")] = 3
+    migration_max_tokens: Annotated[int, Flag(
+        "router role: a request that streamed more tokens than this is not moved (the router "
+        "keeps them, the next decoder computes them again)", metavar="N")] = 16384
 
     def validate(self) -> None:
         if not self.decode_peers:
@@ -333,6 +340,11 @@ class RouterConfig(msgspec.Struct, frozen=True):
         if not (self.slo_ttft_ms > 0 and self.slo_tpot_ms > 0):
             raise ConfigError(f"SLOs must be > 0, got TTFT {self.slo_ttft_ms / 1000}s, "
                               f"TPOT {self.slo_tpot_ms / 1000}s")
+        if self.migration_limit < 0:
+            raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.migration_max_tokens < 1:
+            raise ConfigError("--migration-max-tokens must be >= 1, got "
+                              f"{self.migration_max_tokens}")
 
 
 def check_devices(devices: list[str], cuda_devices: int) -> None:

@@ -268,6 +268,7 @@ async def run_router(cfg: NodeConfig, http_limits: HttpLimits) -> int:
     """``--role router``: ``disagg.actors.router.router.run_router`` over ``cfg.router``'s peers."""
     from disagg.actors.router import router
     from disagg.serving.advice import Slo
+    from disagg.serving.migration import MigrationPolicy
 
     r = cfg.router
     return await router.run_router(
@@ -275,4 +276,5 @@ async def run_router(cfg: NodeConfig, http_limits: HttpLimits) -> int:
         cfg.scheduler.max_model_len or None,
         resolve_interval=cfg.disagg.peer_resolve_interval_s,
         slo=Slo(r.slo_ttft_ms / 1000, r.slo_tpot_ms / 1000),
-        salt_by_tenant=cfg.cache.salt_by_tenant, http_limits=http_limits)
+        salt_by_tenant=cfg.cache.salt_by_tenant, http_limits=http_limits,
+        migration=MigrationPolicy(r.migration_limit, r.migration_max_tokens))

@@ -94,6 +94,21 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
+    @classmethod
+    def resumed(cls, tokenizer: Tokenizer | None, prompt_ids: list[int], output_ids: list[int],
+                text_prefix: int, text_read: int) -> IncrementalDetokenizer:
+        """The detokenizer of a stream another node started (``protocol.Resume``): as that
+        node's stood after streaming ``output_ids``, the text of ``output_ids[:text_read]``
+        streamed and its next delta decoded from ``text_prefix`` on (both 0: from the prompt's
+        tail, as a new one), so that the next ``push`` returns what that node's would have."""
+        d = cls(tokenizer, prompt_ids)
+        if text_read == 0:
+            d.ids.extend(output_ids)
+        else:
+            d.ids = list(output_ids[text_prefix:])
+            d.read_offset = text_read - text_prefix
+        return d
+
     def push(self, new_ids: list[int]) -> str:
         if self.tok is None:
             return ""

@@ -148,6 +148,33 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return None
 
 
+class Resume(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request continued where another node stopped streaming it (the router's migration,
+    ``disagg.serving.migration``): the node computes the prompt and these tokens as one
+    prefill, then samples output index ``len(output_ids)`` on, under the same ``max_tokens``,
+    seed, ``min_tokens`` and penalties, so the stream goes on as it would have; usage counts
+    ``output_ids`` as completion tokens; no prompt logprobs are sent again."""
+
+    output_ids: list[int]  # the output tokens streamed so far, in order (1 or more)
+    # where the streaming node's incremental detokenizer stood, in output tokens: the text of
+    # output_ids[:text_read] has been streamed, and the next delta is decoded from text_prefix
+    # on (both 0: no text streamed yet; the window then starts in the prompt, as at the start)
+    text_prefix: int = 0
+    text_read: int = 0
+
+    def validate(self, max_tokens: int) -> str | None:
+        n = len(self.output_ids)
+        if not 1 <= n <= max_tokens:
+            return f"resume.output_ids must have 1 to max_tokens ({max_tokens}) tokens, got {n}"
+        if any(t < 0 for t in self.output_ids):
+            return "resume.output_ids must be token ids >= 0"
+        if not 0 <= self.text_prefix <= self.text_read <= n or (
+                self.text_read > 0 and self.text_prefix == self.text_read):
+            return (f"resume: need 0 <= text_prefix < text_read <= {n} (or both 0), got "
+                    f"{self.text_prefix}, {self.text_read}")
+        return None
+
+
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
     """Start a generation. Exactly one of ``prompt`` / ``prompt_token_ids`` is set."""
 
@@ -164,6 +191,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     # id, a header's value); 1-MAX_TENANT characters, None = the sender's own. Ignored from a
     # CURVE client key (its key is its tenant); honoured from node keys and without CURVE
     tenant: str | None = None
+    # set: continue a request another node streamed part of (Resume); None: a new request
+    resume: Resume | None = None
 
     def validate(self) -> str | None:
         """The protocol version, the cache salt, the tenant, then the sampling parameters: a
@@ -176,6 +205,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
                     f"got {len(self.cache_salt)}")
         if self.tenant is not None and not 1 <= len(self.tenant) <= MAX_TENANT:
             return f"tenant must have 1-{MAX_TENANT} characters, got {len(self.tenant)}"
+        if self.resume is not None and (why := self.resume.validate(
+                self.sampling.max_tokens)) is not None:
+            return why
         return self.sampling.validate()
 
 

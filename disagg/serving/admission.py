@@ -413,4 +413,14 @@ def prepare_prompt(req: GenerateRequest, tokenizer: Tokenizer | None, vocab_size
             f"the prompt has {len(ids)} tokens but the context holds {max_model_len} "
             f"(prompt + at least one output token); shorten it or raise {raise_hint}",
         )
+    if req.resume is not None:  # a stream continued here (Resume): its tokens count too
+        out = req.resume.output_ids
+        bad = next((t for t in out if t >= vocab_size), None)
+        if bad is not None:
+            raise RequestRejected("bad_request", f"resume.output_ids: token id {bad} is outside "
+                                  f"the vocabulary [0, {vocab_size})")
+        if len(ids) + len(out) > max_model_len:
+            raise RequestRejected(
+                "bad_request", f"the prompt ({len(ids)} tokens) and the resumed output "
+                f"({len(out)}) exceed the context ({max_model_len}); raise {raise_hint}")
     return ids

@@ -17,6 +17,7 @@ from disagg.protocol import (
     Finished,
     GenerateRequest,
     NodeReply,
+    Resume,
     Stats,
     StatsRequest,
     Usage,
@@ -59,7 +60,8 @@ class FakeScheduler:
     def requests_of(self, identity: bytes) -> list[Sequence]:
         return [seq for key, seq in self.live.items() if key[0] == identity]
 
-    def make_live(self, identity: bytes, seq: Sequence, admitted_at: float) -> None:
+    def make_live(self, identity: bytes, seq: Sequence, admitted_at: float,
+                  resume: Resume | None = None) -> None:
         self.live[(identity, seq.request_id)] = seq
 
     def next_slot(self) -> int:
@@ -279,3 +281,20 @@ async def test_failing_tokenizing_requests_answers_each() -> None:
     tok.gate.set()
     await asyncio.gather(*s.tasks)
     assert s.live == {}
+
+
+async def test_a_resumed_request_is_live_with_its_streamed_tokens_and_checked() -> None:
+    s = FakeScheduler(max_model_len=8)
+    resumed = GenerateRequest("r1", prompt_token_ids=[1, 2, 3], resume=Resume([7, 8], 0, 1))
+    await s.intake.handle(FromClient.of(b"a", resumed))
+    seq = s.live[(b"a", "r1")]
+    assert seq.prompt_ids == [1, 2, 3] and seq.output_ids == [7, 8]
+    bad = [GenerateRequest("r2", prompt_token_ids=[1], resume=Resume([VOCAB])),  # vocabulary
+           GenerateRequest("r3", prompt_token_ids=[1, 2, 3], resume=Resume([5] * 6)),  # context
+           GenerateRequest("r4", prompt_token_ids=[1], resume=Resume([])),
+           GenerateRequest("r5", prompt_token_ids=[1], resume=Resume([5], 1, 1))]
+    for req in bad:
+        await s.intake.handle(FromClient.of(b"a", req))
+    errors = [m for m in s.replies(b"a") if isinstance(m, Error)]
+    assert [e.request_id for e in errors] == ["r2", "r3", "r4", "r5"]
+    assert all(e.code == "bad_request" and "resume" in e.message for e in errors), errors

@@ -15,7 +15,8 @@ true exactly while a new request would find a peer.
 Owns: the in-flight table (router id -> client, peer); its client-protocol front (the frames
 of ``listen``, salted by client key) is ``disagg.actors.router.router_front``. A peer silent for
 ``dead_after`` seconds is dead: its requests that have not streamed a token yet are resent to
-another peer, the others end with ``Error`` code ``unavailable``. A dead peer that answers
+another peer, the others migrate from the exact token, as do streaming requests a peer ends
+because it stops or restarts (``disagg.actors.router.router_placement``). A dead peer that answers
 again is used again. A request a peer refuses with ``unavailable`` (it is restarting after an
 executor death) before any token goes to a peer it has not tried, if one is live.
 ``dns:NAME:PORT`` peers come and go (``disagg.actors.peer_discovery``): one that appears is
@@ -39,6 +40,7 @@ import zmq.asyncio
 
 from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.router.router_front import Flight, RouterFront
+from disagg.actors.router.router_placement import RouterPlacement, migration_counter
 from disagg.actors.sockets import CLIENT_FRAME_BYTES, dialing, monitor_events
 from disagg.client import RequestError
 from disagg.protocol import (
@@ -53,24 +55,26 @@ from disagg.protocol import (
     Stats,
     StatsRequest,
     TokenChunk,
+    Usage,
 )
 from disagg.remote.discovery import split_specs
 from disagg.serving import security
 from disagg.serving.advice import Advice, LatencyWindow, Slo, advise_from_stats
 from disagg.serving.http_limits import HttpLimits
 from disagg.serving.metrics import Metrics
-from disagg.serving.routing import LoadBalancer, prefix_keys
+from disagg.serving.migration import MigrationPolicy, Progress, with_seed
+from disagg.serving.routing import LoadBalancer
 from disagg.serving.salting import SaltByTenant, TenantSalting
 
 log = logging.getLogger(__name__)
 
-
-class Router(RouterFront):
+class Router(RouterFront, RouterPlacement):
     def __init__(self, decode_peers: list[str], listen: str | None = None,
                  ctx: zmq.asyncio.Context | None = None, metrics: Metrics | None = None,
                  poll_interval: float = 0.5, dead_after: float = 3.0,
                  resolve_interval: float = 10.0, slo: Slo | None = None,
-                 salt_by_tenant: SaltByTenant = "auto"):
+                 salt_by_tenant: SaltByTenant = "auto", migration: MigrationPolicy | None = None):
+        self.migration = migration or MigrationPolicy()
         static, names = split_specs(decode_peers, "--decode-peer")
         self.balancer = LoadBalancer(static, dead_after, dynamic=bool(names))
         self.discovery = PeerDiscovery(names, static, self._peers_changed, resolve_interval)
@@ -89,7 +93,9 @@ class Router(RouterFront):
         self.monitors: dict[str, zmq.asyncio.Socket] = {}  # each peer socket's connection events
         self._was_accepting: dict[str, bool] = {}  # for the log: last seen taking new requests
         self.peer_stats: dict[str, Stats] = {}
-        self.flights: dict[str, Flight] = {}
+        self.flights: dict[str, Flight] = {}  # by wire id (Flight.req.request_id)
+        # wire id -> (the peer that lost it, why, deadline): migrating, no peer took it yet
+        self.moving: dict[str, tuple[str, str, float]] = {}
         self.by_client: dict[tuple[bytes, str], Flight] = {}
         self.bad_frames = 0
         self.rejected = 0
@@ -99,6 +105,7 @@ class Router(RouterFront):
         self._tasks: list[asyncio.Task[None]] = []
         self._any_alive = asyncio.Event()
         self.peer_up = _peer_gauge(self.metrics)
+        self.moved = migration_counter(self.metrics)
         self.slo, self.latency = slo or Slo(), LatencyWindow()  # for advice()
         self.metrics.watch_advice(self.advice)
 
@@ -200,6 +207,8 @@ class Router(RouterFront):
                         await sock.send(stats, zmq.NOBLOCK)
             for addr in self.balancer.check(time.monotonic()):
                 await self._peer_died(addr)
+            for wire in list(self.moving):  # requests whose node lost them, waiting for one
+                await self._place_moved(self.flights[wire])
             await asyncio.sleep(self.poll_interval)
 
     async def _from_peer(self, addr: str, sock: zmq.asyncio.Socket,
@@ -226,27 +235,13 @@ class Router(RouterFront):
                 continue  # late reply of an aborted or moved request
             if isinstance(msg, TokenChunk):
                 f.streamed = True
+                f.progress.on_chunk(msg.token_ids, msg.text)
                 self.latency.tokens(f.key, len(msg.token_ids), time.monotonic())
                 if f.timer is not None:
                     f.timer.on_tokens(len(msg.token_ids))
                 await f.deliver(msgspec.structs.replace(msg, request_id=f.client_id))
-            elif not (isinstance(msg, Error) and msg.code == "unavailable"
-                      and await self._elsewhere(f, addr)):
+            elif not (isinstance(msg, Error) and await self._recover(f, addr, msg)):
                 await self._end(f, msgspec.structs.replace(msg, request_id=f.client_id))
-
-    async def _elsewhere(self, f: Flight, addr: str) -> bool:
-        """``addr`` answered ``f`` with ``unavailable`` (restarting after an executor death, or
-        draining): resend it to a live peer it has not tried, unless it has streamed a token.
-        False (the client gets the error) when there is none."""
-        keys = prefix_keys(f.req.prompt_token_ids, f.req.prompt, f.req.cache_salt)
-        peer = None if f.streamed else self.balancer.pick(f.tried, keys)
-        if peer is None:
-            return False
-        log.info("request %s: %s is unavailable, resent to %s", f.client_id, addr, peer)
-        self.balancer.on_end(addr)
-        f.peer = None
-        await self._send_to(f, peer)
-        return True
 
     async def _peer_died(self, addr: str, why: str = "") -> None:
         log.warning("decode peer %s %s: marked dead", addr,
@@ -258,10 +253,10 @@ class Router(RouterFront):
             self.balancer.on_end(addr)
             f.peer = None
             with contextlib.suppress(zmq.ZMQError):  # in case it is only slow
-                await self.peers[addr].send(self._enc.encode(Abort(f.key)), zmq.NOBLOCK)
+                await self.peers[addr].send(self._enc.encode(Abort(f.req.request_id)),
+                                            zmq.NOBLOCK)
             if f.streamed:
-                await self._end(f, Error("unavailable", f"decode node {addr} stopped answering "
-                                         "mid-stream", f.client_id))
+                await self._migrate(f, addr, "stopped answering mid-stream")
             else:
                 await self._place(f)
 
@@ -318,29 +313,10 @@ class Router(RouterFront):
         return ("no decode node is available" + (
             f": {len(alive)} live, all draining or restarting" if alive else ""))
 
-    async def _place(self, f: Flight) -> None:
-        """Send ``f`` to the least loaded live peer it has not tried, or end it."""
-        keys = prefix_keys(f.req.prompt_token_ids, f.req.prompt, f.req.cache_salt)
-        peer = self.balancer.place(f.tried, keys)
-        if peer is None:
-            await self._end(f, Error("unavailable", "no decode node is available", f.client_id))
-            return
-        await self._send_to(f, peer)
-
-    async def _send_to(self, f: Flight, peer: str) -> None:
-        f.peer = peer
-        f.tried.add(peer)
-        self.balancer.on_start(peer)
-        try:
-            await self.peers[peer].send(self._enc.encode(f.req), zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            self.balancer.on_end(peer)
-            await self._end(f, Error("unavailable", f"could not send to {peer}: {e}",
-                                     f.client_id))
-
     async def _end(self, f: Flight, terminal: Finished | Error) -> None:
-        if self.flights.pop(f.key, None) is None:
+        if self.flights.pop(f.req.request_id, None) is None:
             return
+        self.moving.pop(f.req.request_id, None)
         self.latency.finish(f.key, terminal, time.monotonic())
         if f.front_key is not None:
             self.by_client.pop(f.front_key, None)
@@ -354,16 +330,22 @@ class Router(RouterFront):
         await f.deliver(terminal)
 
     async def _submit(self, f: Flight) -> None:
-        self.flights[f.key] = f
+        f.req = with_seed(f.req, self.migration)  # a sampled stream continues the same noise
+        f.progress = Progress(self.migration, f.req.resume)
+        self.flights[f.req.request_id] = f
         self.latency.start(f.key, time.monotonic())
         if f.front_key is not None:
             self.by_client[f.front_key] = f
         await self._place(f)
 
     async def _abort(self, f: Flight) -> None:
-        if f.key in self.flights and f.peer is not None:
+        if f.req.request_id in self.moving:  # between two nodes: nothing runs it
+            await self._end(f, Finished(f.client_id, "abort", Usage(
+                len(f.req.prompt_token_ids or []), f.progress.streamed)))
+        elif f.req.request_id in self.flights and f.peer is not None:
             with contextlib.suppress(zmq.ZMQError):
-                await self.peers[f.peer].send(self._enc.encode(Abort(f.key)), zmq.NOBLOCK)
+                await self.peers[f.peer].send(self._enc.encode(Abort(f.req.request_id)),
+                                              zmq.NOBLOCK)
 
     def _new_key(self) -> str:
         return f"router-{next(self._ids)}"
@@ -399,7 +381,7 @@ class Router(RouterFront):
                 if isinstance(msg, Finished):
                     return
         finally:
-            if f.key in self.flights:
+            if f.req.request_id in self.flights:
                 await self._abort(f)
 
     async def stats(self, timeout: float = 10.0) -> Stats:
@@ -443,13 +425,15 @@ async def start_router(listen: str | None, decode_peers: list[str], http_listen:
                        dead_after: float = 3.0, wait_for_peer: float = 60.0,
                        resolve_interval: float = 10.0, slo: Slo | None = None,
                        salt_by_tenant: SaltByTenant = "auto",
-                       http_limits: HttpLimits | None = None) -> tuple[Router, Any]:
+                       http_limits: HttpLimits | None = None,
+                       migration: MigrationPolicy | None = None) -> tuple[Router, Any]:
     """Start a router (and its HTTP gateway when ``http_listen`` is set). Returns
     ``(router, gateway or None)``; stop the gateway first, then the router."""
     from disagg.actors.http.http import Gateway
 
     router = Router(decode_peers, listen, poll_interval=poll_interval, dead_after=dead_after,
-                    resolve_interval=resolve_interval, slo=slo, salt_by_tenant=salt_by_tenant)
+                    resolve_interval=resolve_interval, slo=slo, salt_by_tenant=salt_by_tenant,
+                    migration=migration)
     await router.start(wait_for_peer)
     gateway = None
     if http_listen is not None:
@@ -479,7 +463,8 @@ async def run_router(listen: str, decode_peers: list[str], http_listen: str | No
                      max_model_len: int | None = None, poll_interval: float = 0.5,
                      dead_after: float = 3.0, resolve_interval: float = 10.0,
                      slo: Slo | None = None, salt_by_tenant: SaltByTenant = "auto",
-                     http_limits: HttpLimits | None = None) -> int:
+                     http_limits: HttpLimits | None = None,
+                     migration: MigrationPolicy | None = None) -> int:
     """``disagg-node --role router``: serve until SIGINT/SIGTERM. Returns an exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -490,7 +475,7 @@ async def run_router(listen: str, decode_peers: list[str], http_listen: str | No
                                              model_name, max_model_len, poll_interval, dead_after,
                                              resolve_interval=resolve_interval, slo=slo,
                                              salt_by_tenant=salt_by_tenant,
-                                             http_limits=http_limits)
+                                             http_limits=http_limits, migration=migration)
     except Exception as e:
         log.error("could not start: %s", e)
         return 1

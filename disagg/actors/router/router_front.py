@@ -29,6 +29,7 @@ from disagg.protocol import (
 )
 from disagg.serving.admission import MAX_REQUEST_ID
 from disagg.serving.metrics import Metrics, RequestTimer
+from disagg.serving.migration import MigrationPolicy, Progress
 from disagg.serving.routing import LoadBalancer
 from disagg.serving.salting import TenantSalting
 from disagg.serving.security import ClientKeyIds
@@ -40,15 +41,18 @@ log = logging.getLogger("disagg.actors.router.router")
 class Flight:
     """One request live through the router."""
 
-    key: str  # router-unique request id, used towards the peer
+    key: str  # router-unique request id
     client_id: str  # the request id the client chose
-    req: GenerateRequest  # as sent to the peer (kept to resend before the first token)
+    # as sent to the peer, under its wire id (request_id: the key, "KEY.mN" after N
+    # migrations); kept to resend before the first token and to migrate after
+    req: GenerateRequest
     deliver: Callable[[NodeReply], Awaitable[None]]  # replies, under client_id
     front_key: tuple[bytes, str] | None = None  # (identity, client_id) on the ROUTER socket
     timer: RequestTimer | None = None
     peer: str | None = None
     streamed: bool = False
     tried: set[str] = field(default_factory=set)
+    progress: Progress = field(default_factory=lambda: Progress(MigrationPolicy(limit=0)))
 
 
 class RouterFront:

@@ -88,7 +88,8 @@ class DecodeSide(SchedulerSide):
         if self.remote.peers_alive == 0 or seq.params.prompt_logprobs is not None:
             return False  # prompt logprobs: computed here, where the prompt runs (README)
         sched, ps = self.port.sched, self.port.page_size
-        n = len(seq.prompt_ids) - 1  # the prefiller computes all but the last token
+        n = seq.num_tokens - 1  # the prefiller computes all but the last token (of a resumed
+        # request: its prompt and the tokens streamed before)
         hashes = sched.prefix_hashes(seq) if sched.prefix_caching else []
         held = sched.held_run(hashes)  # in any KV tier: a host-tier prefix is reloaded here
         if n - held * ps <= self.local_prefill_max_tokens:
@@ -290,9 +291,11 @@ class DecodeSide(SchedulerSide):
         free, a 32k-element list). The routing keys come from those bytes and its cache salt,
         which the prefiller's page hashes take too."""
         ids, held = seq.prompt_ids, len(seq.block_table)
+        if seq.output_ids:  # resumed (protocol.Resume): the prompt and what was streamed
+            ids = seq.tokens(0, seq.num_tokens)
         n = len(ids) - 1
-        prompt = None if seq.prompt_msgpack is None else drop_last_id(seq.prompt_msgpack,
-                                                                      len(ids), ids[-1])
+        prompt = None if seq.prompt_msgpack is None or seq.output_ids else drop_last_id(
+            seq.prompt_msgpack, len(ids), ids[-1])
         if prompt is None:
             last = ids.pop()
             try:

@@ -33,6 +33,7 @@ from disagg.protocol import (
     Finished,
     GenerateRequest,
     NodeReply,
+    Resume,
     Stats,
     StatsRequest,
     Usage,
@@ -59,7 +60,8 @@ class IntakeHost(Protocol):
 
     def requests_of(self, identity: bytes) -> list[Sequence]: ...
 
-    def make_live(self, identity: bytes, seq: Sequence, admitted_at: float) -> None: ...
+    def make_live(self, identity: bytes, seq: Sequence, admitted_at: float,
+                  resume: Resume | None = None) -> None: ...
 
     def next_slot(self) -> int: ...
 
@@ -286,6 +288,15 @@ class ClientIntake:
             return
         if self.tokenizing.pop(key, None) is None:
             return  # aborted (or its client left) meanwhile
+        if req.resume is not None:  # the matcher goes through what was streamed already
+            bad = next((t for t in req.resume.output_ids if not grammar.accept(t)), None)
+            if bad is not None:
+                self._forget_client(identity)
+                self.counters.errored += 1
+                await self.host.send(identity, Error(
+                    "bad_request", f"resume.output_ids: token {bad} does not obey "
+                    f"{so.param}", req.request_id))
+                return
         self._accept(identity, req, ids, encoded, grammar)
 
     def _forget_client(self, identity: bytes) -> None:
@@ -302,8 +313,10 @@ class ClientIntake:
         slot = self.host.next_slot()
         seq = Sequence(slot, req.request_id, ids, p, seed, arrival=slot, prompt_msgpack=encoded,
                        cache_salt=req.cache_salt, grammar=grammar)
+        if req.resume is not None:  # continued here: prefilled with the prompt, then sampled on
+            seq.output_ids = list(req.resume.output_ids)
         now = time.monotonic()
-        self.host.make_live(identity, seq, now)
+        self.host.make_live(identity, seq, now, req.resume)
         self.queue.push(self._tenant(identity), seq, now + self.limits.queue_timeout_s)
 
     async def client_gone(self, msg: ClientGone) -> None:

@@ -45,6 +45,7 @@ from disagg.protocol import (
     ErrorCode,
     Finished,
     NodeReply,
+    Resume,
     Stats,
     TokenChunk,
     Usage,
@@ -260,7 +261,12 @@ class SchedulerActor:
         task.add_done_callback(self._tasks.discard)
 
     async def enqueue(self, seq: Sequence) -> None:
-        """Hand an admitted sequence to batching (a decode node may prefill it remotely)."""
+        """Hand an admitted sequence to batching (a decode node may prefill it remotely); a
+        resumed one whose streamed tokens already end it (its node died before its Finished)
+        finishes at once."""
+        if seq.output_ids and (reason := self._resumed_end(seq)) is not None:
+            await self._end(seq, Finished(seq.request_id, reason, self.usage(seq)))
+            return
         if not await self.side.enqueue(seq):
             self.sched.add(seq)
 
@@ -284,6 +290,19 @@ class SchedulerActor:
             await self._end(seq, Finished(seq.request_id, update.finish_reason, self.usage(seq),
                                           timings=self.side.timings_of(seq)))
 
+    def _resumed_end(self, seq: Sequence) -> str | None:
+        """Why a resumed sequence is finished already by its last streamed token (as
+        ``BatchScheduler.update`` would have said), or None."""
+        p, n, last = seq.params, len(seq.output_ids), seq.output_ids[-1]
+        if seq.grammar is not None and seq.grammar.terminated:
+            return "stop"
+        if n >= p.min_tokens and (last in p.stop_token_ids or (
+                not p.ignore_eos and last in self.sched.eos_token_ids)):
+            return "stop"
+        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
     def next_slot(self) -> int:
         return next(self._slots)
 
@@ -296,12 +315,16 @@ class SchedulerActor:
     def requests_of(self, identity: bytes) -> list[Sequence]:
         return [live.seq for key, live in self.live.items() if key[0] == identity]
 
-    def make_live(self, identity: bytes, seq: Sequence, admitted_at: float) -> None:
-        """An admitted request (queued by the intake) becomes live: its replies stream."""
+    def make_live(self, identity: bytes, seq: Sequence, admitted_at: float,
+                  resume: Resume | None = None) -> None:
+        """An admitted request (queued by the intake) becomes live: its replies stream (a
+        resumed one's detokenizer as the node that streamed it left it)."""
         key = (identity, seq.request_id)
-        self.live[key] = Live(identity, seq, IncrementalDetokenizer(self.tokenizer,
-                                                                    seq.prompt_ids),
-                              admitted_at)
+        detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_ids) if resume is None
+                 else IncrementalDetokenizer.resumed(self.tokenizer, seq.prompt_ids,
+                                                     resume.output_ids, resume.text_prefix,
+                                                     resume.text_read))
+        self.live[key] = Live(identity, seq, detok, admitted_at)
         self.by_slot[seq.slot] = key
 
     async def end(self, seq: Sequence, terminal: Finished | Error) -> None:

@@ -1,0 +1,262 @@
+"""Request migration through real processes (``disagg.serving.migration``): a node continues a
+resumed request (``protocol.Resume``) exactly where another stopped; behind a router, the
+streams of a decode node that restarts or is SIGKILLed mid-stream go on on the other decoder
+with no token lost or repeated, their text equal to an uninterrupted greedy run.
+
+``DISAGG_TEST_MIGRATION_REQUESTS`` (default 16) sets how many requests stream when the decoder
+is killed (docs/RELIABILITY.md records a run at 64)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from disagg.actors.router.router import Router, start_router
+from disagg.client import AsyncClient
+from disagg.protocol import (
+    Finished,
+    GenerateRequest,
+    NodeReply,
+    Resume,
+    SamplingParams,
+    TokenChunk,
+)
+from disagg.serving.migration import MigrationPolicy, Progress
+from nodes import LoopThread, node, pools_full, prompt, running, wait_for
+from tinymodels import free_port
+
+REQUESTS = int(os.environ.get("DISAGG_TEST_MIGRATION_REQUESTS", "16"))
+NEW = 40  # output tokens per streamed request
+MAX_LEN = 256
+
+
+def raw(addr: str, req: GenerateRequest, timeout: float = 60.0) -> list[NodeReply]:
+    """Every reply to ``req`` (a resumed one included) up to its terminal one."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    dec = msgspec.msgpack.Decoder(NodeReply)
+    out: list[NodeReply] = []
+    try:
+        sock.send(msgspec.msgpack.encode(req))
+        deadline = time.monotonic() + timeout
+        while not out or isinstance(out[-1], TokenChunk):
+            assert sock.poll(int(1000 * max(0.0, deadline - time.monotonic()))), out
+            out.append(dec.decode(sock.recv()))
+        return out
+    finally:
+        sock.close()
+
+
+def cut(replies: list[NodeReply], k: int, first: GenerateRequest) -> GenerateRequest:
+    """The request that resumes ``first`` after its first ``k`` chunks, as the router
+    builds it."""
+    p = Progress(MigrationPolicy())
+    for m in replies[:k]:
+        assert isinstance(m, TokenChunk)
+        p.on_chunk(m.token_ids, m.text)
+    nxt = p.resume(first, f"{first.request_id}.m1")
+    assert not isinstance(nxt, str)
+    return nxt
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=24, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, top_k=40, seed=7, presence_penalty=0.5,
+                   frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=20, logprobs=2),
+], ids=["greedy", "seeded-penalties"])
+@pytest.mark.parametrize("text", [False, True], ids=["ids", "text"])
+def test_a_resumed_request_continues_the_stream_exactly(shared_node, sampling, text):
+    """Cut at the first, a middle and the last chunk: the resumed run streams exactly the
+    rest (tokens, text, logprobs' tokens), and its usage is the whole request's."""
+    first = (GenerateRequest("mig-t", prompt="w5 w9 w12 w7 w30", sampling=sampling) if text
+             else GenerateRequest("mig-i", prompt_token_ids=prompt(9, salt=41), sampling=sampling))
+    whole = raw(shared_node, first)
+    chunks, fin = whole[:-1], whole[-1]
+    assert isinstance(fin, Finished) and len(chunks) >= 3, whole
+    for k in (1, len(chunks) // 2, len(chunks) - 1):
+        rest = raw(shared_node, cut(whole, k, first))
+        assert isinstance(rest[-1], Finished), rest
+        got = [t for m in rest[:-1] for t in m.token_ids]  # type: ignore[union-attr]
+        assert got == [t for m in chunks[k:] for t in m.token_ids], k
+        assert "".join(m.text for m in rest[:-1]) == "".join(  # type: ignore[union-attr]
+            m.text for m in chunks[k:]), k
+        if sampling.logprobs is not None:
+            lps = [lp.token_id for m in rest[:-1] for lp in m.logprobs]  # type: ignore[union-attr]
+            assert lps == got
+        assert rest[-1].reason == fin.reason
+        assert rest[-1].usage.prompt_tokens == fin.usage.prompt_tokens
+        assert rest[-1].usage.completion_tokens == fin.usage.completion_tokens == len(
+            [t for m in chunks for t in m.token_ids])
+
+
+def test_a_request_resumed_past_its_end_finishes_at_once(shared_node):
+    """Its node died between the last token and the Finished: the next node only finishes
+    it (EOS streamed: stop; max_tokens streamed: length)."""
+    eos = GenerateRequest("mig-e", prompt_token_ids=[5, 6], sampling=SamplingParams(max_tokens=9),
+                          resume=Resume([7, 2]))  # the tiny models' EOS is 2
+    [fin] = raw(shared_node, eos)
+    assert isinstance(fin, Finished) and fin.reason == "stop"
+    assert (fin.usage.prompt_tokens, fin.usage.completion_tokens) == (2, 2)
+    full = GenerateRequest("mig-l", prompt_token_ids=[5, 6],
+                           sampling=SamplingParams(max_tokens=2), resume=Resume([7, 8]))
+    [fin] = raw(shared_node, full)
+    assert isinstance(fin, Finished) and fin.reason == "length"
+
+
+# ------------------------------------------------------------------ behind a router
+
+
+@pytest.fixture(scope="module")
+def cluster(chat_llama, tmp_path_factory):
+    """A prefiller and two decoders (processes); a router in this process over them."""
+    tmp = tmp_path_factory.mktemp("migration")
+    p_addr, p = node("prefill", chat_llama, tmp, "--num-pages", "512", "--max-model-len",
+                     str(MAX_LEN))
+    decoders = dict(node("decode", chat_llama, tmp, "--num-pages", "1024", "--prefill-peer",
+                         p_addr, "--heartbeat", "0.2", "--max-model-len", str(MAX_LEN))
+                    for _ in range(2))
+    with running([p, *decoders.values()], list(decoders)):
+        lt = LoopThread()
+        r, _ = lt.run(start_router(f"tcp://127.0.0.1:{free_port()}", list(decoders),
+                                   poll_interval=0.2, dead_after=1.5, wait_for_peer=30))
+        wait_for(lambda: len(r.balancer.alive()) == 2, what="both decoders live")
+        try:
+            yield lt, r, decoders, p_addr
+        finally:
+            lt.run(r.stop())
+            lt.close()
+
+
+def workload(n: int) -> list[list[int]]:
+    return [prompt(3 + (i * 5) % 23, salt=900 + i) for i in range(n)]
+
+
+def stream_all(addr: str, prompts: list[list[int]], started: asyncio.Event | None = None
+               ) -> list[tuple[list[int], str, Finished]]:
+    """Every prompt at once through ``addr``: each stream's tokens, text and Finished."""
+
+    async def run() -> list[tuple[list[int], str, Finished]]:
+        client = AsyncClient(addr)
+
+        async def one(ids: list[int]) -> tuple[list[int], str, Finished]:
+            out: list[int] = []
+            text = ""
+            async for m in client.generate(prompt_token_ids=ids, timeout=180,
+                                           sampling=SamplingParams(max_tokens=NEW,
+                                                                   ignore_eos=True)):
+                if isinstance(m, TokenChunk):
+                    out += m.token_ids
+                    text += m.text
+                else:
+                    return out, text, m
+            raise AssertionError("no Finished")
+
+        try:
+            return list(await asyncio.gather(*[one(ids) for ids in prompts]))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+async def streaming_on(r: Router, peer: str, tokens: int) -> int:
+    """Requests on ``peer`` that streamed at least ``tokens`` tokens (read on the router's
+    loop)."""
+    return sum(f.peer == peer and f.progress.streamed >= tokens for f in r.flights.values())
+
+
+def moved(r: Router, outcome: str) -> float:
+    return r.moved.labels(outcome)._value.get()
+
+
+def kill_when_streaming(lt: LoopThread, r: Router, prompts: list[list[int]], kill) -> tuple[
+        list[tuple[list[int], str, Finished]], str, int]:
+    """Stream ``prompts`` through the router; once a quarter of them stream on one decoder
+    (4 tokens or more each), ``kill(that decoder)``. Returns the streams, the decoder and how
+    many requests were streaming on it."""
+    import threading
+
+    result: list[tuple[list[int], str, Finished]] = []
+    t = threading.Thread(target=lambda: result.extend(stream_all(r.address, prompts)))
+    t.start()
+    want = max(2, len(prompts) // 4)
+    deadline = time.monotonic() + 120
+    victim, on_victim = None, 0
+    while victim is None:
+        assert time.monotonic() < deadline and t.is_alive(), "no decoder ever streamed"
+        for peer in r.balancer.order:
+            n = lt.run(streaming_on(r, peer, 4))
+            if n >= want:
+                victim, on_victim = peer, n
+                break
+        time.sleep(0.02)
+    kill(victim)
+    t.join(240)
+    assert not t.is_alive() and len(result) == len(prompts)
+    return result, victim, on_victim
+
+
+def check(result, reference) -> None:
+    for (out, text, fin), (ref, ref_text, _) in zip(result, reference, strict=True):
+        assert fin.reason == "length" and fin.usage.completion_tokens == NEW, fin
+        assert out == ref  # no token lost, none repeated
+        assert text == ref_text
+
+
+def test_streams_of_a_restarting_decoder_move_to_the_other(cluster):
+    """An executor of a decoder is killed mid-stream: that node ends its requests
+    ``internal`` and restarts in place; the router moves each to the other decoder from the
+    exact token."""
+    lt, r, decoders, _ = cluster
+    prompts = workload(8)
+    reference = stream_all(r.address, prompts)  # uninterrupted
+    before = moved(r, "moved")
+
+    def kill_executor(peer: str) -> None:
+        [executor] = decoders[peer].children()
+        os.kill(executor, signal.SIGKILL)
+
+    result, victim, n = kill_when_streaming(lt, r, prompts, kill_executor)
+    check(result, reference)
+    assert moved(r, "moved") - before >= n >= 2
+    wait_for(lambda: len(r.balancer.serving()) == 2, timeout=90, what=f"{victim} serving again")
+
+
+def test_streams_of_a_killed_decoder_finish_on_the_other_exactly(cluster):
+    """A decoder SIGKILLed while streaming: every request completes, each stream's text and
+    tokens equal to an uninterrupted greedy run (no token lost or repeated); the survivor
+    and the prefiller end with every page free."""
+    lt, r, decoders, p_addr = cluster
+    prompts = workload(REQUESTS)
+    t0 = time.monotonic()
+    reference = stream_all(r.address, prompts)
+    uninterrupted_s = time.monotonic() - t0
+    before = moved(r, "moved")
+
+    def kill_node(peer: str) -> None:
+        proc = decoders[peer]
+        kids = proc.children()
+        proc.proc.send_signal(signal.SIGKILL)
+        for k in kids:
+            os.kill(k, signal.SIGKILL)
+
+    t0 = time.monotonic()
+    result, victim, n = kill_when_streaming(lt, r, prompts, kill_node)
+    killed_s = time.monotonic() - t0
+    check(result, reference)
+    assert moved(r, "moved") - before >= n >= 2
+    assert moved(r, "refused") == 0
+    survivor = next(a for a in decoders if a != victim)
+    for addr in (survivor, p_addr):
+        wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
+    print(f"\nmigration: {len(prompts)}/{len(prompts)} complete and exact; {n} streaming on "
+          f"the killed decoder, {moved(r, 'moved') - before:.0f} moved; uninterrupted "
+          f"{uninterrupted_s:.1f} s, with the kill {killed_s:.1f} s")
