@@ -61,10 +61,11 @@ class RequestError(RuntimeError):
 
 
 def _request(prompt: str | None, prompt_token_ids: list[int] | None, sampling: SamplingParams | None,
-             request_id: str | None, cache_salt: str | None = None) -> GenerateRequest:
+             request_id: str | None, cache_salt: str | None = None,
+             tenant: str | None = None) -> GenerateRequest:
     return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt,
                            prompt_token_ids=prompt_token_ids, sampling=sampling or SamplingParams(),
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, tenant=tenant)
 
 
 class AsyncClient:
@@ -159,10 +160,12 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float = 600.0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[TokenChunk | Finished]:
         """Stream ``TokenChunk``s, then the ``Finished``. Raises ``RequestError`` on ``Error``.
-        ``cache_salt``: share cached prompt prefixes only with requests of the same salt."""
-        req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt)
+        ``cache_salt``: share cached prompt prefixes only with requests of the same salt;
+        ``tenant``: the unit of fairness it counts under on the node (``GenerateRequest``)."""
+        req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt, tenant)
         self._ensure_reader()
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[req.request_id] = q

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="N", help="output tokens at most of a chat request that sets "
                       "neither max_tokens nor max_completion_tokens (finish_reason length); 0: "
                       "up to the context limit, as OpenAI's API")
+    http.add_argument("--tenant-header", default=h.tenant_header, metavar="NAME",
+                      help="the HTTP header whose value is a request's tenant, its unit of "
+                      "fairness on the decoders (their fair queue, --max-requests-per-client); "
+                      "default: the id of its API key (Authorization: Bearer), if any")
     return ap
 
 
@@ -72,7 +76,8 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
                       write_timeout_s=args.http_write_timeout,
                       body_buffer_bytes=args.http_body_buffer_mb << 20,
                       max_n=args.max_n,
-                      default_max_tokens=args.default_max_tokens).validate()
+                      default_max_tokens=args.default_max_tokens,
+                      tenant_header=args.tenant_header).validate()
 
 
 def tp_devices(devices: list[str], tp: int, dp: int = 1) -> list[str]:

@@ -28,7 +28,7 @@ MIN_CONNECTIONS = 8  # however small the fd table, the gateway keeps this many
 class HttpLimits(msgspec.Struct, frozen=True):
     """``--http-max-connections``, ``--http-header-timeout``, ``--http-body-timeout``,
     ``--http-write-timeout``, ``--http-body-buffer-mb`` (bytes here), ``--max-n``,
-    ``--default-max-tokens``, and the body limit."""
+    ``--default-max-tokens``, ``--tenant-header``, and the body limit."""
 
     max_connections: int = 1024
     header_timeout_s: float = 15.0  # connection open / previous response -> complete head
@@ -40,6 +40,9 @@ class HttpLimits(msgspec.Struct, frozen=True):
     # --default-max-tokens: a chat request's output cap when it names none (0: up to the context
     # limit, as OpenAI's API does); a request's own max_tokens is never lowered by it
     default_max_tokens: int = 1024
+    # --tenant-header: the header naming a request's tenant (disagg.serving.tenants); empty:
+    # the API key's id (Authorization: Bearer), if any
+    tenant_header: str = ""
 
     def validate(self) -> HttpLimits:
         if self.max_connections < 1:

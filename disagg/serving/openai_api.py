@@ -183,6 +183,7 @@ class Prepared:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     logprobs: int | None = None  # alternatives per token (None: no logprobs)
     tools: ToolPlan | None = None  # chat with tools: how its output becomes tool_calls
+    tenant: str | None = None  # the gateway's: GenerateRequest.tenant (disagg.serving.tenants)
 
     @property
     def all_prompts(self) -> list[list[int]]:

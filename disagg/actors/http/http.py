@@ -66,6 +66,7 @@ from disagg.serving.openai_api import (
     usage_chunk,
 )
 from disagg.serving.openai_logprobs import token_text_of
+from disagg.serving.tenants import http_tenant
 from disagg.serving.tool_calls import apply_tool_calls
 from disagg.serving.tool_calls import finish_reason as tool_finish_reason
 
@@ -81,8 +82,8 @@ class Backend(Protocol):
 
     def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                  sampling: SamplingParams | None = None, request_id: str | None = None,
-                 timeout: float = 600.0, cache_salt: str | None = None
-                 ) -> AsyncIterator[TokenChunk | Finished]: ...
+                 timeout: float = 600.0, cache_salt: str | None = None,
+                 tenant: str | None = None) -> AsyncIterator[TokenChunk | Finished]: ...
 
     async def stats(self, timeout: float = 10.0) -> Stats: ...
 
@@ -283,6 +284,7 @@ class Gateway:
         except ApiError as e:
             self.metrics.observe_error(e.code, e.type)
             return _error(e)
+        prep.tenant = http_tenant(request.headers, self.limits.tenant_header)
         rid = new_id("chatcmpl" if chat else "cmpl")
         timer = self.metrics.start_request()
         outcome, code, etype = "abort", None, None  # what a cancellation (client gone) leaves
@@ -320,7 +322,8 @@ class Gateway:
         produced = 0
         stream = self.backend.generate(prompt_token_ids=prep.prompt_token_ids,
                                        sampling=prep.sampling, request_id=rid,
-                                       timeout=self.request_timeout, cache_salt=prep.cache_salt)
+                                       timeout=self.request_timeout, cache_salt=prep.cache_salt,
+                                       tenant=prep.tenant)
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for msg in stream:

@@ -354,10 +354,11 @@ class Router(RouterFront, RouterPlacement):
 
     async def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                        sampling: SamplingParams | None = None, request_id: str | None = None,
-                       timeout: float = 600.0, cache_salt: str | None = None
-                       ) -> AsyncIterator[TokenChunk | Finished]:
+                       timeout: float = 600.0, cache_salt: str | None = None,
+                       tenant: str | None = None) -> AsyncIterator[TokenChunk | Finished]:
         """As ``AsyncClient.generate``: stream ``TokenChunk``s, then the ``Finished``; raise
-        ``RequestError`` on ``Error``. Closing the stream early aborts the request."""
+        ``RequestError`` on ``Error``. Closing the stream early aborts the request. ``tenant``
+        goes on to the decoder (its fair queue)."""
         key = self._new_key()
         q: asyncio.Queue[NodeReply] = asyncio.Queue()
 
@@ -365,7 +366,8 @@ class Router(RouterFront, RouterPlacement):
             q.put_nowait(msg)
 
         req = GenerateRequest(request_id=key, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                              sampling=sampling or SamplingParams(), cache_salt=cache_salt)
+                              sampling=sampling or SamplingParams(), cache_salt=cache_salt,
+                              tenant=tenant)
         f = Flight(key, request_id or key, req, deliver)
         await self._submit(f)
         try:

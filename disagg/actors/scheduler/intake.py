@@ -7,6 +7,10 @@ stopped reading has its requests ended.
 The intake owns what is about client frames and admission: the fair queue of admitted
 requests not handed to batching yet, the live count of each tenant, the tenants, the requests
 being tokenized, and the frames of each client handled but not yet counted in a reply (acks).
+A request's tenant (its unit of fairness) is its client key; without one, the
+``GenerateRequest.tenant`` its sender named (a router or gateway's client: an API key's id, a
+header's value); else its connection. While the node drains (``draining``) new requests are
+refused ``unavailable``, so that a router sends them to another node.
 The live requests are the scheduler's: the intake sees them, and replies, through
 ``IntakeHost``."""
 
@@ -93,6 +97,9 @@ class ClientIntake:
         self.raise_hint = raise_hint
         self.per_client: collections.Counter[bytes] = collections.Counter()  # live + tokenizing
         self.tenant_of: dict[bytes, bytes] = {}  # identity -> its tenant (a client key)
+        # (identity, request id) -> the tenant it counts under, while it is counted
+        self.unit_of: dict[tuple[bytes, str], bytes] = {}
+        self.draining: str | None = None  # why new requests are refused (the node drains)
         self.queue: FairQueue[Sequence] = FairQueue()  # admitted, not handed to batching yet
         # requests being prepared off the event loop: tokenized, or their grammar compiled
         self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}
@@ -132,14 +139,21 @@ class ClientIntake:
 
     def ended(self, identity: bytes, seq: Sequence) -> None:
         """A live request of ``identity`` ended: no longer counted, no longer queued."""
-        self._forget_client(identity)
-        self.queue.remove(self._tenant(identity), seq)
+        unit = self._forget_client(identity, seq.request_id)
+        self.queue.remove(unit, seq)
 
     # ------------------------------------------------------------------ client frames
 
-    def _tenant(self, identity: bytes) -> bytes:
-        """The unit of fairness of ``identity``'s requests: its client key, else itself."""
-        return self.tenant_of.get(identity, identity)
+    def _tenant(self, identity: bytes, req: GenerateRequest | None = None) -> bytes:
+        """The unit of fairness of ``identity``'s request ``req``: its client key, else the
+        tenant ``req`` names (a router's or gateway's client), else ``identity`` itself. The
+        first bytes keep the three apart (NUL, STX: no routing id a client may choose)."""
+        key = self.tenant_of.get(identity)
+        if key is not None:
+            return key
+        if req is not None and req.tenant is not None:
+            return b"\2" + req.tenant.encode()
+        return identity
 
     async def handle(self, env: FromClient) -> None:
         """One client frame (counted as handled: the next reply to its client acks it)."""
@@ -159,7 +173,7 @@ class ClientIntake:
                 seq = self.host.live_request(key)
                 if key in self.tokenizing:  # dropped when its tokens come back
                     del self.tokenizing[key]
-                    self._forget_client(env.identity)
+                    self._forget_client(env.identity, rid)
                     self.counters.aborted += 1
                     await self.host.send(env.identity, Finished(rid, "abort", Usage(0, 0)))
                     return
@@ -186,7 +200,10 @@ class ClientIntake:
             await self._refuse(identity, req, "duplicate_request",
                                f"request_id {req.request_id!r} is already live")
             return
-        tenant = self._tenant(identity)
+        if self.draining is not None:
+            await self._refuse(identity, req, "unavailable", self.draining)
+            return
+        tenant = self._tenant(identity, req)
         why, make_room = self.limits.admission(
             self.per_client[tenant], len(self.queue), self.queue.count(tenant),
             self.queue.clients(tenant), self.queue.largest())
@@ -210,6 +227,7 @@ class ClientIntake:
                 await self._give_way()
             self.tokenizing[key] = req  # counted live for its client from now on
             self.per_client[tenant] += 1
+            self.unit_of[key] = tenant
             self.counters.started += 1
             self.host.spawn(self._tokenize_then_admit(identity, req))
             return
@@ -223,6 +241,7 @@ class ClientIntake:
             await self._give_way()
         self.counters.started += 1
         self.per_client[tenant] += 1
+        self.unit_of[key] = tenant
         if so is not None:  # its grammar is compiled off the event loop first
             self.tokenizing[key] = req
             self.host.spawn(self._compile_then_accept(identity, req, ids, encoded))
@@ -253,7 +272,7 @@ class ClientIntake:
                                           self.raise_hint)
         except RequestRejected as e:
             if self.tokenizing.pop(key, None) is not None:
-                self._forget_client(identity)
+                self._forget_client(identity, req.request_id)
                 self.counters.errored += 1
                 await self.host.send(identity, Error(e.code, str(e), req.request_id))
             return
@@ -282,7 +301,7 @@ class ClientIntake:
                                    f"longer than {COMPILE_TIMEOUT_S:g} s; simplify it") from None
         except GrammarError as e:
             if self.tokenizing.pop(key, None) is not None:
-                self._forget_client(identity)
+                self._forget_client(identity, req.request_id)
                 self.counters.errored += 1
                 await self.host.send(identity, Error("bad_request", str(e), req.request_id))
             return
@@ -291,7 +310,7 @@ class ClientIntake:
         if req.resume is not None:  # the matcher goes through what was streamed already
             bad = next((t for t in req.resume.output_ids if not grammar.accept(t)), None)
             if bad is not None:
-                self._forget_client(identity)
+                self._forget_client(identity, req.request_id)
                 self.counters.errored += 1
                 await self.host.send(identity, Error(
                     "bad_request", f"resume.output_ids: token {bad} does not obey "
@@ -299,11 +318,13 @@ class ClientIntake:
                 return
         self._accept(identity, req, ids, encoded, grammar)
 
-    def _forget_client(self, identity: bytes) -> None:
-        tenant = self._tenant(identity)
+    def _forget_client(self, identity: bytes, request_id: str) -> bytes:
+        """``identity``'s request ``request_id`` is no longer counted; returns its tenant."""
+        tenant = self.unit_of.pop((identity, request_id), None) or self._tenant(identity)
         self.per_client[tenant] -= 1
         if self.per_client[tenant] <= 0:
             del self.per_client[tenant]
+        return tenant
 
     def _accept(self, identity: bytes, req: GenerateRequest, ids: list[int],
                 encoded: memoryview | None = None, grammar: GrammarState | None = None) -> None:
@@ -317,13 +338,14 @@ class ClientIntake:
             seq.output_ids = list(req.resume.output_ids)
         now = time.monotonic()
         self.host.make_live(identity, seq, now, req.resume)
-        self.queue.push(self._tenant(identity), seq, now + self.limits.queue_timeout_s)
+        unit = self.unit_of.get((identity, req.request_id)) or self._tenant(identity, req)
+        self.queue.push(unit, seq, now + self.limits.queue_timeout_s)
 
     async def client_gone(self, msg: ClientGone) -> None:
         """End a vanished (or no longer reading) client's requests: nobody wants the tokens."""
         for key in [k for k in self.tokenizing if k[0] == msg.identity]:
             del self.tokenizing[key]
-            self._forget_client(msg.identity)
+            self._forget_client(*key)
             self.counters.aborted += 1
         seqs = self.host.requests_of(msg.identity)
         if seqs:
@@ -342,6 +364,6 @@ class ClientIntake:
         """End every request being tokenized with an Error (shutdown, executor failure)."""
         for identity, rid in list(self.tokenizing):
             del self.tokenizing[(identity, rid)]
-            self._forget_client(identity)
+            self._forget_client(identity, rid)
             self.counters.errored += 1
             await self.host.send(identity, Error(code, message, rid))
