@@ -103,6 +103,9 @@ class Node:
         if ex.dp > 1 and cfg.role != "mixed":
             raise ConfigError(f"--dp {ex.dp} runs on mixed nodes for now (a {cfg.role} node's "
                               "transfers address one rank's pages): use --tp, or --role mixed")
+        if ex.dp > 1 and cfg.cache.kv_host_cache_mb:
+            raise ConfigError(f"--dp {ex.dp} with --kv-host-cache-mb: the KV tiers hold one "
+                              "rank's pages, not yet one pool per rank; drop one of them")
         tokenizer = Tokenizer.from_dir(model_dir)
         security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys else None)
         self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")

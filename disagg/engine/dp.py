@@ -21,6 +21,7 @@ from typing import Protocol, cast
 import msgspec
 
 from disagg.engine.cache import PagePool
+from disagg.protocol import DPRankStats
 from disagg.protocol.executor import StepPlan, StepResult
 
 
@@ -43,6 +44,7 @@ class DPPagePool:
         self.pools = [PagePool(pages_per_rank) for _ in range(ranks)]
         self.num_pages = pages_per_rank * ranks
         self.loads: Callable[[], list[int]] | None = None
+        self.started = [0] * ranks  # sequences that took their first pages, per rank
 
     def rank_of(self, page: int) -> int:
         return page // self.pages_per_rank
@@ -79,8 +81,12 @@ class DPPagePool:
         else:
             rank, local = divmod(after, self.pages_per_rank)
         pages = self.pools[rank].allocate(n, local)
+        if pages is None:
+            return None
+        if after is None:
+            self.started[rank] += 1
         base = rank * self.pages_per_rank
-        return None if pages is None else [base + p for p in pages]
+        return [base + p for p in pages]
 
     def free(self, pages: list[int]) -> None:
         for rank, local in self._local(pages).items():
@@ -111,6 +117,7 @@ class DPPagePool:
         pending = self.loads() if self.loads is not None else [0] * len(self.pools)
         rank = min(ranks, key=lambda r: (pending[r], -self.pools[r].num_free, r))
         base = rank * self.pages_per_rank
+        self.started[rank] += 1
         return [base + p for p in self.pools[rank].match(hashes[:best])]
 
 
@@ -192,3 +199,17 @@ def make_pool(pages_per_rank: int, ranks: int,
     pool.loads = lambda: pending_by_rank(((s.block_table, s.num_tokens - s.num_computed)
                                           for s in running()), pages_per_rank, ranks)
     return cast(PagePool, pool)
+
+
+def rank_stats(pool: PagePool, running: Iterable[_Running],
+               all_to_all_s: list[float]) -> list[DPRankStats]:
+    """Each rank's load for ``Stats.dp_ranks`` (empty for a one-rank ``PagePool``)."""
+    if not isinstance(pool, DPPagePool):
+        return []
+    counts = [0] * len(pool.pools)
+    for s in running:
+        if s.block_table:
+            counts[pool.rank_of(s.block_table[0])] += 1
+    return [DPRankStats(r, counts[r], pool.pages_per_rank, pool.free_on(r), pool.started[r],
+                        all_to_all_s[r] if r < len(all_to_all_s) else 0.0)
+            for r in range(len(pool.pools))]

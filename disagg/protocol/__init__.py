@@ -297,6 +297,19 @@ class Error(msgspec.Struct, tag="error", frozen=True):
     v: int = PROTOCOL_VERSION
 
 
+class DPRankStats(msgspec.Struct, array_like=True, frozen=True):
+    """One data-parallel attention rank of a ``--dp`` node (``Stats.dp_ranks``)."""
+
+    rank: int
+    running: int  # sequences running on the rank now
+    pages_total: int  # the rank's own KV pool
+    pages_free: int
+    started: int  # sequences that took their first pages on the rank (cumulative)
+    # --expert-parallel: seconds the rank's lead executor spent in the MoE layers' all-to-alls
+    # (dispatch and combine, waits for the other ranks included; cumulative)
+    all_to_all_s: float = 0.0
+
+
 class Stats(msgspec.Struct, tag="stats", frozen=True):
     """A snapshot of the node."""
 
@@ -325,6 +338,7 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     pages_fenced: int = 0  # decode: pages a write of a failed attempt may still reach (not free)
     max_model_len: int = 0  # the context limit enforced here: prompt + output tokens
     replies_dropped: int = 0  # replies to clients that vanished or stopped reading
+    dp_ranks: list[DPRankStats] = []  # --dp > 1: each rank's load, in rank order
     pages_cached: int = 0  # free pages holding a cached prefix (evictable; in pages_free)
     prefix_query_tokens: int = 0  # prompt tokens of requests that looked the prefix cache up
     prefix_hit_tokens: int = 0  # ... of which served from this node's prefix cache

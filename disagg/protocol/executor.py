@@ -100,6 +100,9 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen
     logprobs: dict[int, TokenLogprobs] | None = None
     # per slot whose chunk had prompt_rows: one entry per such row, in order
     prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None
+    # --expert-parallel: seconds this executor spent in the MoE all-to-alls since its last
+    # result (waits for the other ranks included)
+    all_to_all_s: float = 0.0
 
 
 class KVMemoryInfo(msgspec.Struct, frozen=True):

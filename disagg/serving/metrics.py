@@ -145,6 +145,30 @@ class _StatsCollector(Collector):
             for state in ("started", "finished", "aborted", "errored", "rejected", "bad_frames"):
                 reqs.add_metric([node, state], float(getattr(s, state)))
         yield reqs
+        yield from _dp_rank_metrics(self.last)
+
+
+_DP_RANK = (  # Stats.dp_ranks fields as metrics labelled by node and rank (--dp > 1)
+    ("disagg_dp_rank_requests_running", "Requests running on a DP attention rank.", "running",
+     GaugeMetricFamily),
+    ("disagg_dp_rank_kv_pages_free", "Free KV pages of a DP rank's own pool.", "pages_free",
+     GaugeMetricFamily),
+    ("disagg_dp_rank_kv_pages_total", "KV pages of a DP rank's own pool.", "pages_total",
+     GaugeMetricFamily),
+    ("disagg_dp_rank_requests_started", "Requests that started on a DP rank.", "started",
+     CounterMetricFamily),
+    ("disagg_dp_rank_all_to_all_seconds", "Seconds a DP rank's lead executor spent in the "
+     "MoE all-to-alls (--expert-parallel).", "all_to_all_s", CounterMetricFamily),
+)
+
+
+def _dp_rank_metrics(last: dict[str, Stats]) -> Iterator[Metric]:
+    for name, doc, field, family in _DP_RANK:
+        fam = family(name, doc, labels=["node", "rank"])
+        for node, s in last.items():
+            for r in getattr(s, "dp_ranks", []):
+                fam.add_metric([node, str(r.rank)], float(getattr(r, field)))
+        yield fam
 
 
 class _AdviceCollector(Collector):

@@ -150,10 +150,17 @@ class PeerLoad:
     waiting: int = 0  # from the last Stats
     in_flight: int = 0  # requests this router has live on the peer now
     external: int = 0  # at the last Stats: running + waiting not explained by in_flight
+    ranks: int = 1  # DP attention ranks (Stats.dp_ranks; 1 without --dp), each its own batch
 
     @property
     def load(self) -> int:
         return self.in_flight + self.external
+
+    @property
+    def share(self) -> float:
+        """The load one of its DP ranks carries (a node of N ranks takes N times the
+        requests of a one-rank node before it counts as busier)."""
+        return self.load / self.ranks
 
 
 class LoadBalancer:
@@ -175,11 +182,11 @@ class LoadBalancer:
         self.prefix_routed = 0  # requests sent to the peer of their known prefix
 
     def on_stats(self, peer: str, running: int, waiting: int, now: float,
-                 draining: bool = False) -> bool:
-        """A Stats reply arrived (its loads; ``draining``: the node's). Returns True when the
-        peer is (again) live because of it."""
+                 draining: bool = False, ranks: int = 1) -> bool:
+        """A Stats reply arrived (its loads; ``draining``: the node's; ``ranks``: its DP
+        attention ranks). Returns True when the peer is (again) live because of it."""
         p = self.peers[peer]
-        p.running, p.waiting = running, waiting
+        p.running, p.waiting, p.ranks = running, waiting, max(1, ranks)
         p.external = max(0, running + waiting - p.in_flight)
         p.stats_asked = None
         if draining:
@@ -245,7 +252,8 @@ class LoadBalancer:
         least = self._least(exclude)
         if least is None:
             return None
-        load = {a: p.load for a, p in self.peers.items() if self.chosen(p) and a not in exclude}
+        load = {a: -(-p.load // p.ranks) for a, p in self.peers.items()  # per DP rank
+                if self.chosen(p) and a not in exclude}
         chosen = self.index.prefer(keys or [], least, load, SLACK_REQUESTS)
         self.prefix_routed += chosen != least
         return chosen
@@ -257,7 +265,7 @@ class LoadBalancer:
         for i in range(n):
             p = self.peers[self.order[(self._turn + i) % n]]
             if self.chosen(p) and p.address not in exclude and (best is None
-                                                                 or p.load < best.load):
+                                                                 or p.share < best.share):
                 best = p
         if best is None:
             return None

@@ -112,3 +112,30 @@ def test_batch_scheduler_over_ranks_balances_and_frees():
         sched.update(batch, plan_tokens)
     assert ranks_used == {0, 1}
     assert not sched.has_work() and pool.num_free == pool.num_pages
+
+
+def test_rank_stats_and_metrics():
+    from disagg.engine.cache import PagePool
+    from disagg.engine.dp import rank_stats
+    from disagg.protocol import Stats
+    from disagg.serving.metrics import Metrics
+
+    pool = DPPagePool(8, 2)
+    pool.loads = lambda: [0, 5]
+    table = pool.allocate(3)
+    assert table is not None
+
+    class Seq:
+        block_table = table
+        num_tokens = 3
+        num_computed = 1
+
+    ranks = rank_stats(pool, [Seq()], [0.5, 0.25])  # type: ignore[arg-type]
+    assert [(r.rank, r.running, r.pages_free, r.started, r.all_to_all_s) for r in ranks] == [
+        (0, 1, 5, 1, 0.5), (1, 0, 8, 0, 0.25)]
+    assert rank_stats(PagePool(8), [], [0.0]) == []
+    m = Metrics()
+    m.update_stats(Stats("mixed", 16, 13, 4, 1, 0, 1, 0, 0, 0, 0, 0, 0, dp_ranks=ranks))
+    text = m.render().decode()
+    assert 'disagg_dp_rank_kv_pages_free{node="local",rank="0"} 5.0' in text
+    assert 'disagg_dp_rank_all_to_all_seconds_total{node="local",rank="1"} 0.25' in text

@@ -84,6 +84,11 @@ def test_dp2_matches_transformers(kind, ep, tmp_path):
                 assert got.get(n) == hf_greedy(path, prompt(n, salt=n), 6), n
             s = c.stats()
             assert s.pages_free == s.pages_total == 128  # two pools of 64
+            assert [(r.rank, r.pages_total, r.pages_free, r.running) for r in s.dp_ranks] == [
+                (0, 64, 64, 0), (1, 64, 64, 0)]
+            assert sum(r.started for r in s.dp_ranks) == 5
+            assert all(r.started > 0 for r in s.dp_ranks)  # the concurrent ones spread
+            assert all((r.all_to_all_s > 0) == ep for r in s.dp_ranks)
         finally:
             c.close()
     finally:

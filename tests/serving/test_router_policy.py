@@ -58,6 +58,21 @@ def test_external_load_from_stats_counts():
     assert lb.peers["a"].load == 0  # our request ended: no phantom external load
 
 
+def test_a_dp_node_takes_requests_per_rank():
+    """A --dp 2 node (Stats.dp_ranks: two) gets two requests for each one of a one-rank node."""
+    lb = LoadBalancer(["one", "dp2"])
+    lb.on_stats("one", 0, 0, 0.0)
+    lb.on_stats("dp2", 0, 0, 0.0, ranks=2)
+    picks = []
+    for _ in range(6):
+        peer = lb.pick()
+        assert peer is not None
+        lb.on_start(peer)
+        picks.append(peer)
+    assert picks.count("dp2") == 4 and picks.count("one") == 2
+    assert lb.peers["dp2"].share == 2.0 and lb.peers["one"].share == 2.0
+
+
 def test_silent_peer_dies_and_comes_back():
     lb = live(["a", "b"], dead_after=2.0, now=0.0)
     lb.on_stats("a", 0, 0, 1.5)

@@ -275,12 +275,19 @@ def reply(enc: msgspec.msgpack.Encoder, runner: ModelRunner, step_id: int,
         frames[0] = enc.encode(StepResult(step_id, tokens, hidden_rows=0 if hidden is None
                                           else int(hidden.shape[0]), counts=counts,
                                           drafts=runner.next_drafts, logprobs=logprobs,
-                                          prompt_logprobs=prompt_logprobs))
+                                          prompt_logprobs=prompt_logprobs,
+                                          all_to_all_s=exchange_seconds(runner)))
         return frames
     except Exception as e:  # noqa: BLE001
         if not isinstance(launched, Exception):
             log.exception("step %d failed", step_id)
         return [enc.encode(StepResult(step_id, [], error=f"{type(e).__name__}: {e}"))]
+
+
+def exchange_seconds(runner: ModelRunner) -> float:
+    """Seconds spent in expert parallelism's all-to-alls since the last call (0 without)."""
+    ep = runner.model.tp.ep
+    return 0.0 if ep is None else ep.clock.take()[0]
 
 
 def cpu_threads(requested: int, executors: int, torch_default: int) -> int:

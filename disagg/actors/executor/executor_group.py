@@ -85,6 +85,7 @@ class ExecutorGroup:
         self.dp = cfg.executor.dp
         self.tp = len(cfg.devices) // self.dp
         self._plans: dict[int, StepPlan] = {}  # steps split over DP ranks, until merged
+        self.all_to_all_s = [0.0] * self.dp  # each DP rank's lead: MoE all-to-all seconds
 
     @property
     def num_pages(self) -> int:
@@ -213,10 +214,12 @@ class ExecutorGroup:
                         hidden = frames[2] if len(frames) > 2 else None
             else:
                 self._check_alive()
+        leads = [results[self._identities[d * self.tp]] for d in range(self.dp)]
+        for d, lead in enumerate(leads):
+            self.all_to_all_s[d] += lead.all_to_all_s
         plan = self._plans.pop(step_id, None)
         if plan is None:
-            return results[self._identities[0]], hidden
-        leads = [results[self._identities[d * self.tp]] for d in range(self.dp)]
+            return leads[0], hidden
         return merge_results(plan, leads, self.num_pages), None
 
     def _decode(self, frames: list[bytes]) -> tuple[bytes, ExecutorReply | None]:

@@ -285,7 +285,7 @@ class Router(RouterFront, RouterPlacement):
             self.peer_stats[addr] = msg
             self.metrics.update_stats(msg, addr)
             revived = self.balancer.on_stats(addr, msg.running, msg.waiting, now,
-                                             draining=bool(msg.draining))
+                                             bool(msg.draining), len(msg.dp_ranks) or 1)
         elif msg.code == "unavailable":  # restarting: its door refuses every frame
             revived = self.balancer.on_refused(addr, now)
         else:

@@ -31,7 +31,7 @@ from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.actors.scheduler.stepping import Stepper
 from disagg.actors.sockets import pending
 from disagg.engine.core import EngineCore
-from disagg.engine.dp import make_pool
+from disagg.engine.dp import make_pool, rank_stats
 from disagg.engine.grammar import Grammars
 from disagg.engine.kv_tiers import KVTiers
 from disagg.engine.prefix_tiers import TieredScheduler
@@ -395,6 +395,7 @@ class SchedulerActor:
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
             max_model_len=self.max_model_len, steps_overlapped=self.core.steps_ahead,
+            dp_ranks=rank_stats(self.pool, self.sched.running, self.executors.all_to_all_s),
             **(self.tiers.stats() if self.tiers is not None else {}),
             **msgspec.structs.asdict(self.messenger_stats)
             | ({} if n is None else {"transfers_in_flight": n}),
