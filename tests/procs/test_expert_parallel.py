@@ -93,3 +93,83 @@ def test_dp2_matches_transformers(kind, ep, tmp_path):
             c.close()
     finally:
         assert node.stop() == []
+
+
+def test_a_killed_rank_ends_its_requests_and_the_node_restarts(tmp_path):
+    """SIGKILL of DP rank 1's executor while both ranks decode (rank 0 waiting in an
+    all-to-all with it): every live request ends with an internal error naming the executor,
+    the node restarts in place and serves token-exact again with every page free."""
+    import os
+    import signal
+
+    from nodes import Req, wait_for
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    node = NodeProcess(["--model", str(path), "--listen", addr, "--dp", "2", "--expert-parallel",
+                        "--page-size", str(PAGE), "--num-pages", "160", "--threads", "1"],
+                       tmp_path / "node.log")
+    try:
+        node.wait_ready()
+        c = Client(addr)
+        try:
+            want = hf_greedy(path, prompt(6), 4)
+            streams = [Req(addr, prompt(5, salt=i), 400) for i in range(2)]
+            wait_for(lambda: all(s.tokens for s in streams), what="both decoding")
+            assert all(r.running > 0 for r in c.stats().dp_ranks)  # one on each rank
+            ranks = sorted(node.children())
+            assert len(ranks) == 2
+            os.kill(ranks[1], signal.SIGKILL)
+            for r in streams:
+                r.join()
+                assert r.code == "internal" and len(r.tokens) < 400, (r.code, len(r.tokens))
+            assert "killed by SIGKILL" in node.log_path.read_text()
+            wait_for(lambda: node.log_path.read_text().count("ready") >= 2, timeout=120,
+                     what="restarted")
+            wait_for(lambda: len(node.children()) == 2, what="two executors again")
+            assert generate(c, prompt(6), 4) == want
+            s = c.stats()
+            assert s.pages_free == s.pages_total and len(s.dp_ranks) == 2
+        finally:
+            c.close()
+    finally:
+        assert node.stop() == []
+
+
+def parse(*argv: str):
+    from disagg.cli.node import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_bad_layouts_refused_by_name_at_parse():
+    from disagg.config import ConfigError
+
+    assert parse("--devices", "cpu", "--dp", "2", "--tp", "2").devices == ["cpu"] * 4
+    assert parse("--devices", "cpu", "--dp", "2").devices == ["cpu"] * 2
+    with pytest.raises(ConfigError, match=r"--dp 2 x --tp 2 needs 4 --devices, got 2"):
+        parse("--devices", "cuda:0,cuda:1", "--dp", "2", "--tp", "2")
+    with pytest.raises(ConfigError, match="--dp 2 does not divide the 3 --devices"):
+        parse("--devices", "cpu,cpu,cpu", "--dp", "2")
+    with pytest.raises(ConfigError, match="--dp must be >= 1"):
+        parse("--dp", "0")
+    with pytest.raises(ConfigError, match="--speculative-method ngram is not served with --dp"):
+        parse("--devices", "cpu", "--dp", "2", "--speculative-method", "ngram",
+              "--num-speculative-tokens", "2")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dp", "3", "--expert-parallel"], "8 experts do not divide over 3 ranks"),
+    (["--dp", "2", "--role", "prefill"], "--dp 2 runs on mixed nodes for now"),
+    (["--tp", "3"], "does not divide the 4 attention heads"),
+])
+def test_bad_layouts_refused_by_name_at_start(args, message, tmp_path):
+    """Before any executor starts: the node exits naming what does not fit."""
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")
+    node = NodeProcess(["--model", str(path), "--listen", f"tcp://127.0.0.1:{free_port()}",
+                        *args, *COMMON], tmp_path / "node.log")
+    try:
+        assert node.proc.wait(timeout=120) != 0
+        assert message in node.log_path.read_text()
+    finally:
+        node.stop()
