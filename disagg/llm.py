@@ -17,13 +17,14 @@ from disagg.engine.attention import get_backend
 from disagg.engine.cache import PagePool
 from disagg.engine.core import EngineCore, drive
 from disagg.engine.grammar import Grammars
+from disagg.engine.kv_disk import identity
 from disagg.engine.kv_memory import KVLayout
 from disagg.engine.kv_tiers import KVTiers
 from disagg.engine.prefix_tiers import TieredScheduler
 from disagg.engine.runner import ModelRunner
 from disagg.engine.scheduling import BatchScheduler, Sequence
 from disagg.engine.speculative import Speculation
-from disagg.engine.tier_copy import HostPool, SyncMover, page_views
+from disagg.engine.tier_copy import HostPool, SyncMover, open_disk, page_views
 from disagg.kernels.kv_quant import kv_dtype
 from disagg.model.tokenizer import Tokenizer
 from disagg.model.transformer import Transformer
@@ -58,6 +59,9 @@ class LLM:
         kv_cache_dtype: str = "auto",
         tokenizer: Tokenizer | None = None,
         kv_host_cache_mb: int = 0,
+        kv_disk_cache_dir: str = "",
+        kv_disk_cache_mb: int = 64,
+        kv_host_cache_pages: int = 0,
     ):
         """``speculative``: drafting (``Speculation``); with method ``draft``, ``draft_model``
         is the draft (same vocabulary, on the same device); ``overlap``: launch each decode step
@@ -66,7 +70,9 @@ class LLM:
         ``tokenizer``: the model's, for constrained requests (``SamplingParams.structured``,
         compiled here in the caller's thread; ``GrammarError`` for one that cannot be served);
         ``kv_host_cache_mb``: a host tier behind the prefix cache (``--kv-host-cache-mb``,
-        copies done synchronously here: ``disagg.engine.tier_copy.SyncMover``)."""
+        copies done synchronously here: ``disagg.engine.tier_copy.SyncMover``), with a disk
+        tier under it in ``kv_disk_cache_dir`` (``--kv-disk-cache-dir``, ``-mb``);
+        ``kv_host_cache_pages``: the host tier's size in pages instead of MiB (tests)."""
         arch = model.arch
         kv_dt = kv_dtype(kv_cache_dtype, model.dtype)
         layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, page_size, arch.head_dim,
@@ -91,11 +97,18 @@ class LLM:
         kwargs = dict(prefix_caching=prefix_caching, cache_salt=arch.identity(str(kv_dt)),
                       **(speculative.scheduler_args() if speculative else {}))
         self.tiers: KVTiers | None = None
-        if kv_host_cache_mb and prefix_caching:
+        if (kv_host_cache_mb or kv_host_cache_pages) and prefix_caching:
             views = page_views([kv], arch.num_layers, num_pages, layout.page_bytes)
-            host = HostPool.create(kv_host_cache_mb, 1, arch.num_layers, layout.page_bytes,
-                                   pin=model.device.type == "cuda")
-            self.tiers = KVTiers(host.num_slots, SyncMover(views, host))
+            pin = model.device.type == "cuda"
+            host = (HostPool(1, arch.num_layers, kv_host_cache_pages, layout.page_bytes, pin)
+                    if kv_host_cache_pages else
+                    HostPool.create(kv_host_cache_mb, 1, arch.num_layers, layout.page_bytes, pin))
+            salt = arch.identity(str(kv_dt))
+            ident = identity(salt, layout.page_bytes, (1, arch.num_layers, *layout.shape[2:]))
+            store, slots, on_disk = (open_disk(kv_disk_cache_dir, kv_disk_cache_mb << 20, ident,
+                                               arch.num_layers * layout.page_bytes)
+                                     if kv_disk_cache_dir else (None, 0, []))
+            self.tiers = KVTiers(host.num_slots, SyncMover(views, host, store), slots, on_disk)
             self.scheduler: BatchScheduler = TieredScheduler(*args, tiers=self.tiers, **kwargs)
         else:
             self.scheduler = BatchScheduler(*args, **kwargs)

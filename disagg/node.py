@@ -128,7 +128,7 @@ class Node:
                                overlap=cfg.role != "prefill" and (
                                    s.overlap_schedule == "on" or s.overlap_schedule == "auto"
                                    and all(d.startswith("cuda") for d in cfg.devices)),
-                               tiers=self._tiers(cfg))
+                               tiers=self._tiers(cfg, arch))
         actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
             await self._start_prefill(cfg, arch, setup, actors)
@@ -208,8 +208,9 @@ class Node:
                                        address=d.fabric_address).start()
         return self.transfer
 
-    def _tiers(self, cfg: NodeConfig) -> KVTiers | None:
-        """The host tier behind the prefix cache (``--kv-host-cache-mb``), or None."""
+    def _tiers(self, cfg: NodeConfig, arch: ModelArch) -> KVTiers | None:
+        """The host tier behind the prefix cache (``--kv-host-cache-mb``) and the disk tier
+        under it (``--kv-disk-cache-dir``), or None."""
         c = cfg.cache
         if not (c.kv_host_cache_mb and c.prefix_caching):
             return None
@@ -221,8 +222,9 @@ class Node:
         assert self.executors is not None
         info = self.executors.ready[0].kv
         try:
-            tiers, self.host_pool = node_tiers(self._kv_tensors(), info.shape, info.dtype,
-                                               c.kv_host_cache_mb)
+            tiers, self.host_pool = node_tiers(
+                self._kv_tensors(), info.shape, info.dtype, c.kv_host_cache_mb,
+                c.kv_disk_cache_dir, c.kv_disk_cache_mb, arch.identity(info.dtype))
         except ValueError as e:
             raise ConfigError(str(e)) from e
         return tiers

@@ -133,13 +133,18 @@ class TierIndex:
 
 @dataclass(frozen=True)
 class Copy:
-    """One batch of page copies for the mover. ``kind``: ``out`` (device pages -> host
-    slots) or ``in`` (host slots -> device pages); ``pages[i]`` <-> ``slots[i]``."""
+    """One batch of page copies for the mover, carried out in submission order. ``kind``:
+    ``out`` (device ``pages[i]`` -> host ``slots[i]``), ``in`` (host ``slots[i]`` -> device
+    ``pages[i]``, each slot whose ``hashes[i]`` is not empty first read from that page's disk
+    file), ``spill`` (host ``slots[i]`` -> the disk file of ``hashes[i]``; ``drop``: files to
+    remove first, pages the disk tier let go)."""
 
     op: int  # the id ``Mover.done`` reports
     kind: str
     pages: tuple[int, ...]
     slots: tuple[int, ...]
+    hashes: tuple[bytes, ...] = ()
+    drop: tuple[bytes, ...] = ()
 
 
 class Mover(Protocol):
@@ -181,6 +186,8 @@ class TierCounters:
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     bytes_out: int = 0  # device -> host
     bytes_in: int = 0  # host -> device
+    bytes_to_disk: int = 0
+    bytes_from_disk: int = 0
     copies_waited: int = 0  # evictions that waited for their page's copy out
     copies_skipped: int = 0  # not kept: no host slot free of pins, or evicted unsent
 
@@ -192,16 +199,25 @@ class Found:
 
     where: tuple[tuple[str, bytes, int], ...]
 
-    @property
-    def host_pages(self) -> int:
-        return sum(1 for t, _, _ in self.where if t == "host")
+    def pages(self, tier: str) -> int:
+        return sum(1 for t, _, _ in self.where if t == tier)
 
 
 class KVTiers:
     """The host tier behind a device pool: index, copies in flight, counters."""
 
-    def __init__(self, host_slots: int, mover: Mover):
+    def __init__(self, host_slots: int, mover: Mover, disk_slots: int = 0,
+                 on_disk: Iterable[bytes] = ()):
+        """``disk_slots``: the disk tier's bound in pages (0: no disk tier); ``on_disk``: the
+        pages its directory holds already, oldest first (at most ``disk_slots``)."""
         self.host = TierIndex(host_slots)
+        self.disk = TierIndex(disk_slots) if disk_slots else None
+        for h in on_disk:
+            if self.disk is not None and self.disk.reserve(h) is not None:
+                self.disk.commit(h)
+        self._spill: list[tuple[int, bytes]] = []  # (host slot, hash) to disk before reuse
+        self._drop: list[bytes] = []  # disk files to remove
+        self._fills: dict[int, tuple[bytes, ...]] = {}  # reload op -> hashes read from disk
         self.mover = mover
         self.counters = TierCounters()
         self._ops = iter(range(1 << 62))
@@ -209,6 +225,7 @@ class KVTiers:
         self._out_page: dict[int, tuple[int, bytes]] = {}  # page -> (op, hash): copy reads it
         self._reloads: dict[int, Reload] = {}
         self._slots_of: dict[int, tuple[int, ...]] = {}  # reload op -> the host slots it reads
+        self._spilling: dict[int, tuple[bytes, ...]] = {}  # spill op -> its hashes
         self._queued: dict[int, bytes] = {}  # evictable pages noticed, not copied yet
 
     # ---------------------------------------------------------------- device -> host
@@ -241,17 +258,48 @@ class KVTiers:
         op = next(self._ops)
         rows: list[tuple[int, bytes, int]] = []
         for page, h in self._queued.items():
-            got = self.host.reserve(h)
-            if got is None:
+            slot = self._host_slot(h)
+            if slot is None:
                 self.counters.copies_skipped += int(not self.host.known(h))
                 continue
-            rows.append((page, h, got[0]))
+            rows.append((page, h, slot))
             self._out_page[page] = (op, h)
         self._queued.clear()
+        self._send_spills()  # before the copies that reuse those slots
         if rows:
             self._out[op] = rows
             self.mover.submit(Copy(op, "out", tuple(r[0] for r in rows),
                                    tuple(r[2] for r in rows)))
+
+    def _host_slot(self, h: bytes) -> int | None:
+        """A host slot for ``h`` (pending); the entry it evicts goes to the disk tier."""
+        got = self.host.reserve(h)
+        if got is None:
+            return None
+        slot, old = got
+        if old is not None and self.disk is not None:
+            self._spill.append((slot, old))
+        return slot
+
+    def _send_spills(self) -> None:
+        """Hand the host entries evicted since to the mover, for the disk tier."""
+        if not self._spill and not self._drop:
+            return
+        assert self.disk is not None
+        slots, hashes = [], []
+        for slot, h in self._spill:
+            got = self.disk.reserve(h)
+            if got is None:
+                continue
+            if got[1] is not None:
+                self._drop.append(got[1])
+            slots.append(slot)
+            hashes.append(h)
+        op = next(self._ops)
+        self._spilling[op] = tuple(hashes)
+        self.mover.submit(Copy(op, "spill", (), tuple(slots), tuple(hashes), tuple(self._drop)))
+        self._spill.clear()
+        self._drop.clear()
 
     # ---------------------------------------------------------------- lookups
 
@@ -263,18 +311,38 @@ class KVTiers:
                 where.append(("device", h, -1))
             elif (slot := self.host.get(h)) is not None:
                 where.append(("host", h, slot))
+            elif self.disk is not None and h in self.disk:
+                where.append(("disk", h, -1))
             else:
                 break
+        return Found(tuple(where))
+
+    def stage(self, found: Found) -> Found:
+        """``found`` with a host slot (pending) reserved for each disk page, up to the first
+        that cannot have one (where it is cut)."""
+        where: list[tuple[str, bytes, int]] = []
+        for tier, h, slot in found.where:
+            if tier == "disk":
+                staged = self._host_slot(h)
+                if staged is None:
+                    break
+                slot = staged
+            where.append((tier, h, slot))
         return Found(tuple(where))
 
     def held_run(self, hashes: list[bytes], on_device: dict[bytes, int]) -> int:
         return len(self.find(hashes, on_device).where)
 
     def reload(self, owner: object, slots: list[int], pages: list[int],
-               hashes: list[bytes]) -> Reload:
-        """Copy host ``slots`` into device ``pages`` (the caller's, just allocated); the
+               hashes: list[bytes], fills: list[bytes] | None = None) -> Reload:
+        """Copy host ``slots`` into device ``pages`` (the caller's, just allocated), each
+        slot whose ``fills`` entry is a hash first read from the disk tier (``stage``); the
         slots stay pinned until it lands."""
+        self._send_spills()  # the slots ``stage`` took from host entries: theirs go first
         op = next(self._ops)
+        fills = fills or [b""] * len(slots)
+        if any(fills):
+            self._fills[op] = tuple(f for f in fills if f)
         for s in slots:
             self.host.pin(s)
         for h in hashes:
@@ -282,12 +350,13 @@ class KVTiers:
         r = Reload(op, owner, tuple(pages), tuple(hashes))
         self._reloads[op] = r
         self._slots_of[op] = tuple(slots)
-        self.mover.submit(Copy(op, "in", tuple(pages), tuple(slots)))
+        self.mover.submit(Copy(op, "in", tuple(pages), tuple(slots), tuple(fills)))
         return r
 
     def count_hit(self, tier: str, pages: int, tokens: int) -> None:
+        """A lookup found ``pages`` in ``tier`` (negative: one taken back)."""
         if pages:
-            self.counters.hits[tier] += 1
+            self.counters.hits[tier] += 1 if pages > 0 else -1
             self.counters.hit_tokens[tier] += tokens
 
     # ---------------------------------------------------------------- completions
@@ -310,9 +379,26 @@ class KVTiers:
                     else:
                         self.host.abort(h)
                 continue
+            spilled = self._spilling.pop(op, None)
+            if spilled is not None:
+                assert self.disk is not None
+                for h in spilled:
+                    (self.disk.commit if ok else self.disk.abort)(h)
+                if ok:
+                    self.counters.bytes_to_disk += pb * len(spilled)
+                continue
             r = self._reloads.pop(op, None)
             if r is None:
                 continue
+            for h in self._fills.pop(op, ()):
+                if ok:
+                    self.host.commit(h)
+                    self.counters.bytes_from_disk += pb
+                else:  # a file failed its check (removed) or could not be read: a miss
+                    self.host.abort(h)
+                    assert self.disk is not None
+                    self.disk.drop(h)
+                    self._drop.append(h)
             for s in self._slots_of.pop(op, ()):
                 self.host.unpin(s)
             r.ok = ok
@@ -327,13 +413,18 @@ class KVTiers:
         out = {f"tier_hits_{t}": c.hits[t] for t in TIERS}
         out |= {f"tier_hit_tokens_{t}": c.hit_tokens[t] for t in TIERS}
         out |= {"kv_bytes_to_host": c.bytes_out, "kv_bytes_from_host": c.bytes_in,
+                "kv_bytes_to_disk": c.bytes_to_disk, "kv_bytes_from_disk": c.bytes_from_disk,
                 "host_cache_pages_total": self.host.num_slots,
                 "host_cache_pages_used": self.host.num_used}
+        if self.disk is not None:
+            fb = self.mover.page_bytes  # and a header per file: ~100 bytes, not counted
+            out |= {"disk_cache_bytes_total": self.disk.num_slots * fb,
+                    "disk_cache_bytes_used": self.disk.num_used * fb}
         return out
 
     def busy(self) -> bool:
         """Copies queued or in flight (a driver keeps polling)."""
-        return bool(self._queued or self._out or self._reloads)
+        return bool(self._queued or self._out or self._reloads or self._spilling)
 
     def loading(self) -> int:
         return len(self._reloads)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.engine.cache import PagePool
-from disagg.engine.kv_tiers import KVTiers, Reload
+from disagg.engine.kv_tiers import TIERS, Found, KVTiers, Reload
 from disagg.engine.scheduling import Batch, BatchScheduler
 from disagg.engine.sequence import Sequence, Status
 
@@ -25,6 +25,8 @@ class PrefixTiers:
         self.tiers = tiers
         self.loading: dict[int, Sequence] = {}  # reload op -> its sequence
         self._op_of: dict[int, int] = {}  # slot -> reload op
+        self._failed: set[int] = set()  # slots whose reload failed: they compute instead
+        self._counted: dict[int, dict[str, int]] = {}  # slot -> pages per tier, while loading
 
     def attach(self, pool: PagePool) -> None:
         pool.tiers = self.tiers
@@ -41,17 +43,25 @@ class PrefixTiers:
         first host one."""
         pool, ps = sched.pool, sched.page_size
         found = self.tiers.find(hashes, pool.page_of)
+        if seq.slot in self._failed:  # a reload of it failed: the device cache only
+            found = Found(found.where[:next((i for i, (t, _, _) in enumerate(found.where)
+                                             if t != "device"), len(found.where))])
+        found = self.tiers.stage(found)  # host slots for its disk pages (pending)
         # device references first: allocating the reload's pages may evict cached ones
         table = [pool.take(h) if tier == "device" else -1 for tier, h, _ in found.where]
-        slots = [slot for tier, _, slot in found.where if tier == "host"]
-        fresh = pool.allocate(len(slots)) if slots else None
-        if slots and fresh is None:  # keep the device run before the first host page
+        loads = [(slot, h if tier == "disk" else b"") for tier, h, slot in found.where
+                 if tier != "device"]
+        fresh = pool.allocate(len(loads)) if loads else None
+        if loads and fresh is None:  # keep the device run before the first lower-tier page
             first = table.index(-1)
             pool.free([p for p in table[first + 1:] if p >= 0])
             table = table[:first]
-            slots = []
-        loads = iter(fresh or ())
-        table = [p if p >= 0 else next(loads) for p in table]
+            for _, h in loads:
+                if h:
+                    self.tiers.host.abort(h)  # its staged slot
+            loads = []
+        new = iter(fresh or ())
+        table = [p if p >= 0 else next(new) for p in table]
         seq.block_table = table
         seq.hashes = hashes[:len(table)]
         seq.num_computed = len(table) * ps
@@ -60,15 +70,19 @@ class PrefixTiers:
         first_lookup = not seq.matched
         sched.count_lookup(seq, seq.num_computed)
         if first_lookup and seq.matched:
-            device = len(table) - len(slots)
-            self.tiers.count_hit("device", device, device * ps)
-            self.tiers.count_hit("host", len(slots), len(slots) * ps)
-        if not slots:
+            tiers = [t for t, _, _ in found.where[:len(table)]]
+            counted = {tier: tiers.count(tier) for tier in TIERS}
+            for tier, n in counted.items():
+                self.tiers.count_hit(tier, n, n * ps)
+            if len(tiers) > counted["device"]:
+                self._counted[seq.slot] = counted  # taken back if its reload fails
+        if not loads:
             return False
         pages = [p for (tier, _, _), p in zip(found.where, table, strict=True)
-                 if tier == "host"]
-        hashes_in = [h for tier, h, _ in found.where if tier == "host"]
-        r = self.tiers.reload(seq, slots, pages, hashes_in)
+                 if tier != "device"]
+        hashes_in = [h for tier, h, _ in found.where if tier != "device"]
+        r = self.tiers.reload(seq, [s for s, _ in loads], pages, hashes_in,
+                              [f for _, f in loads])
         self.loading[r.op] = seq
         self._op_of[seq.slot] = r.op
         seq.status = Status.LOADING
@@ -87,22 +101,38 @@ class PrefixTiers:
         if seq.status is not Status.LOADING:  # ended meanwhile: no copy writes its pages now
             sched.pool.free(seq.block_table)
             seq.block_table = []
+            self._failed.discard(seq.slot)
             return
         if r.ok:
+            self._counted.pop(seq.slot, None)
             for page, h in zip(r.pages, r.hashes, strict=True):
                 sched.pool.cache_page(page, h)
-        else:
-            for h in r.hashes:
-                self.tiers.host.drop(h)
+        else:  # computed instead (a bad disk file is gone from its tier already)
+            self._failed.add(seq.slot)
+            self._uncount(sched, seq)
             sched.pool.free(seq.block_table)
             seq.block_table, seq.hashes = [], []
             seq.num_computed = seq.draft_computed = 0
         seq.status = Status.WAITING
         sched.requeue(seq)
 
+    def _uncount(self, sched: TieredScheduler, seq: Sequence) -> None:
+        """Take back the statistics and usage of ``seq``'s failed lookup: it looks up again
+        (the device cache only) and is counted then."""
+        counted = self._counted.pop(seq.slot, None)
+        if counted is None or not seq.matched:
+            return
+        for tier, n in counted.items():
+            self.tiers.count_hit(tier, -n, -n * sched.page_size)
+        sched.prefix_query_tokens -= len(seq.prompt_ids)
+        sched.prefix_hit_tokens -= seq.cached_tokens
+        seq.matched, seq.cached_tokens = False, 0
+
     def end(self, seq: Sequence) -> bool:
         """``seq`` ends (abort, error) while loading: its pages are freed once the copy into
         them landed. False if it was not loading."""
+        self._failed.discard(seq.slot)
+        self._counted.pop(seq.slot, None)
         if seq.slot not in self._op_of:
             return False
         seq.status = Status.FINISHED

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from disagg.config import memory_available
+from disagg.engine.kv_disk import DiskError, DiskStore, identity
 from disagg.engine.kv_tiers import Copy, KVTiers
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,44 @@ class HostPool:
             raise ValueError(f"{flag} {budget_mb} MiB could not be pinned: {e}") from e
 
 
+def disk_copy(copy: Copy, host: list[torch.Tensor], store: DiskStore | None) -> bool:
+    """The disk side of ``copy``: a spill's files written (the dropped ones removed first);
+    an in-copy's fills read into their host slots. False: a write failed (the disk is full:
+    ``DiskStore.write`` said so) or a file failed its check (``DiskError``: removed)."""
+    if store is None:
+        return copy.kind != "spill" and not any(copy.hashes)
+    if copy.kind == "spill":
+        for h in copy.drop:
+            store.remove(h)
+        ok = True
+        for slot, h in zip(copy.slots, copy.hashes, strict=True):
+            ok = ok and store.write(h, b"".join(t[:, slot].contiguous().numpy().tobytes()
+                                                for t in host))
+        return ok
+    for slot, h in zip(copy.slots, copy.hashes, strict=False):
+        if not h:
+            continue
+        try:
+            data = store.read(h)
+        except DiskError:
+            return False
+        per = len(data) // len(host)
+        for r, t in enumerate(host):
+            t[:, slot].copy_(torch.frombuffer(bytearray(data[r * per:(r + 1) * per]),
+                                              dtype=torch.uint8).view(t.shape[0], t.shape[2]))
+    return True
+
+
+def run_copy(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
+             store: DiskStore | None, stream: torch.cuda.Stream | None) -> bool:
+    """Carry out ``copy``, its disk side first; whether it did."""
+    if not disk_copy(copy, host, store):
+        return False
+    if copy.kind != "spill":
+        copy_pages(copy, kv, host, stream)
+    return True
+
+
 def copy_pages(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
                stream: torch.cuda.Stream | None = None) -> None:
     """Carry out ``copy`` on every rank (synchronously: returns when the bytes are there)."""
@@ -109,15 +148,15 @@ def copy_pages(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
 class SyncMover:
     """Copies at ``submit`` (the caller's thread)."""
 
-    def __init__(self, kv: list[torch.Tensor], host: HostPool):
-        self.kv, self.host = kv, host
+    def __init__(self, kv: list[torch.Tensor], host: HostPool, disk: DiskStore | None = None):
+        self.kv, self.host, self.disk = kv, host, disk
         self.page_bytes = len(kv) * kv[0].shape[0] * kv[0].shape[2]
         self._done: list[tuple[int, bool]] = []
         self._stream = torch.cuda.Stream(kv[0].device) if kv[0].is_cuda else None
 
     def submit(self, copy: Copy) -> None:
-        copy_pages(copy, self.kv, self.host.tensors, self._stream)
-        self._done.append((copy.op, True))
+        self._done.append((copy.op, run_copy(copy, self.kv, self.host.tensors, self.disk,
+                                             self._stream)))
 
     def done(self) -> list[tuple[int, bool]]:
         out, self._done = self._done, []
@@ -134,8 +173,8 @@ class ThreadMover:
     """Copies on one worker thread, in submission order; ``done`` reports what finished (a
     copy that raised is reported not ok, and logged)."""
 
-    def __init__(self, kv: list[torch.Tensor], host: HostPool):
-        self.kv, self.host = kv, host
+    def __init__(self, kv: list[torch.Tensor], host: HostPool, disk: DiskStore | None = None):
+        self.kv, self.host, self.disk = kv, host, disk
         self.page_bytes = len(kv) * kv[0].shape[0] * kv[0].shape[2]
         self._todo: queue.SimpleQueue[Copy | None] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
@@ -151,8 +190,7 @@ class ThreadMover:
             torch.cuda.set_device(self.kv[0].device)
         while (copy := self._todo.get()) is not None:
             try:
-                copy_pages(copy, self.kv, self.host.tensors, self._stream)
-                ok = True
+                ok = run_copy(copy, self.kv, self.host.tensors, self.disk, self._stream)
             except Exception:  # noqa: BLE001 - a failed copy is a miss, never fatal
                 log.exception("KV tier copy %s of %d pages failed", copy.kind, len(copy.pages))
                 ok = False
@@ -190,10 +228,12 @@ class ThreadMover:
         self._thread.join(timeout=10)
 
 
-def node_tiers(kv: list[torch.Tensor], shape: list[int], dtype: str,
-               host_mb: int) -> tuple[KVTiers, HostPool]:
+def node_tiers(kv: list[torch.Tensor], shape: list[int], dtype: str, host_mb: int,
+               disk_dir: str = "", disk_mb: int = 0, model_salt: bytes = b""
+               ) -> tuple[KVTiers, HostPool]:
     """A node's host tier over its executors' KV memory mapped into this process (one
-    tensor per rank; ``shape``, ``dtype``: ``KVMemoryInfo``'s), copied by a ``ThreadMover``."""
+    tensor per rank; ``shape``, ``dtype``: ``KVMemoryInfo``'s), copied by a ``ThreadMover``;
+    with ``disk_dir`` a disk tier of ``disk_mb`` MiB under it (``open_disk``)."""
     layers, pages, parts, heads, page, dim = shape
     page_bytes = parts * heads * page * dim * torch.empty((), dtype=getattr(torch, dtype)
                                                           ).element_size()
@@ -201,4 +241,30 @@ def node_tiers(kv: list[torch.Tensor], shape: list[int], dtype: str,
     host = HostPool.create(host_mb, len(kv), layers, page_bytes, pin=views[0].is_cuda)
     log.info("host KV tier: %d pages (%.1f MiB%s)", host.num_slots, host.nbytes / 2**20,
              ", pinned" if host.pinned else "")
-    return KVTiers(host.num_slots, ThreadMover(views, host)), host
+    ident = identity(model_salt, page_bytes, (len(kv), *shape[:1], *shape[2:]))
+    store, slots, on_disk = (
+        open_disk(disk_dir, disk_mb << 20, ident, len(kv) * layers * page_bytes) if disk_dir
+        else (None, 0, []))
+    return KVTiers(host.num_slots, ThreadMover(views, host, store), slots, on_disk), host
+
+
+def open_disk(root: str, bound: int, ident: bytes, page_bytes: int
+              ) -> tuple[DiskStore | None, int, list[bytes]]:
+    """The disk tier's store, its bound in pages (``bound``: bytes) and the pages a
+    previous run left (the newest that fit; older ones removed). A directory that cannot be
+    written is logged and the node serves without the disk tier (None)."""
+    store = DiskStore(root, ident, page_bytes)
+    try:
+        store.open()
+        left = store.existing()
+    except OSError as e:
+        log.error("disk KV tier off: --kv-disk-cache-dir %s is not writable (%s); serving from "
+                  "the host and device tiers", root, e)
+        return None, 0, []
+    slots = bound // store.file_bytes
+    for h in left[:max(0, len(left) - slots)]:
+        store.remove(h)
+    kept = left[max(0, len(left) - slots):]
+    log.info("disk KV tier %s: %d pages (%.0f MiB), %d reused from a previous run", store.dir,
+             slots, bound / 2**20, len(kept))
+    return store, slots, kept

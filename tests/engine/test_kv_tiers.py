@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disagg.config import CacheConfig, ConfigError
 from disagg.engine.cache import PagePool, page_hashes, page_root
 from disagg.engine.kv_tiers import Copy, KVTiers, TierIndex
 from disagg.engine.prefix_tiers import TieredScheduler
@@ -249,12 +250,15 @@ def test_a_failed_reload_computes_the_prefix_instead():
     run_all(s, [mk(0, prompt)], land=mover)
     flood_with(s, mover)
     q = mk(1, prompt)
+    hits = s.prefix_hit_tokens
     s.add(q)
     s.schedule()
+    assert q.cached_tokens == 4 * PAGE and s.tiers.tiers.counters.hits["host"] == 1
     mover.land(ok=False)
     batch = s.schedule()
     assert batch is not None and batch.chunks[0].start == 0  # computed from the start
-    assert len(s.tiers.tiers.host) < 32 and q.status is Status.RUNNING
+    assert q.status is Status.RUNNING and q.cached_tokens == 0  # its usage taken back
+    assert s.prefix_hit_tokens == hits and s.tiers.tiers.counters.hits["host"] == 0
 
 
 def test_pressure_keeps_the_host_tier_bounded_and_every_page_returns():
@@ -304,3 +308,12 @@ def test_conversations_larger_than_the_device_pool_are_token_exact_through_the_h
     assert t.hit_tokens["host"] > t.hit_tokens["device"]  # the host tier served most
     assert t.hits["host"] >= 4 and t.bytes_in > 0 and t.bytes_out >= t.bytes_in
     assert llm.pool.num_free == 12 and llm.tiers.host.pinned() == 0 and not llm.tiers.busy()
+
+
+def test_a_host_tier_larger_than_the_machine_is_refused_with_the_numbers():
+    with pytest.raises(ConfigError, match=r"--kv-host-cache-mb 1073741824 MiB is more than "
+                                          r"this machine can pin: \d+ MiB available"):
+        CacheConfig(kv_host_cache_mb=1 << 30).validate()
+    with pytest.raises(ConfigError, match="needs a host tier"):
+        CacheConfig(kv_disk_cache_dir="/tmp/kv").validate()
+    CacheConfig(kv_host_cache_mb=1, kv_disk_cache_dir="/tmp/kv").validate()

@@ -46,10 +46,17 @@ def converse(addr: str, model_dir) -> list[int]:
 
 
 def test_a_mixed_node_serves_later_turns_from_its_host_tier(model_dir, tmp_path):
+    """... with a disk directory it cannot write: named in its log, no disk tier, served."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    log = tmp_path / "mixed.log"
     # 10 pages of 4 tokens; four conversations of 13-24 tokens each: a few turns at a time
     addr, proc = node("mixed", model_dir, tmp_path, "--num-pages", "10",
-                      "--kv-host-cache-mb", "1")
+                      "--kv-host-cache-mb", "1", "--kv-disk-cache-dir", str(blocker / "kv"),
+                      log=log)
     with running([proc]):
+        assert f"--kv-disk-cache-dir {blocker / 'kv'} is not writable" in log.read_text()
+        assert stats(addr).disk_cache_bytes_total == 0
         cached = converse(addr, model_dir)
         assert all(n >= 3 * PAGE for n in cached), cached  # every later turn hit some tier
         wait_for(lambda: pools_full(addr), what="idle pool")
