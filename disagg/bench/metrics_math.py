@@ -195,8 +195,9 @@ def aggregate(records: Sequence[RequestRecord], duration: float,
 
 def multiturn_summary(records: Sequence[RequestRecord]) -> dict[str, object]:
     """Per turn of a multiturn run: requests, TTFT (ms) and the share of prompt tokens the
-    nodes served from their prefix caches; over all turns the same share, and each later
-    turn's median TTFT over the first turn's."""
+    nodes served from their prefix caches; over all turns the same share, each later turn's
+    median TTFT over the first turn's, and the TTFT of every turn after the first together
+    (``later_turns_ttft_ms``: what a prefix cache and its tiers serve)."""
     done = [r for r in records if r.ok and r.turn is not None]
     turns: dict[int, dict[str, object]] = {}
     for t in sorted({r.turn for r in done if r.turn is not None}):
@@ -216,5 +217,7 @@ def multiturn_summary(records: Sequence[RequestRecord]) -> dict[str, object]:
             ratios[t] = p50 / p50_first
     prompt = sum(r.prompt_tokens or r.input_len for r in done)
     cached = sum(r.cached_tokens or 0 for r in done)
+    later = [x for r in done if r.turn and (x := r.ttft) is not None]
     return {"turns": turns, "ttft_p50_vs_first_turn": ratios,
-            "prefix_hit_rate": cached / prompt if prompt else 0.0}
+            "prefix_hit_rate": cached / prompt if prompt else 0.0,
+            "later_turns_ttft_ms": summarize(later, scale=1e3)}

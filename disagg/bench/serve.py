@@ -61,6 +61,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="at most this many requests in flight (default: no cap)")
     ap.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     ap.add_argument("--num-turns", type=int, default=4, help="turns per conversation (multiturn)")
+    ap.add_argument("--num-conversations", type=int, default=None,
+                    help="conversations (multiturn; default --num-prompts): with --num-turns, "
+                         "the KV the run keeps live, e.g. 64 x 8 to outgrow a device cache")
     ap.add_argument("--system-len", type=int, default=256,
                     help="system prompt tokens shared by every conversation (multiturn)")
     ap.add_argument("--user-len", type=int, default=64,
@@ -243,7 +246,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if args.http:
             raise ValueError("--workload multiturn needs --connect (the client protocol carries "
                              "the answers' token ids that the next turn resends)")
-        convs = multiturn_workload(args.num_prompts, args.num_turns, args.system_len,
+        if args.num_conversations is not None and args.num_conversations < 1:
+            raise ValueError(f"--num-conversations must be >= 1, got {args.num_conversations}")
+        convs = multiturn_workload(args.num_conversations or args.num_prompts, args.num_turns,
+                                   args.system_len,
                                    args.user_len, args.output_len, args.vocab_size, args.seed)
         # warm-up prompts of a first turn's length, not sharing the system prompt
         specs = fixed_workload(max(1, args.warmup), len(convs[0].prompt(0, [])),
@@ -369,7 +375,12 @@ def _transfer_per_request(before: dict[str, Any], after: dict[str, Any],
     n = max(1, completed)
     return {"node_prefix_hit_rate": hit / query if query else 0.0,
             "kv_units_received_per_request": delta("kv_units_received") / n,
-            "kv_bytes_sent_per_request": delta("kv_bytes_sent") / n}
+            "kv_bytes_sent_per_request": delta("kv_bytes_sent") / n,
+            # KV tiers (--kv-host-cache-mb, --kv-disk-cache-dir): prompt tokens each served
+            "tier_hit_tokens": {t: delta(f"tier_hit_tokens_{t}")
+                                for t in ("device", "host", "disk")},
+            "tier_bytes": {k: delta(f"kv_bytes_{k}") for k in ("to_host", "from_host",
+                                                                "to_disk", "from_disk")}}
 
 
 def _default_label(args: argparse.Namespace) -> str:
@@ -416,6 +427,13 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"prefix hit rate: {m['prefix_hit_rate']:.3f} of prompt tokens (node "
                      f"Stats: {m['node_prefix_hit_rate']:.3f}); KV units received per request "
                      f"{m['kv_units_received_per_request']:.1f}")
+        tiers = m.get("tier_hit_tokens") or {}
+        if any(tiers.values()):
+            lines.append("tokens served by tier: " + ", ".join(f"{t} {n}"
+                                                               for t, n in tiers.items()))
+        later = m.get("later_turns_ttft_ms") or {}
+        if later.get("p50") is not None:
+            lines.append(f"later turns TTFT p50 {later['p50']:.2f} ms, p90 {later['p90']:.2f} ms")
         lines.append(f"{'turn':<6}{'requests':>9}{'cached':>9}{'TTFT p50':>10}{'vs turn 0':>10}")
         for t, d in m["turns"].items():
             ratio = m["ttft_p50_vs_first_turn"].get(t)

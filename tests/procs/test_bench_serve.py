@@ -113,8 +113,8 @@ def test_unreachable_node_fails_fast():
 
 def test_multiturn_conversations_hit_the_prefix_cache(node, tmp_path):
     out = tmp_path / "multiturn.json"
-    r = bench("--connect", node, "--workload", "multiturn", "--num-prompts", "4",
-              "--num-turns", "3", "--system-len", "8", "--user-len", "4", "--output-len", "4",
+    r = bench("--connect", node, "--workload", "multiturn", "--num-conversations", "4",
+              "--num-prompts", "99", "--num-turns", "3", "--system-len", "8", "--user-len", "4", "--output-len", "4",
               "--vocab-size", str(TINY["vocab_size"]), "--request-rate", "20", "--seed", "2",
               "--timeout", "60", "--json", str(out))
     assert r.returncode == 0, r.stderr
@@ -129,6 +129,10 @@ def test_multiturn_conversations_hit_the_prefix_cache(node, tmp_path):
     assert [turns[k]["prompt_tokens"] for k in "012"] == [4 * 12, 4 * 20, 4 * 28]
     assert turns["2"]["cached_share"] > turns["0"]["cached_share"]
     assert m["prefix_hit_rate"] > 0 and m["node_prefix_hit_rate"] > 0
+    assert m["later_turns_ttft_ms"]["count"] == 8
+    # no KV tiers on this node (per-tier counts come with --kv-host-cache-mb)
+    assert m["tier_hit_tokens"]["host"] == m["tier_hit_tokens"]["disk"] == 0
+    assert "later turns TTFT p50" in r.stdout
     recs = [q for q in res["requests"] if q["conversation"] == 0]
     assert [q["turn"] for q in recs] == [0, 1, 2]
 

@@ -240,7 +240,10 @@ def test_multiturn_summary_per_turn():
                           conversation=0, turn=turn)
         return r
 
-    m = multiturn_summary([rec(0, 0.2, 0), rec(1, 0.1, 8), rec(1, 0.1, 6)])
+    m = multiturn_summary([rec(0, 0.2, 0), rec(1, 0.1, 8), rec(1, 0.1, 6), rec(2, 0.3, 9)])
     assert m["turns"][1]["cached_share"] == 0.7 and m["turns"][0]["cached_share"] == 0.0
-    assert m["ttft_p50_vs_first_turn"] == {1: 0.5}
-    assert abs(m["prefix_hit_rate"] - 14 / 30) < 1e-12
+    assert m["ttft_p50_vs_first_turn"] == {1: 0.5, 2: 1.5}
+    assert abs(m["prefix_hit_rate"] - 23 / 40) < 1e-12
+    later = m["later_turns_ttft_ms"]  # turns 1 and 2 together, not turn 0
+    assert later["count"] == 3 and abs(later["p50"] - 100.0) < 1e-9
+    assert abs(later["max"] - 300.0) < 1e-9
