@@ -23,6 +23,7 @@ EP exchange is never captured in a CUDA graph: with more than one EP rank decode
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,3 +156,26 @@ def check_layout(num_heads_ok: Callable[[int], None], num_experts: int | None, d
     if num_experts is None:
         raise EPError("--expert-parallel needs a mixture-of-experts model (this one is dense)")
     ExpertParallel(0, devices).check(num_experts)
+
+
+def held_expert(ep: ExpertParallel | None, arch: Any,
+                target: tuple[str, int | None, int | None, str] | None,
+                ) -> tuple[str, int | None, int | None, str] | None:
+    """The loader's target for a checkpoint tensor under ``ep`` (``ExpertParallel.place``;
+    unchanged without expert parallelism or for a dense model)."""
+    if target is None or ep is None or arch.moe is None:
+        return target
+    return ep.place(target, arch.moe.num_experts)
+
+
+def draw_experts(param: torch.Tensor, name: str, seed: int, ep: ExpertParallel | None,
+                 moe: Any) -> None:
+    """Random weights of a routed-expert parameter ``[local experts, ...]``: each expert from
+    its own seed (``seed``, the parameter's name, the expert's global id), so a rank under
+    expert parallelism draws exactly the experts one rank holding them all would."""
+    first = ep.experts(moe.num_experts).start if ep is not None and ep.size > 1 else 0
+    gen = torch.Generator(device=param.device)
+    for i in range(param.shape[0]):
+        gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 4099 + first + i)
+                        % (1 << 63))
+        param[i].normal_(0.0, 0.02, generator=gen)

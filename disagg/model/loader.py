@@ -23,7 +23,7 @@ import torch
 
 from disagg.kernels.kv_quant import checkpoint_scale, scales_identity
 from disagg.model.config import ModelArch
-from disagg.model.ep import EP_NO_FP8
+from disagg.model.ep import EP_NO_FP8, draw_experts, held_expert
 from disagg.model.fp8 import (
     FP8_DTYPES,
     Fp8Error,
@@ -200,9 +200,7 @@ def load_model(
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if _read_kv_scale(name, f, full, kv_scales):
                     continue
-                target = _target(name, arch, mtp)
-                if target is not None and tp.ep is not None and full.moe is not None:
-                    target = tp.ep.place(target, full.moe.num_experts)  # held experts only
+                target = held_expert(tp.ep, full, _target(name, arch, mtp))  # EP: this rank's
                 if target is None:
                     log.debug("skipping tensor %s", name)
                     continue
@@ -467,7 +465,10 @@ def random_model(
         elif name.endswith("correction_bias"):
             param.data.zero_()
         else:
-            param.data.normal_(0.0, 0.02, generator=gen)
+            if name.endswith((".moe.gate_up", ".moe.down")):  # as EP ranks draw them
+                draw_experts(param.data, name, seed, tp.ep, local.moe)
+            else:
+                param.data.normal_(0.0, 0.02, generator=gen)
             if fp8 is not None and _fp8_param(name, param):
                 param.data.copy_(round_to_fp8(param.data, fp8.block))
     if fp8 is not None and fp8.block == FP8_BLOCK:

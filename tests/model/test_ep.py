@@ -107,3 +107,21 @@ def test_exchange_equals_the_local_sum(size, tmp_path):
     assert {r: out[r][0] for r in range(size)} == {r: True for r in range(size)}
     assert [out[r][1][0] for r in range(size)] == [5, 0, 3][:size]
     assert all(out[r][2] == 1 for r in range(size))
+
+
+def test_random_weights_are_the_same_model_under_ep():
+    """--random-weights: an EP rank draws exactly its slice of the experts one rank would, and
+    everything else the same, so a --dp 2 --expert-parallel node is the --dp 1 node's model."""
+    from disagg.model.loader import random_model
+
+    a = moe_arch()
+    whole = dict(random_model(a, "float32", seed=4).named_parameters())
+    for rank in range(2):
+        part = dict(random_model(a, "float32", seed=4, tp=TensorParallel(
+            ep=ExpertParallel(rank, 2))).named_parameters())
+        assert part.keys() == whole.keys()
+        for name, p in part.items():
+            if name.endswith((".moe.gate_up", ".moe.down")):
+                assert torch.equal(p, whole[name][4 * rank:4 * rank + 4]), name
+            else:
+                assert torch.equal(p, whole[name]), name
