@@ -393,6 +393,11 @@ class NodeConfig(msgspec.Struct, frozen=True):
         "that it exits with code 1 (0: never)")] = 5
     restart_window_s: Annotated[float, Flag(
         "the window --max-restarts counts restarts in", metavar="SECONDS")] = 600.0
+    drain_timeout_s: Annotated[float, Flag(  # disagg.node.Node.drain
+        "SIGTERM or POST /drain (--metrics-listen, from loopback) drains a mixed or decode "
+        "node: it admits nothing new (new requests get 'unavailable': a router sends them "
+        "elsewhere), finishes its live requests for at most this long, ends the rest "
+        "'unavailable', then exits 0; SIGINT stops at once", metavar="SECONDS")] = 30.0
     http_listen: Annotated[str | None, Flag(
         "HOST:PORT for the OpenAI-compatible HTTP API (mixed, decode, router)")] = None
     served_model_name: Annotated[str | None, Flag(
@@ -414,6 +419,8 @@ class NodeConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--listen must be a ZeroMQ address like tcp://127.0.0.1:5555, got {self.listen!r}")
         if self.role == "decode" and not self.disagg.prefill_peers:
             raise ConfigError("--role decode needs at least one --prefill-peer")
+        if not self.drain_timeout_s > 0:
+            raise ConfigError(f"--drain-timeout must be > 0, got {self.drain_timeout_s}")
         if self.http_listen and self.role == "prefill":
             raise ConfigError("--http-listen needs --role mixed, decode or router")
         self.disagg.validate()

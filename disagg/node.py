@@ -49,6 +49,8 @@ from disagg.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 
+DRAIN_POLL_S = 0.1  # while draining: how often to look whether every request has ended
+
 def resolve_model(cfg: NodeConfig) -> NodeConfig:
     """Fill in the model directory: the given one, or the embedded default (converted once)."""
     if cfg.executor.model is not None:
@@ -288,6 +290,33 @@ class Node:
                 self._error = e
                 self.failure = f"{name} failure: {e}"
             self._done.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting (new requests end ``unavailable``, so a router sends them elsewhere;
+        Pongs and Stats say draining, so it chooses this node no more) and wait, at most
+        ``timeout_s`` seconds, until every live request has ended; True when they all did.
+        Those left then end ``unavailable`` (a router resends or migrates them). The caller
+        stops the node next. A prefill node has nothing to drain here: True at once."""
+        if self.scheduler is None or self.frontend is None:
+            return True
+        why = (f"the node is draining (it stops within {timeout_s:g} s); send the request to "
+               "another node")
+        self.frontend.draining = True
+        self.scheduler.drain(why)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        log.info("draining: admitting nothing new, %d live requests to finish within %g s",
+                 len(self.scheduler.live), timeout_s)
+        while self.scheduler.busy() and loop.time() < deadline and not self._done.is_set():
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = len(self.scheduler.live)
+        if left:
+            log.warning("drain timeout: %d live requests end unavailable", left)
+            await self.scheduler.fail_all("unavailable", f"the node drained for {timeout_s:g} s "
+                                          "(--drain-timeout) and stopped; retry on another node")
+        else:
+            log.info("drained: every live request ended")
+        return not left
 
     async def wait(self) -> None:
         """Until ``stop()`` is called or an actor fails (then re-raises its error)."""

@@ -206,14 +206,15 @@ class NodeProcess:
         return out
 
     def stop(self, sig: int | None = None) -> list[int]:
-        """Signal the node, wait for it; returns the pids of children still alive (want [])."""
+        """Signal the node (SIGINT: stop at once; SIGTERM would drain it first), wait for it;
+        returns the pids of children still alive (want [])."""
         import os
         import signal
         import time
 
         kids = self.children()
         if self.proc.poll() is None:
-            self.proc.send_signal(sig or signal.SIGTERM)
+            self.proc.send_signal(sig or signal.SIGINT)
             self.proc.wait(timeout=30)
         self.log.close()
         deadline = time.monotonic() + 10

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
@@ -119,25 +120,58 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     return cfg
 
 
+class Drainer:
+    """SIGTERM and ``POST /drain`` drain the running node (``Node.drain``, at most
+    ``timeout_s``), then set ``stop``; a second SIGTERM (or SIGINT) stops at once, as
+    Kubernetes expects of SIGTERM (a graceful stop within the grace period)."""
+
+    def __init__(self, stop: asyncio.Event, node: Callable[[], Node | None], timeout_s: float):
+        self.stop, self.node, self.timeout_s = stop, node, timeout_s
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> float:
+        """Begin draining (once); returns the drain timeout."""
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._drain())
+        return self.timeout_s
+
+    def on_sigterm(self) -> None:
+        if self.task is not None:
+            log.warning("SIGTERM while draining: stopping now")
+            self.stop.set()
+            return
+        self.start()
+
+    async def _drain(self) -> None:
+        node = self.node()
+        try:
+            if node is not None:
+                await node.drain(self.timeout_s)
+        finally:
+            self.stop.set()
+
+
 async def launch(cfg: NodeConfig, policy: RestartPolicy | None = None,
                  http_limits: HttpLimits | None = None) -> int:
     """Start a node (restarted in place when it fails, see ``Supervisor``), then the metrics
     endpoint (``cfg.metrics_listen``) and the HTTP gateway (``cfg.http_listen``); log
-    ``ready`` once all of them listen; serve until SIGINT/SIGTERM, stop every child. Returns
-    an exit code."""
+    ``ready`` once all of them listen; serve until SIGINT (stop at once) or SIGTERM (drain
+    first, ``Drainer``), stop every child. Returns an exit code."""
     from disagg.supervisor import Supervisor
 
     t0 = time.monotonic()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    sup = Supervisor(cfg, policy)
+    drainer = Drainer(stop, lambda: sup.node, cfg.drain_timeout_s)
 
     def on_signals() -> None:  # again after each start: native libraries loaded by it may
         for sig in (signal.SIGINT, signal.SIGTERM):  # have replaced the process's handlers
             loop.remove_signal_handler(sig)
-            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, drainer.on_sigterm)
 
     on_signals()
-    sup = Supervisor(cfg, policy)
     try:
         node = await sup.start(stop)
     except Exception as e:
@@ -154,7 +188,8 @@ async def launch(cfg: NodeConfig, policy: RestartPolicy | None = None,
             from disagg.actors.http.metrics_server import MetricsServer
 
             what = "the metrics endpoint"
-            servers.append(MetricsServer(address, cfg.metrics_listen, sup.metrics))
+            servers.append(MetricsServer(address, cfg.metrics_listen, sup.metrics,
+                                         on_drain=drainer.start))
             await servers[-1].start()
         if cfg.http_listen:
             from disagg.actors.http.http import start_http_gateway
@@ -215,6 +250,43 @@ def keygen(argv: list[str]) -> None:
           f"--curve-keys {d / 'client'} (or DISAGG_CURVE_KEYS); see {d / 'README.txt'}")
 
 
+def drain_command(argv: list[str]) -> int:
+    """``disagg-node drain [HOST:PORT] [--wait SECONDS]``: POST /drain to a node's metrics
+    endpoint (``--metrics-listen``, on this host), then with ``--wait`` until the node stops
+    answering (it exited). For a pod's preStop hook. Returns an exit code: 1 when the node
+    could not be asked, or still answers after the wait."""
+    import urllib.error
+    import urllib.request
+
+    ap = argparse.ArgumentParser(prog="disagg-node drain", description=drain_command.__doc__)
+    ap.add_argument("address", nargs="?", default="127.0.0.1:9100", metavar="HOST:PORT",
+                    help="the node's --metrics-listen (default 127.0.0.1:9100)")
+    ap.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                    help="then wait up to this long for the node to exit (0: do not wait)")
+    args = ap.parse_args(argv)
+    url = "http://" + args.address.removeprefix("http://").rstrip("/")
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/drain", method="POST"),
+                                    timeout=10) as resp:
+            print(f"disagg-node drain: {resp.read().decode()}")
+    except (urllib.error.URLError, OSError) as e:
+        print(f"disagg-node drain: could not ask {url}: {e}", file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                pass
+        except (urllib.error.URLError, OSError):
+            return 0  # gone: the node exited
+        time.sleep(0.5)
+    if args.wait > 0:
+        print(f"disagg-node drain: the node still answers after {args.wait:g} s",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def refuse(why: str) -> NoReturn:
     """Exit with code 2 (a flag is wrong), saying why."""
     print(f"disagg-node: {why}", file=sys.stderr)
@@ -228,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["keygen"]:
         keygen(argv[1:])
         return
+    if argv[:1] == ["drain"]:
+        sys.exit(drain_command(argv[1:]))
     args = build_parser().parse_args(argv)
     if args.curve_keys:  # in-process clients (HTTP gateway, metrics, router) read it here
         from disagg.serving.security import KeyFileError, load_node

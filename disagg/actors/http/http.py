@@ -27,6 +27,7 @@ import msgspec
 from aiohttp import web
 
 from disagg.actors.http.choices import Reported, Shaper, serve_many
+from disagg.actors.http.events import Event, parse_listen
 from disagg.actors.http.http_guard import (
     LINGER_S,
     BodyError,
@@ -37,7 +38,8 @@ from disagg.actors.http.http_guard import (
     send,
 )
 from disagg.client import AsyncClient, RequestError
-from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, TokenLogprobs, Usage
+from disagg.protocol import Finished, SamplingParams, Stats, TokenChunk, Usage
+from disagg.serving.health import Health
 from disagg.serving.http_limits import (
     BodyBudget,
     HttpLimits,
@@ -88,26 +90,6 @@ class Backend(Protocol):
     async def stats(self, timeout: float = 10.0) -> Stats: ...
 
 
-def parse_listen(http_listen: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too; port 0 picks a free one) -> (host, port)."""
-    text = http_listen.removeprefix("http://")
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--http-listen must be HOST:PORT, got {http_listen!r}")
-    return (host.strip("[]") or "127.0.0.1"), int(port)
-
-
-class Event(msgspec.Struct):
-    """One step of a relayed stream: new text, and at the end the reason and usage."""
-
-    text: str
-    tokens: int = 0
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    logprobs: list[TokenLogprobs] | None = None  # the tokens' (TokenChunk.logprobs)
-    prompt_logprobs: list[TokenLogprobs] | None = None  # the first event's, when asked
-
-
 class Gateway:
     def __init__(self, backend: Backend, http_listen: str, model_name: str, tokenizer: Any,
                  max_model_len: int, metrics: Metrics | None = None, stats_interval: float = 1.0,
@@ -131,7 +113,6 @@ class Gateway:
         self.stats_label = stats_label
         self._on_stop = on_stop
         self._created = int(time.time())
-        self._last_stats: float | None = None
         self._runner: web.AppRunner | None = None
         self._poller: asyncio.Task[None] | None = None
         self.app = web.Application(client_max_size=self.limits.max_body_bytes,
@@ -143,9 +124,8 @@ class Gateway:
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
         ])
-        # the router's: None while a request would find a decode node, else why not (/health)
-        self._ready: Callable[[], str | None] | None = getattr(backend, "ready", None)
-        self._unready: str | None = None  # the node's: refusing (restarting) or draining
+        # /health: the router's ready() (a decode node takes requests), else the node's Stats
+        self.health_state = Health(stats_interval, getattr(backend, "ready", None))
         self._advice = getattr(backend, "advice", None)  # the router's P:D advice
         if callable(self._advice):
             self.app.add_routes([web.get("/v1/disagg/advice", self.advice)])
@@ -204,29 +184,20 @@ class Gateway:
         except (TimeoutError, asyncio.TimeoutError):
             return
         except RequestError as e:  # the node answers, but may refuse requests (restarting)
-            if e.error.code in ("unavailable", "shutting_down"):
-                self._unready = f"the node refuses requests: {e.error.message}"
+            self.health_state.on_error(e.error.code, e.error.message)
             return
         except Exception as e:  # keep polling whatever the backend does
             log.debug("stats poll failed: %s", e)
             return
-        self._last_stats = time.monotonic()
-        self._unready = "the node is draining" if stats.draining else None
+        self.health_state.on_stats(stats, time.monotonic())
         if stats.max_model_len > 0:  # one limit everywhere: the node caps it by its KV pool
             self.max_model_len = min(self.configured_max_model_len, stats.max_model_len)
         if self.stats_label is not None:  # None: the backend feeds the gauges itself
             self.metrics.update_stats(stats, self.stats_label)
 
     def unhealthy(self) -> str | None:
-        """None while a request would be served, else why not: behind a router, whether it
-        has a decode node taking requests now (what a request would get); on a node, whether
-        its last Stats answer was recent and it neither refused (restarting) nor drained."""
-        if self._ready is not None:
-            return self._ready()
-        limit = max(5.0, 3 * self.stats_interval)
-        if self._last_stats is None or time.monotonic() - self._last_stats >= limit:
-            return "the node has not answered a Stats request recently"
-        return self._unready
+        """None while a request would be served, else why not (``disagg.serving.health``)."""
+        return self.health_state.unhealthy(time.monotonic())
 
     def healthy(self) -> bool:
         return self.unhealthy() is None

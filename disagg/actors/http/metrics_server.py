@@ -2,14 +2,18 @@
 
 Receives: the node's ``Stats`` (polled over its own client or peer socket, so it works for
 every role) and the observations the messengers feed into the node's ``Metrics`` (KV bytes and
-writes, transfer latency, layer lag). Serves: ``/metrics`` and ``/health``.
+writes, transfer latency, layer lag). Serves: ``/metrics``, ``/health`` and ``POST /drain``
+(from loopback only: a pod's preStop hook, ``disagg-node drain``), which starts the node's
+drain (``disagg.node.Node.drain``) and answers 202 at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -20,7 +24,10 @@ log = logging.getLogger(__name__)
 
 
 class MetricsServer:
-    def __init__(self, node_address: str, listen: str, metrics: Metrics, interval_s: float = 1.0):
+    def __init__(self, node_address: str, listen: str, metrics: Metrics, interval_s: float = 1.0,
+                 on_drain: Callable[[], float] | None = None):
+        """``on_drain``: starts the node's drain (a no-op when it drains already); returns its
+        timeout in seconds. None: ``POST /drain`` answers 404."""
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--metrics-listen must be HOST:PORT, got {listen!r}")
@@ -29,6 +36,7 @@ class MetricsServer:
         self.interval_s = interval_s
         self.client = AsyncClient(node_address)
         self.node_address = node_address
+        self.on_drain = on_drain
         self._runner: web.AppRunner | None = None
         self._poll: asyncio.Task[None] | None = None
 
@@ -36,6 +44,7 @@ class MetricsServer:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/drain", self._drain)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
@@ -56,6 +65,16 @@ class MetricsServer:
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def _drain(self, request: web.Request) -> web.Response:
+        if self.on_drain is None:
+            return web.json_response({"error": "this node does not drain"}, status=404)
+        if not _loopback(request.remote):
+            return web.json_response({"error": "POST /drain is taken from loopback only"},
+                                     status=403)
+        timeout_s = self.on_drain()
+        return web.json_response({"status": "draining", "drain_timeout_s": timeout_s},
+                                 status=202)
+
     async def stop(self) -> None:
         if self._poll is not None:
             self._poll.cancel()
@@ -64,3 +83,11 @@ class MetricsServer:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.client.close()
+
+
+def _loopback(remote: str | None) -> bool:
+    """Whether a request came from this host (``request.remote``: the peer's address)."""
+    try:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False

@@ -40,8 +40,9 @@ import zmq.asyncio
 
 from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.router.router_front import Flight, RouterFront
+from disagg.actors.router.router_peers import RouterPeers
 from disagg.actors.router.router_placement import RouterPlacement, migration_counter
-from disagg.actors.sockets import CLIENT_FRAME_BYTES, dialing, monitor_events
+from disagg.actors.sockets import CLIENT_FRAME_BYTES, dialing
 from disagg.client import RequestError
 from disagg.protocol import (
     Abort,
@@ -68,7 +69,7 @@ from disagg.serving.salting import SaltByTenant, TenantSalting
 
 log = logging.getLogger(__name__)
 
-class Router(RouterFront, RouterPlacement):
+class Router(RouterFront, RouterPlacement, RouterPeers):
     def __init__(self, decode_peers: list[str], listen: str | None = None,
                  ctx: zmq.asyncio.Context | None = None, metrics: Metrics | None = None,
                  poll_interval: float = 0.5, dead_after: float = 3.0,
@@ -92,6 +93,7 @@ class Router(RouterFront, RouterPlacement):
         self.peers: dict[str, zmq.asyncio.Socket] = {}
         self.monitors: dict[str, zmq.asyncio.Socket] = {}  # each peer socket's connection events
         self._was_accepting: dict[str, bool] = {}  # for the log: last seen taking new requests
+        self._leaving: set[str] = set()  # left the peer set while draining: forgotten once dead
         self.peer_stats: dict[str, Stats] = {}
         self.flights: dict[str, Flight] = {}  # by wire id (Flight.req.request_id)
         # wire id -> (the peer that lost it, why, deadline): migrating, no peer took it yet
@@ -171,28 +173,6 @@ class Router(RouterFront, RouterPlacement):
         self._tasks.append(task)
         self._peer_tasks[addr] = task
 
-    async def _peers_changed(self, appeared: list[str], vanished: list[str]) -> None:
-        """Discovery: connect the peers that appeared; those that vanished die at once (their
-        requests moved or ended as for a silent peer), then are forgotten."""
-        for addr in appeared:
-            if self.balancer.add(addr):
-                self._connect(addr)
-        for addr in vanished:
-            if addr not in self.peers:
-                continue
-            self.balancer.vanished(addr)
-            await self._peer_died(addr, "left the peer set")
-            self.balancer.remove(addr)
-            task = self._peer_tasks.pop(addr)
-            task.cancel()
-            self._tasks.remove(task)
-            sock = self.peers.pop(addr)
-            sock.disable_monitor()
-            sock.close(linger=500)  # the Aborts just sent, if it is there
-            self.monitors.pop(addr).close()
-            with contextlib.suppress(KeyError):
-                self.peer_up.remove(addr)
-
     async def _poll(self) -> None:
         """Loop: 1. send a Ping to every peer, and a StatsRequest to those that answered the
         last one; 2. declare silent peers dead and move or fail their requests; 3. sleep
@@ -207,6 +187,8 @@ class Router(RouterFront, RouterPlacement):
                         await sock.send(stats, zmq.NOBLOCK)
             for addr in self.balancer.check(time.monotonic()):
                 await self._peer_died(addr)
+            for addr in [a for a in self._leaving if not self.balancer.peers[a].alive]:
+                await self._forget(addr, "exited after draining")
             for wire in list(self.moving):  # requests whose node lost them, waiting for one
                 await self._place_moved(self.flights[wire])
             await asyncio.sleep(self.poll_interval)
@@ -259,59 +241,6 @@ class Router(RouterFront, RouterPlacement):
                 await self._migrate(f, addr, "stopped answering mid-stream")
             else:
                 await self._place(f)
-
-    async def _next_reply(self, addr: str, sock: zmq.asyncio.Socket,
-                          monitor: zmq.asyncio.Socket, poller: zmq.asyncio.Poller) -> bytes:
-        """The next frame from ``addr``; a connection of its that went down meanwhile (its
-        process is gone, and with it what it held of ours) kills it at once."""
-        while True:
-            try:
-                return await sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            events = dict(await poller.poll())
-            if monitor in events:
-                for event, _ in await monitor_events(monitor):
-                    if event == zmq.EVENT_DISCONNECTED and self.balancer.on_down(addr):
-                        await self._peer_died(addr, "closed its connection")
-
-    def _heartbeat(self, addr: str, msg: Stats | Pong | Error) -> None:
-        """A Pong, a Stats reply or a frame-level Error (a Ping or Stats refused) from
-        ``addr``: it is live; whether it takes new requests (draining, restarting)."""
-        now = time.monotonic()
-        if isinstance(msg, Pong):
-            revived = self.balancer.on_pong(addr, msg.draining, now)
-        elif isinstance(msg, Stats):
-            self.peer_stats[addr] = msg
-            self.metrics.update_stats(msg, addr)
-            revived = self.balancer.on_stats(addr, msg.running, msg.waiting, now,
-                                             bool(msg.draining), len(msg.dp_ranks) or 1)
-        elif msg.code == "unavailable":  # restarting: its door refuses every frame
-            revived = self.balancer.on_refused(addr, now)
-        else:
-            log.warning("frame-level error from %s: %s", addr, msg)
-            revived = self.balancer.on_heard(addr, now)
-        self._heard(addr, revived)
-        accepting = self.balancer.peers[addr].accepting
-        if accepting != self._was_accepting.get(addr, True):
-            log.info("decode peer %s %s", addr, "takes new requests again" if accepting else (
-                f"refuses new requests ({msg.message})" if isinstance(msg, Error)
-                else "is draining: no new request goes to it"))
-        self._was_accepting[addr] = accepting
-
-    def _heard(self, addr: str, revived: bool) -> None:
-        if revived:
-            log.info("decode peer %s is live", addr)
-            self.peer_up.labels(addr).set(1)
-        self._any_alive.set()
-
-    def ready(self) -> str | None:
-        """None while a new request would find a decode node, else why not (``/health``)."""
-        if self.balancer.serving():
-            return None
-        alive = self.balancer.alive()
-        return ("no decode node is available" + (
-            f": {len(alive)} live, all draining or restarting" if alive else ""))
 
     async def _end(self, f: Flight, terminal: Finished | Error) -> None:
         if self.flights.pop(f.req.request_id, None) is None:

@@ -369,6 +369,15 @@ class SchedulerActor:
 
     def stop(self) -> None:
         self._stopping = True
+
+    def drain(self, why: str) -> None:
+        """Admit nothing new (new requests end ``unavailable`` naming ``why``; Stats say
+        draining); live and queued requests go on."""
+        self.intake.draining = why
+
+    def busy(self) -> bool:
+        """Whether a request is live (running, queued, waiting for KV) or being prepared."""
+        return bool(self.live) or self.intake.has_tokenizing()
         for t in self._tasks:
             t.cancel()
 
@@ -395,6 +404,7 @@ class SchedulerActor:
             aborted=c.aborted, errored=c.errored, rejected=c.rejected, bad_frames=0,
             waiting_for_kv=self.side.waiting_for_kv(), pages_fenced=self.side.pages_fenced(),
             max_model_len=self.max_model_len, steps_overlapped=self.core.steps_ahead,
+            draining=int(self.intake.draining is not None),
             dp_ranks=rank_stats(self.pool, self.sched.running, self.executors.all_to_all_s),
             **(self.tiers.stats() if self.tiers is not None else {}),
             **msgspec.structs.asdict(self.messenger_stats)
