@@ -62,10 +62,10 @@ class RequestError(RuntimeError):
 
 def _request(prompt: str | None, prompt_token_ids: list[int] | None, sampling: SamplingParams | None,
              request_id: str | None, cache_salt: str | None = None,
-             tenant: str | None = None) -> GenerateRequest:
+             tenant: str | None = None, traceparent: str | None = None) -> GenerateRequest:
     return GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt,
                            prompt_token_ids=prompt_token_ids, sampling=sampling or SamplingParams(),
-                           cache_salt=cache_salt, tenant=tenant)
+                           cache_salt=cache_salt, tenant=tenant, traceparent=traceparent)
 
 
 class AsyncClient:
@@ -161,11 +161,14 @@ class AsyncClient:
         timeout: float = 600.0,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        traceparent: str | None = None,
     ) -> AsyncIterator[TokenChunk | Finished]:
         """Stream ``TokenChunk``s, then the ``Finished``. Raises ``RequestError`` on ``Error``.
         ``cache_salt``: share cached prompt prefixes only with requests of the same salt;
-        ``tenant``: the unit of fairness it counts under on the node (``GenerateRequest``)."""
-        req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt, tenant)
+        ``tenant``: the unit of fairness it counts under on the node (``GenerateRequest``);
+        ``traceparent``: the caller's W3C trace context (a tracing node's spans join it)."""
+        req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt, tenant,
+                       traceparent)
         self._ensure_reader()
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[req.request_id] = q

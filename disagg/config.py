@@ -404,6 +404,10 @@ class NodeConfig(msgspec.Struct, frozen=True):
         "model id in the HTTP API (default: the model directory's name)")] = None
     metrics_listen: Annotated[str | None, Flag(
         "HOST:PORT serving Prometheus /metrics (any role)")] = None
+    otlp_traces_endpoint: Annotated[str | None, Flag(  # disagg.trace
+        "export OpenTelemetry traces of every request over OTLP/HTTP to this URL, e.g. "
+        "http://127.0.0.1:4318 (/v1/traces added to a URL without a path); needs the otel "
+        "extra (any role)", metavar="URL")] = None
 
     def validate(self) -> None:
         _one_of(self.role, Role, "--role")

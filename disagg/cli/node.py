@@ -326,6 +326,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config_from_args(args)
     except ConfigError as e:
         refuse(str(e))
+    if cfg.otlp_traces_endpoint is not None:  # before anything serves: every request traced
+        try:
+            from disagg import trace
+
+            trace.configure(cfg.otlp_traces_endpoint, f"disagg-{cfg.role}")
+        except ImportError as e:
+            refuse(f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'disagg[otel]' "
+                   f"({e})")
     if cfg.role == "router":
         sys.exit(asyncio.run(run_router(cfg, http_limits)))
     from disagg.supervisor import RestartPolicy

@@ -61,6 +61,8 @@ class Sequence:
     # SamplingParams.structured: the request's matcher (disagg.engine.grammar.GrammarState),
     # attached when it is admitted on a node that samples; advanced by each output token
     grammar: Any = None
+    # its spans on this node (disagg.trace.Phases) while traces are exported; None otherwise
+    trace: Any = None
 
     @property
     def num_tokens(self) -> int:

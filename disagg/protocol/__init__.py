@@ -41,6 +41,7 @@ MIN_TEMPERATURE = 1e-5  # below this (except 0) float32 logits / temperature ove
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CACHE_SALT = 256  # characters of a request's cache_salt
 MAX_TENANT = 256  # characters of a request's tenant
+MAX_TRACEPARENT = 128  # characters of a request's traceparent (W3C's version 00: 55)
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound for chat top_logprobs)
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
@@ -193,6 +194,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     tenant: str | None = None
     # set: continue a request another node streamed part of (Resume); None: a new request
     resume: Resume | None = None
+    # W3C trace context (``00-<trace id>-<span id>-<flags>``) of the caller's span: a node
+    # tracing (--otlp-traces-endpoint) makes its spans of this request its children; one that
+    # does not parse starts a new trace. At most MAX_TRACEPARENT characters
+    traceparent: str | None = None
 
     def validate(self) -> str | None:
         """The protocol version, the cache salt, the tenant, then the sampling parameters: a
@@ -205,6 +210,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
                     f"got {len(self.cache_salt)}")
         if self.tenant is not None and not 1 <= len(self.tenant) <= MAX_TENANT:
             return f"tenant must have 1-{MAX_TENANT} characters, got {len(self.tenant)}"
+        if self.traceparent is not None and len(self.traceparent) > MAX_TRACEPARENT:
+            return (f"traceparent must have at most {MAX_TRACEPARENT} characters, "
+                    f"got {len(self.traceparent)}")
         if self.resume is not None and (why := self.resume.validate(
                 self.sampling.max_tokens)) is not None:
             return why

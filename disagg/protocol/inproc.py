@@ -175,6 +175,7 @@ class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=Tr
     cap_s: float  # the attempt's absolute budget (sent as deadline_unix)
     skip_pages: int = 0  # leading prompt pages the decoder holds (prefix cache): not written
     cache_salt: str | None = None  # the request's (``PrefillRequest.cache_salt``)
+    traceparent: str | None = None  # its remote-prefill span's (``PrefillRequest.traceparent``)
 
     @classmethod
     def of(cls, request_id: str, key: int, prompt_ids: list[int], dst_pages: list[int],

@@ -128,6 +128,9 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True, forbid_unknown_
     # cache: its pages are shared only with requests of the same salt
     cache_salt: str | None = None
     v: int = PROTOCOL_VERSION
+    # W3C trace context of the decoder's remote-prefill span (its tracing on), the parent of
+    # the prefiller's spans of this job; at most 128 characters (GenerateRequest.traceparent)
+    traceparent: str | None = None
 
 
 def _raw_prompt_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg.protocol import MAX_CACHE_SALT
+from disagg.protocol import MAX_CACHE_SALT, MAX_TRACEPARENT
 from disagg.protocol.peer import KVLayoutDesc, PrefillRequest
 from disagg.remote.ownership import CHALLENGE_AREA_BYTES, CHALLENGE_SLOTS
 from disagg.remote.transfer_plan import incompatibility
@@ -37,6 +37,8 @@ def request_problem(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest,
         return "prompt larger than this prefiller's KV pool"
     if not 0 < req.timeout_s <= 3600:
         return f"timeout_s out of range: {req.timeout_s}"
+    if req.traceparent is not None and len(req.traceparent) > MAX_TRACEPARENT:
+        return f"traceparent longer than {MAX_TRACEPARENT} characters"
     if req.cache_salt is not None and not 1 <= len(req.cache_salt) <= MAX_CACHE_SALT:
         return f"cache_salt must have 1-{MAX_CACHE_SALT} characters"
     return None

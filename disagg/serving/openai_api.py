@@ -184,6 +184,7 @@ class Prepared:
     logprobs: int | None = None  # alternatives per token (None: no logprobs)
     tools: ToolPlan | None = None  # chat with tools: how its output becomes tool_calls
     tenant: str | None = None  # the gateway's: GenerateRequest.tenant (disagg.serving.tenants)
+    traceparent: str | None = None  # the caller's HTTP traceparent header (disagg.trace)
 
     @property
     def all_prompts(self) -> list[list[int]]:

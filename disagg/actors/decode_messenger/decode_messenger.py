@@ -264,7 +264,7 @@ class DecodeMessenger(MessengerBase):
             ctx_offset=ctx_slot * self.layout.context_bytes, timeout_s=self.timeout_s,
             deadline_unix=time.time() + msg.cap_s, challenge_slot=peer.slot,
             challenge_key=self.challenges.key(peer), skip_pages=msg.skip_pages,
-            cache_salt=msg.cache_salt)
+            cache_salt=msg.cache_salt, traceparent=msg.traceparent)
         await peer.sock.send(self._enc.encode(req))
         trace.mark("dm.req_out", msg.request_id)
         trace.mark("link", msg.request_id, "=k", msg.key)

@@ -71,6 +71,7 @@ from disagg.serving.openai_logprobs import token_text_of
 from disagg.serving.tenants import http_tenant
 from disagg.serving.tool_calls import apply_tool_calls
 from disagg.serving.tool_calls import finish_reason as tool_finish_reason
+from disagg.trace import trace_header
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class Backend(Protocol):
     def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                  sampling: SamplingParams | None = None, request_id: str | None = None,
                  timeout: float = 600.0, cache_salt: str | None = None,
-                 tenant: str | None = None) -> AsyncIterator[TokenChunk | Finished]: ...
+                 tenant: str | None = None, traceparent: str | None = None
+                 ) -> AsyncIterator[TokenChunk | Finished]: ...
 
     async def stats(self, timeout: float = 10.0) -> Stats: ...
 
@@ -256,6 +258,7 @@ class Gateway:
             self.metrics.observe_error(e.code, e.type)
             return _error(e)
         prep.tenant = http_tenant(request.headers, self.limits.tenant_header)
+        prep.traceparent = trace_header(request.headers)  # W3C trace context (disagg.trace)
         rid = new_id("chatcmpl" if chat else "cmpl")
         timer = self.metrics.start_request()
         outcome, code, etype = "abort", None, None  # what a cancellation (client gone) leaves
@@ -294,7 +297,7 @@ class Gateway:
         stream = self.backend.generate(prompt_token_ids=prep.prompt_token_ids,
                                        sampling=prep.sampling, request_id=rid,
                                        timeout=self.request_timeout, cache_salt=prep.cache_salt,
-                                       tenant=prep.tenant)
+                                       tenant=prep.tenant, traceparent=prep.traceparent)
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for msg in stream:

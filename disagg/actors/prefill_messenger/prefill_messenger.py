@@ -147,6 +147,7 @@ class PrefillMessenger(MessengerBase):
                                 zero_slot, self._fail, self._progressed, metrics,
                                 layerwise_min_tokens)
         self.poller: LayerPoller | None = None
+        self.traces: dict[int, trace.Phases] = {}  # job -> its spans (traces exported)
 
     # ------------------------------------------------------------------ loop
 
@@ -230,6 +231,8 @@ class PrefillMessenger(MessengerBase):
                         if trace.enabled() and c.job in self.jobs:
                             trace.mark("link", self.jobs[c.job].req.request_id, "=s", a.step_id)
                         first = self.life.state(c.job) is JobState.QUEUED
+                        if first and self.traces and c.job in self.traces:
+                            self.traces[c.job].enter("prefill_compute")  # layers pushed
                         self.life.step_started(c.job, now)
                         if first and c.start > 0:  # it starts after pages from the cache
                             self.writes.ship_cached(c, now)
@@ -280,9 +283,20 @@ class PrefillMessenger(MessengerBase):
                 self.by_peer[(peer, req.request_id)] = job.id
                 self.ctx_of[job.id] = self.ctx_free.pop()
                 self.queued_tokens += len(req.prompt_ids)
+                if trace.tracing():  # a child of the decoder's remote-prefill span
+                    self._trace_job(job.id, req, now if arrived is None else arrived)
                 self._carry_out(self.life.accept(job.id, peer, pages, req.timeout_s, cap_s,
                                                  now if arrived is None else arrived))
                 trace.mark("p.accepted", req.request_id)
+
+    def _trace_job(self, job_id: int, req: PrefillRequest, arrived: float) -> None:
+        """The job's spans: ``prefill`` (arrival to its answer), its ``prefill_queue`` first."""
+        t0 = time.time_ns() - int(1e9 * (time.monotonic() - arrived))
+        phases = trace.Phases("prefill", req.traceparent, t0, request_id=req.request_id,
+                              tokens=len(req.prompt_ids), skip_pages=req.skip_pages)
+        phases.enter("prefill_queue", t0)
+        trace.bind(req.request_id, phases.root)  # its hop marks: events
+        self.traces[job_id] = phases
 
     def _carry_out(self, commands: list[LifeCommand]) -> None:
         """Do what the job machine decided, in its order."""
@@ -345,6 +359,8 @@ class PrefillMessenger(MessengerBase):
                 self.ctx_buf[slot] = torch.frombuffer(
                     bytearray(hidden[i * row_bytes:(i + 1) * row_bytes]), dtype=torch.uint8)
             self.writes.post_context(job_id, slot)
+            if self.traces and job_id in self.traces:
+                self.traces[job_id].enter("kv_settle")  # computed: its last writes land
             self._carry_out(self.life.computed(job_id, now))
         self._send_soon(self.stats())
 
@@ -369,6 +385,9 @@ class PrefillMessenger(MessengerBase):
         self.ctx_free.append(self.ctx_of.pop(job.id))
         self._spawn(self._reply(job.peer, msg))
         trace.mark("p.answered", rid)
+        if self.traces and (phases := self.traces.pop(job.id, None)) is not None:
+            trace.unbind(rid)
+            phases.end(outcome=r.kind)
 
     def _progressed(self, now: float) -> None:
         """This prefiller computed something (a step was scheduled, a layer or a step done):

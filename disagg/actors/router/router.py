@@ -38,6 +38,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from disagg import trace
 from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.router.router_front import Flight, RouterFront
 from disagg.actors.router.router_peers import RouterPeers
@@ -63,7 +64,7 @@ from disagg.serving import security
 from disagg.serving.advice import Advice, LatencyWindow, Slo, advise_from_stats
 from disagg.serving.http_limits import HttpLimits
 from disagg.serving.metrics import Metrics
-from disagg.serving.migration import MigrationPolicy, Progress, with_seed
+from disagg.serving.migration import MigrationPolicy
 from disagg.serving.routing import LoadBalancer
 from disagg.serving.salting import SaltByTenant, TenantSalting
 
@@ -216,6 +217,8 @@ class Router(RouterFront, RouterPlacement, RouterPeers):
             if f is None or f.peer != addr:
                 continue  # late reply of an aborted or moved request
             if isinstance(msg, TokenChunk):
+                if not f.streamed:
+                    trace.event(f.span, "first_token")
                 f.streamed = True
                 f.progress.on_chunk(msg.token_ids, msg.text)
                 self.latency.tokens(f.key, len(msg.token_ids), time.monotonic())
@@ -246,6 +249,8 @@ class Router(RouterFront, RouterPlacement, RouterPeers):
         if self.flights.pop(f.req.request_id, None) is None:
             return
         self.moving.pop(f.req.request_id, None)
+        trace.end(f.span, outcome=terminal.reason if isinstance(terminal, Finished)
+                  else terminal.code, migrations=f.progress.migrations)
         self.latency.finish(f.key, terminal, time.monotonic())
         if f.front_key is not None:
             self.by_client.pop(f.front_key, None)
@@ -257,15 +262,6 @@ class Router(RouterFront, RouterPlacement, RouterPeers):
             else:
                 f.timer.finish(terminal.reason, terminal.usage.prompt_tokens)
         await f.deliver(terminal)
-
-    async def _submit(self, f: Flight) -> None:
-        f.req = with_seed(f.req, self.migration)  # a sampled stream continues the same noise
-        f.progress = Progress(self.migration, f.req.resume)
-        self.flights[f.req.request_id] = f
-        self.latency.start(f.key, time.monotonic())
-        if f.front_key is not None:
-            self.by_client[f.front_key] = f
-        await self._place(f)
 
     async def _abort(self, f: Flight) -> None:
         if f.req.request_id in self.moving:  # between two nodes: nothing runs it
@@ -284,7 +280,8 @@ class Router(RouterFront, RouterPlacement, RouterPeers):
     async def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                        sampling: SamplingParams | None = None, request_id: str | None = None,
                        timeout: float = 600.0, cache_salt: str | None = None,
-                       tenant: str | None = None) -> AsyncIterator[TokenChunk | Finished]:
+                       tenant: str | None = None, traceparent: str | None = None
+                       ) -> AsyncIterator[TokenChunk | Finished]:
         """As ``AsyncClient.generate``: stream ``TokenChunk``s, then the ``Finished``; raise
         ``RequestError`` on ``Error``. Closing the stream early aborts the request. ``tenant``
         goes on to the decoder (its fair queue)."""
@@ -296,7 +293,7 @@ class Router(RouterFront, RouterPlacement, RouterPeers):
 
         req = GenerateRequest(request_id=key, prompt=prompt, prompt_token_ids=prompt_token_ids,
                               sampling=sampling or SamplingParams(), cache_salt=cache_salt,
-                              tenant=tenant)
+                              tenant=tenant, traceparent=traceparent)
         f = Flight(key, request_id or key, req, deliver)
         await self._submit(f)
         try:

@@ -53,6 +53,7 @@ class Flight:
     streamed: bool = False
     tried: set[str] = field(default_factory=set)
     progress: Progress = field(default_factory=lambda: Progress(MigrationPolicy(limit=0)))
+    span: Any = None  # its span here (disagg.trace) while traces are exported
 
 
 class RouterFront:

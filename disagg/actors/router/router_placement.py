@@ -15,10 +15,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from disagg import trace
 from disagg.actors.router.router_front import Flight
 from disagg.protocol import Error, Finished
+from disagg.serving.advice import LatencyWindow
 from disagg.serving.metrics import Metrics
-from disagg.serving.migration import MIGRATION_WAIT_S, MigrationPolicy
+from disagg.serving.migration import MIGRATION_WAIT_S, MigrationPolicy, Progress, with_seed
 from disagg.serving.routing import LoadBalancer, prefix_keys
 
 log = logging.getLogger("disagg.actors.router.router")
@@ -35,6 +37,8 @@ class RouterPlacement:
     flights: dict[str, Flight]
     moving: dict[str, tuple[str, str, float]]
     moved: Any  # disagg_router_migrations_total{outcome}
+    latency: LatencyWindow
+    by_client: dict[tuple[bytes, str], Flight]
     peers: dict[str, zmq.asyncio.Socket]
     _enc: msgspec.msgpack.Encoder
 
@@ -101,12 +105,27 @@ class RouterPlacement:
         log.info("request %s: decode node %s %s; moved to %s after %d tokens (migration %d)",
                  f.client_id, addr, why, peer, f.progress.streamed, f.progress.migrations)
         self.moved.labels("moved").inc()
+        trace.event(f.span, "migrated", tokens=f.progress.streamed, lost_by=addr)
         await self._send_to(f, peer)
 
     async def _not_moved(self, f: Flight, addr: str, why: str, reason: str) -> None:
         self.moved.labels("refused").inc()
         await self._end(f, Error("unavailable", f"decode node {addr} {why}; the request was "
                                  f"not moved: {reason}", f.client_id))
+
+    async def _submit(self, f: Flight) -> None:
+        """A new request: seeded if it may migrate, traced (its span the parent of its
+        decoders'), placed."""
+        f.req = with_seed(f.req, self.migration)  # a sampled stream continues the same noise
+        f.progress = Progress(self.migration, f.req.resume)
+        if trace.tracing():
+            f.span = trace.start("router", f.req.traceparent, request_id=f.client_id)
+            f.req = msgspec.structs.replace(f.req, traceparent=trace.traceparent(f.span))
+        self.flights[f.req.request_id] = f
+        self.latency.start(f.key, time.monotonic())
+        if f.front_key is not None:
+            self.by_client[f.front_key] = f
+        await self._place(f)
 
     async def _place(self, f: Flight) -> None:
         """Send ``f`` to the least loaded live peer it has not tried, or end it."""
@@ -118,6 +137,7 @@ class RouterPlacement:
         await self._send_to(f, peer)
 
     async def _send_to(self, f: Flight, peer: str) -> None:
+        trace.event(f.span, "sent", peer=peer)
         f.peer = peer
         f.tried.add(peer)
         self.balancer.on_start(peer)

@@ -96,6 +96,8 @@ class DecodeSide(SchedulerSide):
             return False  # the scheduler takes the same cached pages and computes the rest
         seq.status = Status.REMOTE
         self.seqs[seq.slot] = seq
+        if seq.trace is not None:  # waits for pages, then a prefiller's KV
+            seq.trace.enter("remote_prefill", tokens=n)
         self.clock[seq.slot] = {"admit": time.monotonic()}
         self.remote.admit(seq.slot, n, pages_needed(seq.num_tokens, ps), time.monotonic())
         await self._pump()
@@ -191,6 +193,9 @@ class DecodeSide(SchedulerSide):
                 case Send():
                     seq = self.seqs[c.slot]
                     self.clock.get(c.slot, {})["sent"] = time.monotonic()
+                    if seq.trace is not None:  # this attempt's marks become its events
+                        trace.unbind(self.sent.get(c.slot))
+                        trace.bind(c.request_id, seq.trace.phase)
                     trace.mark("d.send", c.request_id, value=len(seq.prompt_ids))
                     self.sent[c.slot] = c.request_id
                     await self._to_messenger(self._send_prefill(seq, c))
@@ -205,12 +210,19 @@ class DecodeSide(SchedulerSide):
                     seq = self.seqs.pop(c.slot)
                     self.clock.get(c.slot, {})["kv"] = time.monotonic()
                     trace.mark("d.ready", self.sent.get(c.slot))
+                    if seq.trace is not None:
+                        trace.event(seq.trace.phase, "kv_landed")
+                        trace.unbind(self.sent.get(c.slot))
+                        seq.trace.enter("first_decode_step")
                     self.port.sched.kv_arrived(seq, seq.block_table + list(c.pages),
                                                self.context.pop(c.slot, b""))
                 case Local():
                     seq = self.seqs.pop(c.slot)
                     self.clock.pop(c.slot, None)
                     log.warning("prefilling %s locally: %s", seq.request_id, c.why)
+                    if seq.trace is not None:
+                        trace.unbind(self.sent.get(c.slot))
+                        seq.trace.enter("prefill", why=c.why)
                     seq.num_computed = len(seq.block_table) * self.port.page_size  # cached
                     self.port.sched.add(seq)
                 case Fail():
@@ -275,7 +287,7 @@ class DecodeSide(SchedulerSide):
         self.held.pop(seq.slot, None)
         self.context.pop(seq.slot, None)
         self.clock.pop(seq.slot, None)
-        self.sent.pop(seq.slot, None)
+        trace.unbind(self.sent.pop(seq.slot, None))
         if self.seqs.pop(seq.slot, None) is None:
             return False
         seq.status = Status.FINISHED  # still remote: the machine holds its pages
@@ -305,7 +317,8 @@ class DecodeSide(SchedulerSide):
         return SendPrefill(c.request_id, c.key, memoryview(prompt), n,
                            encoded_prefix_keys(prompt, seq.cache_salt),
                            list(c.pages[: pages_needed(n, self.port.page_size) - held]),
-                           c.cap_s, held, seq.cache_salt)
+                           c.cap_s, held, seq.cache_salt,
+                           None if seq.trace is None else trace.traceparent(seq.trace.phase))
 
     async def before_step(self, plan: StepPlan, batch: Batch) -> None:
         if trace.enabled():  # hop marks: the step that computes a landed prompt's last token

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Protocol
 
 import msgspec
 
+from disagg import trace
 from disagg.engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars, GrammarState
 from disagg.engine.scheduling import Sequence
 from disagg.model.tokenizer import Tokenizer
@@ -104,6 +105,7 @@ class ClientIntake:
         # requests being prepared off the event loop: tokenized, or their grammar compiled
         self.tokenizing: dict[tuple[bytes, str], GenerateRequest] = {}
         self._acks: dict[bytes, int] = {}  # client frames handled, not yet counted in a reply
+        self._admit_ns: dict[tuple[bytes, str], int] = {}  # traced: when admission began
         self._in_vocab = msgspec.msgpack.Decoder(  # a client's prompt ids (FromClient.prompt)
             list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]])
 
@@ -196,6 +198,10 @@ class ClientIntake:
         """Make ``req`` live or refuse it (``encoded``: its prompt ids as they came, msgpack;
         ``in_vocab``: its prompt ids were checked against the vocabulary as they were decoded)."""
         key = (identity, req.request_id)
+        if trace.tracing():  # its admission span starts here (ends when it is queued)
+            if len(self._admit_ns) > 4096:  # refused ones are not taken out
+                self._admit_ns.clear()
+            self._admit_ns[key] = time.time_ns()
         if self.host.live_request(key) is not None or key in self.tokenizing:
             await self._refuse(identity, req, "duplicate_request",
                                f"request_id {req.request_id!r} is already live")
@@ -336,6 +342,12 @@ class ClientIntake:
                        cache_salt=req.cache_salt, grammar=grammar)
         if req.resume is not None:  # continued here: prefilled with the prompt, then sampled on
             seq.output_ids = list(req.resume.output_ids)
+        if trace.tracing():  # a child of its sender's span: admission, then queue
+            t0 = self._admit_ns.pop((identity, req.request_id), None)
+            seq.trace = trace.Phases("request", req.traceparent, t0, request_id=req.request_id,
+                                     prompt_tokens=len(ids), resumed=len(seq.output_ids))
+            seq.trace.enter("admission", t0)
+            seq.trace.enter("queue")
         now = time.monotonic()
         self.host.make_live(identity, seq, now, req.resume)
         unit = self.unit_of.get((identity, req.request_id)) or self._tenant(identity, req)

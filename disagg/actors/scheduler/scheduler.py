@@ -268,6 +268,8 @@ class SchedulerActor:
             await self._end(seq, Finished(seq.request_id, reason, self.usage(seq)))
             return
         if not await self.side.enqueue(seq):
+            if seq.trace is not None:
+                seq.trace.enter("prefill")  # here, in mixed steps
             self.sched.add(seq)
 
     async def emit(self, update: SeqUpdate) -> None:
@@ -277,6 +279,8 @@ class SchedulerActor:
             return
         live = self.live[key]
         self.side.emitting(seq)
+        if seq.trace is not None and seq.trace.name != "stream":  # its first token is out
+            seq.trace.enter("stream")
         text = live.detok.push(update.new_token_ids)
         prompt_lps = None
         if seq.params.prompt_logprobs is not None and len(seq.output_ids) == len(
@@ -343,6 +347,9 @@ class SchedulerActor:
         live = self.live.pop(key)
         self.intake.ended(live.identity, seq)
         await self.release(seq)
+        if seq.trace is not None:
+            seq.trace.end(outcome=terminal.reason if isinstance(terminal, Finished)
+                          else terminal.code, completion_tokens=len(seq.output_ids))
         if isinstance(terminal, Error):
             self.counters.errored += 1
         elif terminal.reason == "abort":
