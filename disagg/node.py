@@ -255,7 +255,8 @@ class Node:
             cfg.listen, self.ctx, m_sock, self._transfer(), self._layout(arch), self._kv_tensors(),
             self.counter, vocab_size=arch.vocab_size, kv_fds=self.executors.kv_fds,
             peer_share=cfg.disagg.peer_share, ownership_timeout_s=cfg.disagg.ownership_timeout_s,
-            metrics=self.metrics, layerwise_min_tokens=cfg.disagg.layerwise_min_tokens)
+            metrics=self.metrics, layerwise_min_tokens=cfg.disagg.layerwise_min_tokens,
+            host_kv=self.host_pool.tensors if self.host_pool is not None else None)
         self.address = self.messenger.address
         actors.append(("messenger", self.messenger.run))
 

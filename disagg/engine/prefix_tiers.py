@@ -12,6 +12,7 @@ ended while loading keeps its pages out of the pool until the copy into them has
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from disagg.engine.cache import PagePool
@@ -27,6 +28,10 @@ class PrefixTiers:
         self._op_of: dict[int, int] = {}  # slot -> reload op
         self._failed: set[int] = set()  # slots whose reload failed: they compute instead
         self._counted: dict[int, dict[str, int]] = {}  # slot -> pages per tier, while loading
+        # a prefill node: told the host-tier pages of a job as it starts loading them (so its
+        # messenger ships them from host memory); their slots stay pinned until ``unhold``
+        self.on_host_pages: Callable[[Sequence, list[tuple[int, int]]], None] | None = None
+        self._held: dict[int, list[int]] = {}  # slot -> host slots held for its writes
 
     def attach(self, pool: PagePool) -> None:
         pool.tiers = self.tiers
@@ -83,6 +88,11 @@ class PrefixTiers:
         hashes_in = [h for tier, h, _ in found.where if tier != "device"]
         r = self.tiers.reload(seq, [s for s, _ in loads], pages, hashes_in,
                               [f for _, f in loads])
+        if seq.prefill_only and self.on_host_pages is not None:
+            held = [(i, slot) for i, (tier, _, slot) in enumerate(found.where) if tier == "host"]
+            if held:
+                self.hold(seq, [slot for _, slot in held])
+                self.on_host_pages(seq, held)
         self.loading[r.op] = seq
         self._op_of[seq.slot] = r.op
         seq.status = Status.LOADING
@@ -140,6 +150,16 @@ class PrefixTiers:
 
     def busy(self) -> bool:
         return bool(self.loading)
+
+    def hold(self, seq: Sequence, slots: list[int]) -> None:
+        for s in slots:
+            self.tiers.host.pin(s)
+        self._held.setdefault(seq.slot, []).extend(slots)
+
+    def unhold(self, seq: Sequence) -> None:
+        """No write reads the host slots held for ``seq`` any more."""
+        for s in self._held.pop(seq.slot, ()):
+            self.tiers.host.unpin(s)
 
 
 class TieredScheduler(BatchScheduler):

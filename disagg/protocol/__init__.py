@@ -373,6 +373,7 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     host_cache_pages_used: int = 0  # ... holding a page (or a copy on its way)
     disk_cache_bytes_total: int = 0  # the disk tier's bound (0: no disk tier)
     disk_cache_bytes_used: int = 0  # its page files' bytes
+    kv_pages_from_host: int = 0  # prefill: pages shipped to decoders from the host tier
     v: int = PROTOCOL_VERSION
 
 

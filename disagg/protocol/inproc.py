@@ -117,6 +117,15 @@ class StepAnnounce(msgspec.Struct, tag="announce", array_like=True, frozen=True)
     chunks: list[ChunkInfo]
 
 
+class JobHostPages(msgspec.Struct, tag="job_host_pages", array_like=True, frozen=True):
+    """Pages of ``job``'s prompt the host KV tier holds (``disagg.engine.prefix_tiers``):
+    the messenger may ship them from there at once, while they are reloaded for the job's
+    compute; the slots stay the job's until ``ReleaseJob``."""
+
+    job: int
+    pages: list[tuple[int, int]]  # (page index in the job's block table, host tier slot)
+
+
 class StepDone(msgspec.Struct, tag="step_done", array_like=True, frozen=True):
     """The step finished. ``context_jobs[i]`` owns row i of the hidden-state frame that follows
     (when ``ok``); a failed step writes nothing more for its jobs."""
@@ -234,6 +243,7 @@ class MessengerStats(msgspec.Struct, tag="messenger_stats", array_like=True, fro
     prefill_peers_alive: int = 0
     layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
     kv_junk_immediates: int = 0  # decode: immediates refused (unknown/finished key, overflow)
+    kv_pages_from_host: int = 0  # prefill: pages shipped straight from the host KV tier
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", array_like=True, frozen=True):
@@ -249,4 +259,5 @@ class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True
 
 ToScheduler = (PrefillJob | CancelJob | ReleaseJob | AttemptEvent | PeersAlive | MessengerStats
                | StatsQuery)
-ToMessenger = StepAnnounce | StepDone | SendPrefill | StopPrefill | ForgetPrefill | StatsReply
+ToMessenger = (StepAnnounce | StepDone | SendPrefill | StopPrefill | ForgetPrefill | StatsReply
+               | JobHostPages)

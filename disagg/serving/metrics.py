@@ -100,6 +100,8 @@ _NODE_EXTRA = (
      "disk_cache_bytes_total", "gauge"),
     ("disagg_kv_disk_cache_bytes_used", "Bytes of page files in the disk KV tier.",
      "disk_cache_bytes_used", "gauge"),
+    ("disagg_node_kv_pages_from_host", "Prefill: pages shipped straight from the host KV "
+     "tier.", "kv_pages_from_host", "counter"),
 )
 
 

@@ -82,3 +82,5 @@ def test_a_prefiller_serves_a_decoders_prefix_from_its_host_tier(model_dir, tmp_
         s = stats(p_addr)
         assert s.tier_hits_host > 0 and s.tier_hit_tokens_host > s.tier_hit_tokens_device
         assert s.kv_bytes_from_host > 0
+        # shipped from host memory, as they reloaded for the turn's compute
+        assert s.kv_pages_from_host >= s.tier_hit_tokens_host // PAGE > 0

@@ -55,6 +55,7 @@ class Posted:
     writes: int = 0  # posted so far
     bytes: int = 0
     context_posted: bool = False  # its context write (the decoder counts one) went out
+    from_host: set[int] = field(default_factory=set)  # page indices shipped from the host tier
 
 
 @dataclass
@@ -106,6 +107,10 @@ class JobWrites:
         self.metrics = metrics  # disagg.serving.metrics.Metrics | None
         self.layerwise_min_tokens = layerwise_min_tokens  # shorter steps: all layers at once
         self.layerwise_steps = 0  # steps that began shipping before their last layer
+        # the host KV tier's registrations (one per rank) and its layout (slots for pages),
+        # when this backend ships from host memory (``ship_host``); None: no host shipping
+        self.host: tuple[list[Any], KVLayoutDesc] | None = None
+        self.host_pages_sent = 0  # pages shipped straight from the host tier
 
     # ------------------------------------------------------------------ what it owns
 
@@ -241,7 +246,8 @@ class JobWrites:
             return
         w.cached_tokens = chunk.start
         plan = job_pages_plan(self.layout, w.job.req, chunk.pages,
-                              range(chunk.start // self.layout.page_size))
+                              [i for i in range(chunk.start // self.layout.page_size)
+                               if i not in w.from_host])
         if plan is None:
             return
         for sr, dr in plan.by_pair:  # every layer in one write per destination
@@ -249,6 +255,28 @@ class JobWrites:
                       plan.layers((sr, dr), 0, self.layout.num_layers))
         self.ship_spec(w, spec_pages_plan(self.layout, w.job.req, chunk.pages,
                                           range(chunk.start // self.layout.page_size)))
+
+    def ship_host(self, job_id: int, pages: list[tuple[int, int]], now: float) -> None:
+        """Pages of a job the host KV tier holds (page index, slot), as it starts reloading
+        them: every layer of each goes out now from host memory, not from device pages
+        (nor a staged copy of them); the job's later writes leave them out."""
+        w = self.jobs.get(job_id)
+        if self.host is None or w is None or not self.life.may_write(job_id, now):
+            return
+        regions, layout = self.host
+        src = dict(pages)
+        indices = sorted(i for i in src if i >= w.job.req.skip_pages and i not in w.from_host)
+        if not indices:
+            return
+        table = [src.get(i, 0) for i in range(indices[-1] + 1)]
+        plan = job_pages_plan(layout, w.job.req, table, indices)
+        if plan is None:
+            return
+        w.from_host.update(indices)
+        self.host_pages_sent += len(indices)
+        for sr, dr in plan.by_pair:
+            self.post(w, regions[sr], w.job.dst_kv[dr], plan.layers((sr, dr), 0,
+                                                                    self.layout.num_layers))
 
     def spec_plan(self, w: Posted, c: ChunkInfo) -> ChunkPlan | None:
         return spec_pages_plan(self.layout, w.job.req, c.pages, pages_to_send(
@@ -259,6 +287,8 @@ class JobWrites:
         None when the chunk completes no page)."""
         if i not in step.plans:
             c = step.announce.chunks[i]
-            step.plans[i] = job_pages_plan(self.layout, job.req, c.pages, pages_to_send(
-                c.start, c.start + c.count, c.total, self.layout.page_size))
+            sent = self.jobs[job.id].from_host  # a failed reload recomputes them: sent already
+            step.plans[i] = job_pages_plan(self.layout, job.req, c.pages, [
+                j for j in pages_to_send(c.start, c.start + c.count, c.total,
+                                         self.layout.page_size) if j not in sent])
         return step.plans[i]

@@ -48,6 +48,7 @@ from disagg.actors.sockets import (
 from disagg.protocol import StatsRequest
 from disagg.protocol.inproc import (
     CancelJob,
+    JobHostPages,
     MessengerStats,
     PrefillJob,
     ReleaseJob,
@@ -120,6 +121,7 @@ class PrefillMessenger(MessengerBase):
         ownership_timeout_s: float = 5.0,  # a peer proves it owns its endpoint within this
         metrics: Metrics | None = None,
         layerwise_min_tokens: int = 0,  # shorter steps ship all layers at once (JobWrites)
+        host_kv: list[torch.Tensor] | None = None,  # the host KV tier's memory, per rank
     ):
         self.vocab_size = vocab_size
         # decoders' node keys only
@@ -146,6 +148,9 @@ class PrefillMessenger(MessengerBase):
         self.writes = JobWrites(layout, self.life, transfer, self.kv_regions, self.ctx_region,
                                 zero_slot, self._fail, self._progressed, metrics,
                                 layerwise_min_tokens)
+        if host_kv and not transfer.engine.device_memory:  # the fabric ships host memory
+            self.writes.host = ([transfer.register(t, access="source") for t in host_kv],
+                                msgspec.structs.replace(layout, num_pages=host_kv[0].shape[1]))
         self.poller: LayerPoller | None = None
         self.traces: dict[int, trace.Phases] = {}  # job -> its spans (traces exported)
 
@@ -239,6 +244,8 @@ class PrefillMessenger(MessengerBase):
                     self._progressed(now)
                     assert self.poller is not None
                     self.poller.follow(a.step_id, a.counter_base)
+                case JobHostPages(job=job, pages=pages):  # before its first announce
+                    self.writes.ship_host(job, pages, time.monotonic())
                 case StepDone() as d:
                     trace.mark("p.step_done", "s", d.step_id)
                     self._step_done(d, frames[1] if len(frames) > 1 else None)
@@ -403,7 +410,8 @@ class PrefillMessenger(MessengerBase):
             transfers_in_flight=self.writes.in_flight(),
             kv_writes_sent=self.transfer.writes_sent, kv_bytes_sent=self.transfer.bytes_sent,
             layer_lag=self.writes.layer_lag(self.counter.read()),
-            layerwise_steps=self.writes.layerwise_steps)
+            layerwise_steps=self.writes.layerwise_steps,
+            kv_pages_from_host=self.writes.host_pages_sent)
 
     async def _reply(self, peer: bytes, msg: Any) -> None:
         try:

@@ -2,7 +2,8 @@
 
 Receives (through the scheduler): ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` /
 ``StatsQuery`` from the messenger. Sends: ``StepAnnounce`` BEFORE each step and ``StepDone``
-(+ the context rows as a second frame) after it, ``StatsReply``.
+(+ the context rows as a second frame) after it, ``StatsReply``; with a host KV tier,
+``JobHostPages`` as a job starts reloading pages from it (sent before its next announce).
 Owns: the prefill-only sequences of the jobs; a job's pages are held after it is computed (or
 cancelled) until the messenger says no write reads them any more (``ReleaseJob``).
 """
@@ -15,12 +16,14 @@ import msgspec
 
 from disagg import trace
 from disagg.actors.scheduler.sides import SchedulerPort, SchedulerSide
+from disagg.engine.prefix_tiers import PrefixTiers, TieredScheduler
 from disagg.engine.scheduling import Batch, Sequence, Status
 from disagg.protocol import SamplingParams
 from disagg.protocol.executor import StepPlan, StepResult
 from disagg.protocol.inproc import (
     CancelJob,
     ChunkInfo,
+    JobHostPages,
     PrefillJob,
     ReleaseJob,
     StatsQuery,
@@ -40,6 +43,24 @@ class PrefillSide(SchedulerSide):
         self.job_of: dict[int, int] = {}  # slot -> job id
         self.held: dict[int, list[int]] = {}  # cancelled jobs' pages, freed on ReleaseJob
         self._menc = msgspec.msgpack.Encoder()
+        self._host_pages: list[JobHostPages] = []  # to the messenger before the next announce
+        if isinstance(port.sched, TieredScheduler):
+            self.tiers: PrefixTiers | None = port.sched.tiers
+            self.tiers.on_host_pages = self._host_hit
+        else:
+            self.tiers = None
+
+    def _host_hit(self, seq: Sequence, pages: list[tuple[int, int]]) -> None:
+        job = self.job_of.get(seq.slot)
+        if job is not None:
+            self._host_pages.append(JobHostPages(job, pages))
+
+    async def _flush_host_pages(self) -> None:
+        while self._host_pages:
+            await self.port.to_messenger([self._menc.encode(self._host_pages.pop(0))])
+
+    async def pages_changed(self) -> None:
+        await self._flush_host_pages()  # a loading job: its host pages may go out now
 
     async def handle_messenger(self, msg: ToScheduler) -> None:
         match msg:
@@ -71,11 +92,14 @@ class PrefillSide(SchedulerSide):
                             self.port.counters.errored += 1
                 if pages:
                     self.port.sched.free_pages(pages)
+                if self.tiers is not None and done is not None:
+                    self.tiers.unhold(done)  # host slots its writes read
             case StatsQuery(peer=peer):
                 await self.port.to_messenger([self._menc.encode(StatsReply(peer,
                                                                            self.port.stats()))])
 
     async def before_step(self, plan: StepPlan, batch: Batch) -> None:
+        await self._flush_host_pages()
         chunks = [ChunkInfo(self.job_of[c.seq.slot], c.start, c.count, c.seq.num_tokens,
                             list(c.seq.block_table))
                   for c in batch.chunks if c.seq.slot in self.job_of]
