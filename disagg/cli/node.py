@@ -250,6 +250,15 @@ def keygen(argv: list[str]) -> None:
           f"--curve-keys {d / 'client'} (or DISAGG_CURVE_KEYS); see {d / 'README.txt'}")
 
 
+def drain_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="disagg-node drain", description=drain_command.__doc__)
+    ap.add_argument("address", nargs="?", default="127.0.0.1:9100", metavar="HOST:PORT",
+                    help="the node's --metrics-listen (default 127.0.0.1:9100)")
+    ap.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                    help="then wait up to this long for the node to exit (0: do not wait)")
+    return ap
+
+
 def drain_command(argv: list[str]) -> int:
     """``disagg-node drain [HOST:PORT] [--wait SECONDS]``: POST /drain to a node's metrics
     endpoint (``--metrics-listen``, on this host), then with ``--wait`` until the node stops
@@ -258,12 +267,7 @@ def drain_command(argv: list[str]) -> int:
     import urllib.error
     import urllib.request
 
-    ap = argparse.ArgumentParser(prog="disagg-node drain", description=drain_command.__doc__)
-    ap.add_argument("address", nargs="?", default="127.0.0.1:9100", metavar="HOST:PORT",
-                    help="the node's --metrics-listen (default 127.0.0.1:9100)")
-    ap.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                    help="then wait up to this long for the node to exit (0: do not wait)")
-    args = ap.parse_args(argv)
+    args = drain_parser().parse_args(argv)
     url = "http://" + args.address.removeprefix("http://").rstrip("/")
     try:
         with urllib.request.urlopen(urllib.request.Request(url + "/drain", method="POST"),

@@ -199,12 +199,18 @@ class _AdviceCollector(Collector):
                                      labels=["pool"])
         nodes = GaugeMetricFamily("disagg_advice_nodes", "Live nodes per pool, as the advice "
                                   "counts them.", labels=["pool"])
-        for pool, pi, n in (("prefill", a.prefill_pressure, a.prefill_nodes),
-                            ("decode", a.decode_pressure, a.decode_nodes)):
+        needed = GaugeMetricFamily("disagg_advice_needed_nodes", "Nodes a pool needs to meet "
+                                   "both SLOs at the current load (what an autoscaler aims "
+                                   "at; deploy/autoscaling).", labels=["pool"])
+        for pool, pi, n, want in (
+                ("prefill", a.prefill_pressure, a.prefill_nodes, a.needed_prefill),
+                ("decode", a.decode_pressure, a.decode_nodes, a.needed_decode)):
             pressure.add_metric([pool], math.nan if pi is None else pi)
             nodes.add_metric([pool], float(n))
+            needed.add_metric([pool], float(want))
         yield pressure
         yield nodes
+        yield needed
 
 
 class Metrics:

@@ -221,3 +221,81 @@ def test_the_dockerfile_builds_a_cuda_image_of_the_package():
             for word in shlex.split(line):
                 if word.startswith("deploy/"):
                     assert (ROOT / word).exists(), word
+
+
+# ---------------------------------------------------------------- drain and autoscaling
+
+AUTOSCALING = DEPLOY / "autoscaling"
+SCALED = [d for d in yaml.safe_load_all((AUTOSCALING / "scaledobjects.yaml").read_text()) if d]
+# the ScaledObjectSpec fields of KEDA v2 (keda.sh/v1alpha1) this recipe may use
+SCALED_SPEC = {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
+               "cooldownPeriod", "idleReplicaCount", "advanced", "fallback", "triggers"}
+TRIGGER = {"type", "name", "metadata", "metricType", "authenticationRef", "useCachedMetrics"}
+PROMETHEUS_METADATA = {"serverAddress", "query", "threshold", "activationThreshold",
+                       "ignoreNullValues", "unsafeSsl", "namespace", "customHeaders"}
+
+
+def test_decode_pods_drain_before_they_stop():
+    """The decode pod's preStop hook is `disagg-node drain` of its own metrics endpoint (parsed
+    by the node's parser), it waits past --drain-timeout, and the grace period covers both."""
+    from disagg.cli.node import drain_parser
+
+    dep = DEPLOYMENTS["disagg-decode"]
+    a, c = args(dep), container(dep)
+    cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert cmd[:2] == ["disagg-node", "drain"]
+    hook = drain_parser().parse_args(cmd[2:])
+    host, _, port = hook.address.rpartition(":")
+    assert host == "127.0.0.1" and int(port) == listen_port(a.metrics_listen)  # loopback only
+    grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert a.drain_timeout < hook.wait < grace
+
+
+def test_the_autoscaling_overlay_scales_each_pool_on_the_advice():
+    """deploy/autoscaling: the base plus a KEDA ScaledObject per pool, each aiming its
+    Deployment at the router's disagg_advice_needed_nodes{pool}; their fields are KEDA's, and
+    the HPA KEDA makes of each validates against the Kubernetes schema."""
+    from disagg.serving.advice import Advice, Slo
+    from disagg.serving.metrics import Metrics
+
+    kust = yaml.safe_load((AUTOSCALING / "kustomization.yaml").read_text())
+    assert kust["resources"] == ["..", "scaledobjects.yaml"]
+    assert kust["namespace"] == NAMESPACE
+    m = Metrics()  # what the router exports: the gauge each query reads
+    m.watch_advice(lambda: Advice("decode-bound", 0.5, 1, 2, 1, 2, 1, 3, 0.5, 1.4, None, None,
+                                  0, Slo(1.0, 0.05)))
+    exported = m.render().decode()
+    assert 'disagg_advice_needed_nodes{pool="decode"} 3.0' in exported
+    assert {d["metadata"]["name"] for d in SCALED} == {"disagg-decode", "disagg-prefill"}
+    for so in SCALED:
+        assert so["apiVersion"] == "keda.sh/v1alpha1" and so["kind"] == "ScaledObject"
+        spec = so["spec"]
+        assert set(spec) <= SCALED_SPEC
+        target = DEPLOYMENTS[spec["scaleTargetRef"]["name"]]
+        assert spec["scaleTargetRef"]["kind"] == "Deployment"
+        pool = args(target).role
+        assert so["metadata"]["labels"]["app.kubernetes.io/component"] == pool
+        assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+        (trigger,) = spec["triggers"]
+        assert set(trigger) <= TRIGGER and trigger["type"] == "prometheus"
+        meta = trigger["metadata"]
+        assert set(meta) <= PROMETHEUS_METADATA and {"serverAddress", "query", "threshold"} <= set(meta)
+        assert all(isinstance(v, str) for v in meta.values())  # KEDA's metadata: strings
+        assert meta["query"] == f'max(disagg_advice_needed_nodes{{pool="{pool}"}})'
+        assert trigger["metricType"] == "AverageValue" and meta["threshold"] == "1"
+        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+               "metadata": {"name": f"keda-hpa-{so['metadata']['name']}"},
+               "spec": {"scaleTargetRef": spec["scaleTargetRef"],
+                        "minReplicas": spec["minReplicaCount"],
+                        "maxReplicas": spec["maxReplicaCount"], "behavior": behavior,
+                        "metrics": [{"type": "External", "external": {
+                            "metric": {"name": "s0-prometheus"},
+                            "target": {"type": "AverageValue",
+                                       "averageValue": meta["threshold"]}}}]}}
+        kv.validate(hpa, K8S_VERSION, strict=True)
+        if pool == "decode":  # one pod drains at a time, each within its grace period
+            (down,) = behavior["scaleDown"]["policies"]
+            grace = target["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            assert down == {"type": "Pods", "value": 1, "periodSeconds": down["periodSeconds"]}
+            assert down["periodSeconds"] >= grace

@@ -7,7 +7,6 @@ get ``unavailable``. The tests run in this order on the module's nodes."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -18,6 +17,7 @@ import urllib.request
 import pytest
 
 from disagg.actors.router.router import start_router
+from disagg.cli.node import drain_command
 from disagg.client import RequestError
 from disagg.protocol import Finished, SamplingParams, TokenChunk
 from nodes import LoopThread, node, running, wait_for
@@ -94,13 +94,6 @@ def test_a_flooding_tenant_leaves_another_admitted_behind_the_router(router):
     assert all(code in ("length", "overloaded") for code in codes)
 
 
-def _post(url: str) -> dict:
-    req = urllib.request.Request(url, method="POST")
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert resp.status == 202
-        return json.loads(resp.read())
-
-
 def test_a_node_drained_under_load_loses_no_request_and_exits_in_time(router, nodes, caplog):
     lt, r, _ = router
     drained, other = list(nodes)
@@ -110,7 +103,7 @@ def test_a_node_drained_under_load_loses_no_request_and_exits_in_time(router, no
 
     async def load():
         # a tenant each: the router is one client of each node (PER_CLIENT)
-        early = [asyncio.ensure_future(one(r, [11 + i % 40, 3, 4], 48, tenant=f"t{i}"))
+        early = [asyncio.ensure_future(one(r, [11 + i % 40, 3, 4], 160, tenant=f"t{i}"))
                  for i in range(24)]
         while not any(r.flights[k].streamed for k in list(r.flights)
                       if r.flights[k].peer == drained):
@@ -126,15 +119,15 @@ def test_a_node_drained_under_load_loses_no_request_and_exits_in_time(router, no
         assert started.wait(60), "no request reached the node to drain"
         on_it = sum(f.peer == drained for f in list(r.flights.values()))
         t0 = time.monotonic()
-        answer = _post(f"http://{metrics}/drain")
-        assert answer == {"status": "draining", "drain_timeout_s": DRAIN_TIMEOUT_S}
-        code = proc.proc.wait(timeout=DRAIN_TIMEOUT_S + 15)
+        # what a pod's preStop hook runs: POST /drain, then wait for the node to be gone
+        assert drain_command([metrics, "--wait", str(DRAIN_TIMEOUT_S + 15)]) == 0
+        code = proc.proc.wait(timeout=15)
         exited_after = time.monotonic() - t0
         fut.result(timeout=120)
     assert code == 0
     lost = [(len(t), why) for t, why in results if why != "length"]
     assert not lost, lost
-    assert [len(t) for t, _ in results] == [48] * 24 + [16] * 8
+    assert [len(t) for t, _ in results] == [160] * 24 + [16] * 8
     assert f"decode peer {drained} is draining" in caplog.text
     assert "moved to" not in caplog.text  # its streams ended on it, none migrated
     log = proc.log_path.read_text()

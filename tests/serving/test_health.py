@@ -33,3 +33,11 @@ def test_behind_a_router_health_is_its_ready():
     assert h.unhealthy(0.0) is None  # no Stats needed: the router knows its peers
     why[0] = "no decode node is available"
     assert h.unhealthy(0.0) == "no decode node is available"
+
+
+def test_drain_is_taken_from_loopback_only():
+    """POST /drain on the metrics endpoint (a pod's own preStop hook) comes from loopback."""
+    from disagg.actors.http.metrics_server import _loopback
+
+    assert _loopback("127.0.0.1") and _loopback("::1")
+    assert not _loopback("10.0.0.7") and not _loopback(None) and not _loopback("x")
