@@ -454,6 +454,8 @@ class ModelRunner:
         """``picking.pick``'s tokens and logprobs as a step on its way; ``keep``: kept for the
         next step's follow chunks (``_sampled``)."""
         tokens, logprobs = pick(logits, chunks, sampled, argmax, fill)
+        if logprobs is not None:
+            logprobs.stage()  # read behind the step's event, not after the next step
         out = self._sampled(sampled, tokens, ctx) if keep else Launched(tokens, ctx)
         out.logprobs = logprobs
         return out

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from disagg.engine.constraints import apply_masks
+from disagg.engine.constraints import apply_masks, to_device
 from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import SeqChunk
 
@@ -148,7 +148,7 @@ def has_processors(c: SeqChunk) -> bool:
 
 def _dev(values: list[int] | list[float], dtype: torch.dtype, dev: torch.device
          ) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), dev)
 
 
 def process_logits(logits: torch.Tensor, chunks: Sequence[SeqChunk],
@@ -219,8 +219,22 @@ class LogprobRows:
         self.keys, self.ks = keys, ks
         self.tensors = (chosen, lp, top_lp, top_ids)
 
+    def stage(self) -> None:
+        """Queue the rows' copy into pinned host memory now (CUDA), so that reading them
+        after the step's event (``host``) never waits for work queued later: the step after
+        an overlapped one is on the device by then."""
+        if self.tensors[0].device.type != "cuda":
+            return
+        staged = []
+        for t in self.tensors:
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            dst.copy_(t, non_blocking=True)
+            staged.append(dst)
+        self.tensors = (staged[0], staged[1], staged[2], staged[3])
+
     def host(self) -> list[tuple[int, TokenLogprobs]]:
-        """(key, logprobs) per row, in order (one copy per tensor)."""
+        """(key, logprobs) per row, in order (one copy per tensor; none once ``stage``d and
+        the step's event passed)."""
         chosen, lp, top_lp, top_ids = (t.tolist() for t in self.tensors)
         return [(key, TokenLogprobs(chosen[i], lp[i], top_ids[i][:k], top_lp[i][:k]))
                 for i, (key, k) in enumerate(zip(self.keys, self.ks, strict=True))]
