@@ -28,7 +28,7 @@ import zmq
 
 from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorError, rendezvous_path
-from disagg.config import NodeConfig
+from disagg.config import NodeConfig, env
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.ep import ExpertParallel
 from disagg.model.tp import TensorParallel
@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_MS = 1000  # idle wake-up to notice a dead parent; never a busy loop
+# tests: every step takes this long more (a node busy in long steps: its scheduler answers Stats
+# only between steps, its frontend Pongs at once)
+STEP_DELAY_S = float(env("TEST_STEP_DELAY_S") or 0)
 
 
 # ---------------------------------------------------------------------------- process side
@@ -203,6 +206,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                 case StepPlan() as plan:
                     if tkey:
                         trace.mark(f"{tev}.plan_in", tkey, plan.step_id)
+                    if STEP_DELAY_S:
+                        time.sleep(STEP_DELAY_S)
                     launched = launch(runner, plan)  # before answering the deferred step, so
                     if tkey:
                         trace.mark(f"{tev}.launched", tkey, plan.step_id)
