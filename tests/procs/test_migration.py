@@ -201,7 +201,12 @@ def kill_when_streaming(lt: LoopThread, r: Router, prompts: list[list[int]], kil
     kill(victim)
     t.join(240)
     assert not t.is_alive() and len(result) == len(prompts)
+    assert lt.run(in_flight(r)) == {a: 0 for a in r.balancer.peers}  # every move accounted
     return result, victim, on_victim
+
+
+async def in_flight(r: Router) -> dict[str, int]:
+    return {a: p.in_flight for a, p in r.balancer.peers.items()}
 
 
 def check(result, reference) -> None:
@@ -227,6 +232,8 @@ def test_streams_of_a_restarting_decoder_move_to_the_other(cluster):
     result, victim, n = kill_when_streaming(lt, r, prompts, kill_executor)
     check(result, reference)
     assert moved(r, "moved") - before >= n >= 2
+    log = decoders[victim].log_path
+    wait_for(lambda: log.read_text().count("ready: ") >= 2, timeout=90, what="restarted")
     wait_for(lambda: len(r.balancer.serving()) == 2, timeout=90, what=f"{victim} serving again")
 
 
