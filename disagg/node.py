@@ -102,9 +102,9 @@ class Node:
             0, len(cfg.devices)) if ex.expert_parallel else None).check(arch),
             arch.moe.num_experts if arch.moe else None, len(cfg.devices), ex.dp,
             ex.expert_parallel)
-        if ex.dp > 1 and cfg.role != "mixed":
-            raise ConfigError(f"--dp {ex.dp} runs on mixed nodes for now (a {cfg.role} node's "
-                              "transfers address one rank's pages): use --tp, or --role mixed")
+        if ex.dp > 1 and cfg.role == "prefill":
+            raise ConfigError(f"--dp {ex.dp} runs on mixed and decode nodes for now (a prefill "
+                              "node's writes come from one rank): use --tp on the prefiller")
         if ex.dp > 1 and cfg.cache.kv_host_cache_mb:
             raise ConfigError(f"--dp {ex.dp} with --kv-host-cache-mb: the KV tiers hold one "
                               "rank's pages, not yet one pool per rank; drop one of them")
@@ -177,7 +177,7 @@ class Node:
         assert self.executors is not None
         info = self.executors.ready[0].kv
         dtype = getattr(torch, info.dtype)
-        tp = len(self.cfg.devices)
+        tp = len(self.cfg.devices) // self.cfg.executor.dp  # one DP rank's (--dp: each alike)
         per_rank, replicas = shard_kv_heads(arch.num_kv_heads, tp)
         size = torch.empty((), dtype=dtype).element_size()
         model_dtype = info.model_dtype or info.dtype  # the spec region's, the hidden rows'
@@ -277,7 +277,7 @@ class Node:
             timeout_s=d.prefill_timeout_s, heartbeat_s=d.heartbeat_s,
             peer_timeout_s=d.peer_timeout_s,
             kv_fds=self.executors.kv_fds if self.executors else None, metrics=self.metrics,
-            resolve_interval_s=d.peer_resolve_interval_s)
+            resolve_interval_s=d.peer_resolve_interval_s, dp=cfg.executor.dp)
         actors.append(("messenger", self.messenger.run))
 
     async def _guard(self, coro: object, name: str) -> None:

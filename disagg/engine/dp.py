@@ -213,3 +213,16 @@ def rank_stats(pool: PagePool, running: Iterable[_Running],
     return [DPRankStats(r, counts[r], pool.pages_per_rank, pool.free_on(r), pool.started[r],
                         all_to_all_s[r] if r < len(all_to_all_s) else 0.0)
             for r in range(len(pool.pools))]
+
+
+def rank_pages(pages: list[int], pages_per_rank: int) -> tuple[int, list[int]]:
+    """The DP rank holding ``pages`` (global ids, one rank's: a sequence's) and their local
+    ids there: what a decoder's transfer names (that rank's executors and its pages)."""
+    if not pages:
+        raise ValueError("no pages")
+    rank = pages[0] // pages_per_rank
+    base = rank * pages_per_rank
+    local = [p - base for p in pages]
+    if any(not 0 <= p < pages_per_rank for p in local):
+        raise ValueError("the pages span DP ranks")
+    return rank, local

@@ -139,3 +139,12 @@ def test_rank_stats_and_metrics():
     text = m.render().decode()
     assert 'disagg_dp_rank_kv_pages_free{node="local",rank="0"} 5.0' in text
     assert 'disagg_dp_rank_all_to_all_seconds_total{node="local",rank="1"} 0.25' in text
+
+
+def test_rank_pages_names_one_rank():
+    from disagg.engine.dp import rank_pages
+
+    assert rank_pages([9, 10, 15], 8) == (1, [1, 2, 7])
+    assert rank_pages([0, 3], 8) == (0, [0, 3])
+    with pytest.raises(ValueError, match="span"):
+        rank_pages([7, 8], 8)

@@ -160,7 +160,7 @@ def test_bad_layouts_refused_by_name_at_parse():
 
 @pytest.mark.parametrize("args, message", [
     (["--dp", "3", "--expert-parallel"], "8 experts do not divide over 3 ranks"),
-    (["--dp", "2", "--role", "prefill"], "--dp 2 runs on mixed nodes for now"),
+    (["--dp", "2", "--role", "prefill"], "--dp 2 runs on mixed and decode nodes for now"),
     (["--tp", "3"], "does not divide the 4 attention heads"),
 ])
 def test_bad_layouts_refused_by_name_at_start(args, message, tmp_path):
@@ -173,3 +173,70 @@ def test_bad_layouts_refused_by_name_at_start(args, message, tmp_path):
         assert message in node.log_path.read_text()
     finally:
         node.stop()
+
+
+@pytest.mark.fabric
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_prefill_tp2_to_decode_dp2_expert_parallel(kind, tmp_path):
+    """Prefill --tp 2 -> decode --dp 2 --expert-parallel: the decoder's rank reserves the
+    pages and names its own executors (a TP 1 layout to the prefiller), the planner maps TP 2
+    onto it (GQA: heads rebuilt; MLA: one source replica), the unit counts exact; tokens equal
+    transformers' and both ranks take requests; every pool full after."""
+    import threading
+
+    from disagg.model.config import ModelArch
+    from disagg.protocol.peer import KVLayoutDesc
+    from disagg.remote.transfer_plan import request_units, shard_kv_heads
+    from nodes import pools_full, stats, wait_for
+
+    path = make_tiny_model(kind, tmp_path / kind)
+    arch = ModelArch.from_dir(path)
+
+    def desc(tp: int) -> KVLayoutDesc:
+        per, replicas = shard_kv_heads(arch.num_kv_heads, tp)
+        return KVLayoutDesc(arch.num_layers, 64, per, PAGE, arch.head_dim, "float32", 4,
+                            arch.hidden_size, tp, replicas, arch.layout_kind, arch.kv_parts)
+
+    p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    p = NodeProcess(["--role", "prefill", "--model", str(path), "--listen", p_addr, "--tp", "2",
+                     "--max-batch-tokens", "5", *COMMON], tmp_path / "p.log")
+    d = NodeProcess(["--role", "decode", "--model", str(path), "--listen", d_addr, "--dp", "2",
+                     "--expert-parallel", "--prefill-peer", p_addr, "--heartbeat", "0.2",
+                     "--local-prefill-max-tokens", "0", *COMMON], tmp_path / "d.log")
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        c = Client(d_addr)
+        try:
+            wait_for(lambda: c.stats().prefill_peers_alive > 0, timeout=60, what="prefiller")
+            for n in (2, PAGE + 1, 3 * PAGE + 2):  # no shared prefix: every page is sent
+                before = c.stats().kv_units_received
+                ids = prompt(n, salt=50 + n)
+                assert generate(c, ids, 5) == hf_greedy(path, ids, 5), n
+                assert c.stats().kv_units_received - before == request_units(
+                    desc(2), desc(1), n - 1), n
+            got: dict[int, list[int]] = {}
+
+            def run(n: int) -> None:
+                cc = Client(d_addr)
+                try:
+                    got[n] = generate(cc, prompt(n, salt=n), 5)
+                finally:
+                    cc.close()
+
+            lengths = [3, PAGE + 3, 2 * PAGE + 1, 3 * PAGE + 3]
+            threads = [threading.Thread(target=run, args=(n,)) for n in lengths]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            for n in lengths:
+                assert got.get(n) == hf_greedy(path, prompt(n, salt=n), 5), n
+            ranks = c.stats().dp_ranks
+            assert len(ranks) == 2 and all(r.started > 0 for r in ranks)
+        finally:
+            c.close()
+        assert stats(p_addr).kv_writes_sent > 0
+        wait_for(lambda: pools_full(d_addr) and pools_full(p_addr), what="pools full")
+    finally:
+        assert p.stop() == [] and d.stop() == []

@@ -52,6 +52,7 @@ from disagg.actors.decode_messenger.prefill_peers import (
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.peer_discovery import PeerDiscovery
 from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending, pending_frames
+from disagg.engine.dp import rank_pages
 from disagg.protocol.inproc import (
     AttemptEvent,
     ForgetPrefill,
@@ -105,6 +106,7 @@ class DecodeMessenger(MessengerBase):
         kv_fds: list[int | None] | None = None,  # their allocations' fds (cuMem on CUDA)
         metrics: Metrics | None = None,
         resolve_interval_s: float = 10.0,  # dns: entries re-resolved this often
+        dp: int = 1,  # --dp: the ranks' executors are kvs in rank order, layout is one rank's
     ):
         # with a window per attempt the shared registrations need no remote access at all
         self.register_access = "source" if transfer.windows else "target"
@@ -121,6 +123,7 @@ class DecodeMessenger(MessengerBase):
         self.challenges = Challenges(transfer, self.kv_regions, self.ctx_region, self.ctx_buf)
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
+        self.dp, self.rank_width = dp, len(kvs) // dp  # executors (TP ranks) per DP rank
         self.wires: dict[str, Wire] = {}  # by request id
         # forgotten attempts -> their peer: a PrefillDone may trail the KV that ended them
         self.forgotten: collections.OrderedDict[str, Peer] = collections.OrderedDict()
@@ -250,14 +253,18 @@ class DecodeMessenger(MessengerBase):
         units = request_units(theirs, self.layout, msg.num_tokens, msg.skip_pages)
         ctx_slot = self.ctx_free.pop()
         exp = self.transfer.expect(msg.key, units, timeout=msg.cap_s)  # the engine's cap
-        window = self.transfer.window(self.kv_regions + [self.ctx_region])
+        # --dp: the DP rank holding the pages; the prefiller sees that rank's executors only
+        rank, pages = rank_pages(msg.dst_pages, self.layout.num_pages) if self.dp > 1 else (
+            0, msg.dst_pages)
+        regions = self.kv_regions[rank * self.rank_width:(rank + 1) * self.rank_width]
+        window = self.transfer.window(regions + [self.ctx_region])
         w = Wire(msg.request_id, peer, peer.epoch, ctx_slot, exp, window, msg.num_tokens,
                  time.monotonic())
         self.wires[w.request_id] = w
         self.prefillers.sent(peer.address, msg.num_tokens)
         req = PrefillRequestOut(  # the prompt's msgpack as the scheduler encoded it
             request_id=msg.request_id, key=msg.key, prompt_ids=msgspec.Raw(msg.prompt),
-            dst_pages=msg.dst_pages, dst_layout=self.layout,
+            dst_pages=pages, dst_layout=self.layout,
             dst_kv=window.descriptors[0].encode(),
             dst_kv_ranks=[d.encode() for d in window.descriptors[:-1]],
             dst_ctx=window.descriptors[-1].encode(),
@@ -268,9 +275,10 @@ class DecodeMessenger(MessengerBase):
         await peer.sock.send(self._enc.encode(req))
         trace.mark("dm.req_out", msg.request_id)
         trace.mark("link", msg.request_id, "=k", msg.key)
-        self._spawn(self._await_kv(w, units, msg.dst_pages))
+        self._spawn(self._await_kv(w, units, pages, regions))
 
-    async def _await_kv(self, w: Wire, units: int, dst_pages: list[int]) -> None:
+    async def _await_kv(self, w: Wire, units: int, dst_pages: list[int],
+                        regions: list[Any]) -> None:
         try:
             await w.expectation
         except BaseException:  # noqa: BLE001 - stopped, or its cap passed: the machine's call
@@ -279,7 +287,7 @@ class DecodeMessenger(MessengerBase):
         if not w.wanted:
             return
         # fabric over host staging: its pages mirror -> GPU first (no-op otherwise)
-        for rank, region in enumerate(self.kv_regions):
+        for rank, region in enumerate(regions):
             await self.transfer.stage_in_pages(region, self.layout, dst_pages, lead=rank == 0)
         if not w.wanted:
             return

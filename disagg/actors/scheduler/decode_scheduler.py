@@ -177,8 +177,9 @@ class DecodeSide(SchedulerSide):
             hashes = sched.prefix_hashes(seq)
             seq.block_table = pool.match(hashes)
             seq.hashes = hashes[:len(seq.block_table)]
-        pages = pool.allocate(pages_needed(seq.num_tokens, self.port.page_size)
-                              - len(seq.block_table))
+        pages = pool.allocate(pages_needed(seq.num_tokens, self.port.page_size)  # after its
+                              - len(seq.block_table),  # cached ones (--dp: on their rank)
+                              seq.block_table[-1] if seq.block_table else None)
         if pages is None:
             sched.free_pages(seq.block_table)  # still cached: a later turn matches them again
             seq.block_table, seq.hashes = [], []
