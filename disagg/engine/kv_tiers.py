@@ -13,9 +13,10 @@ tier, and nothing here is keyed by anything else.
   copied to the host tier (``noticed`` -> the next ``flush`` hands the copy to the mover),
   unless the host tier has it already (then it is only touched: LRU across tiers, a page in
   both tiers counted once), so evicting it later costs nothing. Eviction takes pages whose
-  copy landed first; evicting one whose copy is still in flight waits for that copy (the
-  mover's ``wait``: only when the pool holds nothing else, a device pool smaller than what
-  runs), so a slot never holds a torn page. A lookup (``find``) walks a prefix's
+  copy landed first; evicting one whose copy is still in flight takes it out of that copy
+  if it has not started (``withdraw``: not kept) or waits for it (``wait``), only when the
+  pool holds nothing else (a device pool smaller than what runs), so a slot never holds a
+  torn page. A lookup (``find``) walks a prefix's
   hashes through the tiers; the scheduler reloads the host-tier pages into new device pages
   (``reload``) and registers them again once the copy landed (``poll``).
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 TIERS = ("device", "host", "disk")
+OUT_BATCH_PAGES = 64  # pages per copy out (what a reload may wait behind)
 
 
 class TierIndex:
@@ -166,6 +168,10 @@ class Mover(Protocol):
         """Until copy ``op`` is done (``done`` still reports it)."""
         ...
 
+    def withdraw(self, op: int, page: int) -> bool:
+        """Take ``page`` out of copy out ``op`` if it has not started (True)."""
+        ...
+
 
 @dataclass
 class Reload:
@@ -243,8 +249,15 @@ class KVTiers:
             self.counters.copies_skipped += 1  # never sent: nothing reads it
             return
         inflight = self._out_page.pop(page, None)
-        if inflight is not None:  # the copy must have read it before it is written again
-            self.mover.wait(inflight[0])
+        if inflight is None:
+            return
+        op, h = inflight
+        if self.mover.withdraw(op, page):  # not started: not kept
+            self._out[op] = [r for r in self._out[op] if r[0] != page]
+            self.host.abort(h)
+            self.counters.copies_skipped += 1
+        else:  # the copy must have read it before it is written again
+            self.mover.wait(op)
             self.counters.copies_waited += 1
 
     def copying(self, page: int) -> bool:
@@ -252,10 +265,10 @@ class KVTiers:
         return page in self._queued or page in self._out_page
 
     def flush(self) -> None:
-        """Hand the queued copies out of the device to the mover, as one batch."""
+        """Hand the queued copies out of the device to the mover, in batches of at most
+        ``OUT_BATCH_PAGES`` (a reload the mover puts first waits for one batch at most)."""
         if not self._queued:
             return
-        op = next(self._ops)
         rows: list[tuple[int, bytes, int]] = []
         for page, h in self._queued.items():
             slot = self._host_slot(h)
@@ -263,13 +276,16 @@ class KVTiers:
                 self.counters.copies_skipped += int(not self.host.known(h))
                 continue
             rows.append((page, h, slot))
-            self._out_page[page] = (op, h)
         self._queued.clear()
         self._send_spills()  # before the copies that reuse those slots
-        if rows:
-            self._out[op] = rows
-            self.mover.submit(Copy(op, "out", tuple(r[0] for r in rows),
-                                   tuple(r[2] for r in rows)))
+        for i in range(0, len(rows), OUT_BATCH_PAGES):
+            batch = rows[i:i + OUT_BATCH_PAGES]
+            op = next(self._ops)
+            self._out[op] = batch
+            for page, h, _ in batch:
+                self._out_page[page] = (op, h)
+            self.mover.submit(Copy(op, "out", tuple(r[0] for r in batch),
+                                   tuple(r[2] for r in batch)))
 
     def _host_slot(self, h: bytes) -> int | None:
         """A host slot for ``h`` (pending); the entry it evicts goes to the disk tier."""

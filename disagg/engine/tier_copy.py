@@ -14,8 +14,8 @@ side stream of this process (device gather -> pinned staging -> host slots out; 
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 from collections.abc import Sequence
 
@@ -117,13 +117,27 @@ def run_copy(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
     return True
 
 
+def runs(pages: tuple[int, ...], slots: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(first page, first slot, length) of the maximal runs where both go up by one."""
+    out: list[tuple[int, int, int]] = []
+    for p, s in zip(pages, slots, strict=True):
+        if out and (last := out[-1])[0] + last[2] == p and last[1] + last[2] == s:
+            out[-1] = (last[0], last[1], last[2] + 1)
+        else:
+            out.append((p, s, 1))
+    return out
+
+
 def copy_pages(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
                stream: torch.cuda.Stream | None = None) -> None:
-    """Carry out ``copy`` on every rank (synchronously: returns when the bytes are there)."""
+    """Carry out ``copy`` on every rank (synchronously: returns when the bytes are there).
+    CPU: one gather and one scatter. CUDA: one async copy per layer and run of adjacent
+    pages and slots (both sides contiguous there: pinned host <-> device, no staging), on
+    ``stream``, which the calling thread then waits for."""
     for dev, pool in zip(kv, host, strict=True):
-        pages = torch.tensor(copy.pages, dtype=torch.long)
-        slots = torch.tensor(copy.slots, dtype=torch.long)
         if not dev.is_cuda:
+            pages = torch.tensor(copy.pages, dtype=torch.long)
+            slots = torch.tensor(copy.slots, dtype=torch.long)
             if copy.kind == "out":
                 pool.index_copy_(1, slots, dev.index_select(1, pages))
             else:
@@ -131,18 +145,14 @@ def copy_pages(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
             continue
         assert stream is not None
         with torch.cuda.stream(stream):
-            if copy.kind == "out":
-                staged = torch.empty((dev.shape[0], len(copy.pages), dev.shape[2]),
-                                     dtype=torch.uint8, pin_memory=True)
-                staged.copy_(dev.index_select(1, pages.to(dev.device, non_blocking=True)),
-                             non_blocking=True)
-                stream.synchronize()
-                pool.index_copy_(1, slots, staged)
-            else:
-                staged = pool.index_select(1, slots).pin_memory()
-                dev.index_copy_(1, pages.to(dev.device, non_blocking=True),
-                                staged.to(dev.device, non_blocking=True))
-                stream.synchronize()
+            for p, s, n in runs(copy.pages, copy.slots):
+                for layer in range(dev.shape[0]):
+                    if copy.kind == "out":
+                        pool[layer, s:s + n].copy_(dev[layer, p:p + n], non_blocking=True)
+                    else:
+                        dev[layer, p:p + n].copy_(pool[layer, s:s + n], non_blocking=True)
+    if stream is not None:
+        stream.synchronize()
 
 
 class SyncMover:
@@ -168,19 +178,28 @@ class SyncMover:
     def wait(self, op: int) -> None:
         """Every copy is done at ``submit``."""
 
+    def withdraw(self, op: int, page: int) -> bool:
+        return False
+
 
 class ThreadMover:
-    """Copies on one worker thread, in submission order; ``done`` reports what finished (a
-    copy that raised is reported not ok, and logged)."""
+    """Copies on one worker thread; ``done`` reports what finished (a copy that raised is
+    reported not ok, and logged). Reloads that read only host slots go first (a request
+    waits for them); the rest (copies out, spills, reloads reading disk files, which must
+    follow the spills of the slots they fill) in submission order. ``withdraw`` takes a page
+    out of a copy out not started yet."""
 
     def __init__(self, kv: list[torch.Tensor], host: HostPool, disk: DiskStore | None = None):
         self.kv, self.host, self.disk = kv, host, disk
         self.page_bytes = len(kv) * kv[0].shape[0] * kv[0].shape[2]
-        self._todo: queue.SimpleQueue[Copy | None] = queue.SimpleQueue()
-        self._finished: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._urgent: collections.deque[Copy] = collections.deque()
+        self._later: collections.deque[Copy] = collections.deque()
+        self._cond = threading.Condition()  # guards the queues, _completed, _running
+        self._completed: list[tuple[int, bool]] = []  # done, not reported yet
+        self._done_ops: set[int] = set()
+        self._running: int | None = None
+        self._closing = False
         self._in_flight = 0
-        self._landed = threading.Condition()
-        self._last = -1  # the newest op done (copies finish in submission order)
         self._stream = torch.cuda.Stream(kv[0].device) if kv[0].is_cuda else None
         self._thread = threading.Thread(target=self._work, name="kv-tiers", daemon=True)
         self._thread.start()
@@ -188,43 +207,64 @@ class ThreadMover:
     def _work(self) -> None:
         if self._stream is not None:
             torch.cuda.set_device(self.kv[0].device)
-        while (copy := self._todo.get()) is not None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._urgent or self._later or self._closing)
+                if self._closing:
+                    return
+                copy = (self._urgent or self._later).popleft()
+                self._running = copy.op
             try:
                 ok = run_copy(copy, self.kv, self.host.tensors, self.disk, self._stream)
             except Exception:  # noqa: BLE001 - a failed copy is a miss, never fatal
                 log.exception("KV tier copy %s of %d pages failed", copy.kind, len(copy.pages))
                 ok = False
-            self._finished.put((copy.op, ok))
-            with self._landed:
-                self._last = copy.op
-                self._landed.notify_all()
+            with self._cond:
+                self._running = None
+                self._completed.append((copy.op, ok))
+                self._done_ops.add(copy.op)
+                self._cond.notify_all()
 
     def submit(self, copy: Copy) -> None:
         self._in_flight += 1
-        self._todo.put(copy)
+        urgent = copy.kind == "in" and not any(copy.hashes)
+        with self._cond:
+            (self._urgent if urgent else self._later).append(copy)
+            self._cond.notify_all()
 
     def done(self) -> list[tuple[int, bool]]:
-        out = []
-        while True:
-            try:
-                out.append(self._finished.get_nowait())
-            except queue.Empty:
-                break
+        with self._cond:
+            out, self._completed = self._completed, []
+            self._done_ops.difference_update(op for op, _ in out)
         self._in_flight -= len(out)
         return out
 
     def busy(self) -> bool:
         return self._in_flight > 0
 
+    def withdraw(self, op: int, page: int) -> bool:
+        """Take ``page`` out of copy out ``op`` if it has not started (True: it will not be
+        read); False: the copy runs or ran."""
+        with self._cond:
+            for i, c in enumerate(self._later):
+                if c.op == op and c.kind == "out" and page in c.pages:
+                    keep = [j for j, p in enumerate(c.pages) if p != page]
+                    self._later[i] = Copy(op, "out", tuple(c.pages[j] for j in keep),
+                                          tuple(c.slots[j] for j in keep))
+                    return True
+        return False
+
     def wait(self, op: int) -> None:
-        """Block until copy ``op`` (and every one before it) is done: an eviction of a page
-        whose copy is still in flight, at most one copy's time (WAIT_S bounds it)."""
-        with self._landed:
-            if not self._landed.wait_for(lambda: self._last >= op, timeout=WAIT_S):
+        """Block until copy ``op`` is done: an eviction of a page whose copy runs, at most
+        that copy's time (WAIT_S bounds it)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: op in self._done_ops, timeout=WAIT_S):
                 raise RuntimeError(f"a KV tier copy did not finish within {WAIT_S:g} s")
 
     def close(self) -> None:
-        self._todo.put(None)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
         self._thread.join(timeout=10)
 
 
