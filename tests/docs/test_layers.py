@@ -23,7 +23,8 @@ CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["import
 BLOCKED = ("zmq", "asyncio", "tokenizers", "disagg.fabric._libfabric_cffi", "cffi", "torch",
            "triton")
 PURE = sorted(f"disagg.remote.{m.name}" for m in pkgutil.iter_modules(disagg.remote.__path__)) + [
-    "disagg.serving.routing", "disagg.serving.admission", "disagg.serving.http_limits"]
+    "disagg.serving.routing", "disagg.serving.admission", "disagg.serving.http_limits",
+    "disagg.serving.health", "disagg.serving.tenants"]
 
 # Imports each module with the blocked ones refused; prints {module: error} as JSON. One
 # process serves them all: a blocked module never loads, so no module hides another's need.
