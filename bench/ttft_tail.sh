@@ -5,7 +5,12 @@
 #   first   - the very first request of the prefill/decode pair after start-up (first transfer)
 #   split_L - the split path for each of LONG_LENS (exposed transfer P50, prefill queue/compute)
 #   short_L - the split path for each of SHORT_LENS (a prefill node on short prompts)
-#   mixed_L - the mixed node alone for each of SHORT_LENS (the baseline TTFT)
+#   mixed_L - the mixed node alone for each of LONG_LENS and SHORT_LENS (the same prompts as
+#             split_L / short_L: the side-by-side, split TTFT minus mixed TTFT per length)
+# The prefix cache is off (CACHE=on keeps it); warm-up prompts are never measured ones.
+# exposed_transfer (#39): TTFT less the prefiller's compute (to its last layer on the device)
+# and the decoder's first step, with its parts (request_trip, prefill_queue, transfer_tail,
+# completion_signal, wake_up; docs/BENCHMARKS.md).
 # Results: WORK/*.json (disagg-bench serve), WORK/summary.json and WORK/summary.txt, node logs.
 #   bench/ttft_tail.sh WORK
 # Two GPUs: DECODE_DEVICE=cuda:1 puts the decode node there (prefill and mixed stay on DEVICE),
@@ -33,6 +38,7 @@ $PY -c "import json, sys; sys.path.insert(0, 'bench'); from experiment_engine im
 json.dump(QWEN3_8B, open('$MODEL/config.json', 'w'))" || exit 1; fi
 COMMON=(--model "$MODEL" --random-weights --seed 0 --dtype "$DTYPE" --page-size "$PAGE"
         --max-model-len "$MAXLEN" --num-pages "$PAGES" --startup-timeout "$STARTUP" ${EXTRA:-})
+[ "${CACHE:-off}" = on ] || COMMON+=(--no-prefix-caching)
 P=tcp://127.0.0.1:$PORT; D=tcp://127.0.0.1:$((PORT + 1)); M=tcp://127.0.0.1:$((PORT + 2))
 NODE_TIMEOUT=$((STARTUP + 600))
 source "$(dirname "$0")/nodes.sh"  # start_node, wait_ready, stop_nodes
@@ -75,6 +81,7 @@ first=${LONG_LENS%% *}
 serve first "$D" "$first" 1 0  # the pair's first transfer: nothing before it
 for L in $LONG_LENS; do serve "split_$L" "$D" "$L" "$N_LONG" 2; done
 for L in $SHORT_LENS; do serve "short_$L" "$D" "$L" "$N_SHORT" 2; done
+for L in $LONG_LENS; do serve "mixed_$L" "$M" "$L" "$N_LONG" 2; done
 for L in $SHORT_LENS; do serve "mixed_$L" "$M" "$L" "$N_SHORT" 2; done
 for n in prefill:0 decode:1 mixed:2; do
   timeout 30 $PY -c "import sys; from disagg.cli.client import main; main(sys.argv[1:])" \
@@ -85,8 +92,8 @@ timeout 60 $PY - "$WORK" <<'EOF'
 import glob, json, os, sys
 work = sys.argv[1]
 out, lines = {}, []
-fields = ("decode_queue", "prefill_queue", "prefill_compute", "exposed_transfer", "kv_wait",
-          "first_step")
+fields = ("prefill_compute", "first_step", "exposed_transfer", "decode_queue", "request_trip",
+          "prefill_queue", "transfer_tail", "completion_signal", "wake_up")
 lines.append(f"{'run':<14}{'n':>4}{'ttft p50':>10}{'ttft p90':>10}" +
              "".join(f"{f[:12]:>14}" for f in fields) + "   (ms, p50)")
 def key(p):
@@ -114,6 +121,15 @@ for path in sorted(glob.glob(os.path.join(work, "*.json")), key=key):
     lines.append(f"{tag:<14}{row['completed'] or 0:>4}{f(row['ttft_p50_ms'])}"
                  f"{f(row['ttft_p90_ms'])}" + "".join(g(row["breakdown_p50_ms"].get(k))
                                                       for k in fields))
+lines.append("split minus mixed, same prompts (TTFT p50, ms):")
+for tag in sorted(out, key=lambda t: key(t + ".json")):
+    kind, _, n = tag.partition("_")
+    twin = out.get(f"mixed_{n}")
+    if kind in ("split", "short") and twin and out[tag]["ttft_p50_ms"] is not None \
+            and twin["ttft_p50_ms"] is not None:
+        d = out[tag]["ttft_p50_ms"] - twin["ttft_p50_ms"]
+        out[tag]["minus_mixed_p50_ms"] = d
+        lines.append(f"  {n:>6}: {out[tag]['ttft_p50_ms']:.2f} - {twin['ttft_p50_ms']:.2f} = {d:.2f}")
 json.dump(out, open(os.path.join(work, "summary.json"), "w"), indent=1)
 text = "\n".join(lines)
 open(os.path.join(work, "summary.txt"), "w").write(text + "\n")

@@ -287,11 +287,15 @@ class Finished(msgspec.Struct, tag="finished", frozen=True):
     reason: str  # FinishReason (plain str on the wire, see ErrorCode)
     usage: Usage
     v: int = PROTOCOL_VERSION
-    # Where the time to first token went (milliseconds), for requests prefilled remotely:
-    # decode_queue (admitted -> sent to a prefiller), prefill_queue, prefill_compute (the
-    # prefiller's view), kv_wait (sent -> every unit landed), exposed_transfer (kv_wait minus
-    # the prefiller's queue and compute: what the transfer added), first_step (KV landed ->
-    # first token). None for requests prefilled locally.
+    # Where the time to first token went (milliseconds), for requests prefilled remotely
+    # (disagg.actors.scheduler.decode_scheduler DecodeSide.timings_of): decode_queue
+    # (admitted -> sent to a prefiller), kv_wait (sent -> every unit landed), prefill_queue,
+    # prefill_compute (to the last layer of the prompt done on the prefiller's device) and
+    # transfer_tail (-> its last write completed), the prefiller's; request_trip and
+    # completion_signal (where both nodes share a clock; else trip_and_signal), wake_up (KV
+    # landed -> the step computing the first token launched), first_step (that step: launched
+    # -> token out); exposed_transfer: the node's time to first token less prefill_compute and
+    # first_step (what disaggregation added; never clipped). None for local prefills.
     timings: dict[str, float] | None = None
 
 

@@ -115,6 +115,9 @@ class StepAnnounce(msgspec.Struct, tag="announce", array_like=True, frozen=True)
     step_id: int
     counter_base: int
     chunks: list[ChunkInfo]
+    # when the scheduler sent the step to its executors (monotonic, this process's clock):
+    # a job's compute starts there (the messenger may read this after the step ran)
+    sent_at: float = 0.0
 
 
 class JobHostPages(msgspec.Struct, tag="job_host_pages", array_like=True, frozen=True):
@@ -216,7 +219,8 @@ class ForgetPrefill(msgspec.Struct, tag="forget_prefill", array_like=True, froze
 class AttemptEvent(msgspec.Struct, tag="attempt_event", array_like=True, frozen=True):
     """Decode side: what the messenger saw of an attempt, fed to the scheduler's
     ``DecodeRemote.event`` (``kind``: landed, progress, failed, done, acked, peer_dead,
-    conn_down). ``timings``: with ``done``, the prefiller's queue / compute / tail seconds;
+    conn_down). ``timings``: with ``done``, the prefiller's queue / compute / tail seconds
+    and its wall clock when it accepted the request (0: unknown);
     ``cached_tokens``: with ``done``, the prompt tokens it took from its prefix cache;
     ``context``: with ``landed`` when the decoder drafts with MTP, the context row the
     prefiller wrote (its last hidden state)."""
@@ -225,7 +229,7 @@ class AttemptEvent(msgspec.Struct, tag="attempt_event", array_like=True, frozen=
     kind: AttemptEventKind
     code: str = ""
     message: str = ""
-    timings: tuple[float, float, float] | None = None
+    timings: tuple[float, float, float, float] | None = None
     cached_tokens: int = 0
     context: bytes = b""
 

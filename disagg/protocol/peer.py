@@ -225,9 +225,14 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     request_id: str
     prefill_s: float  # seconds from acceptance to the last write's completion at the source
     queue_s: float = 0.0  # acceptance -> its first chunk was scheduled
-    compute_s: float = 0.0  # first chunk scheduled -> last step done
-    tail_s: float = 0.0  # last step done -> last write completed at the source
+    # first chunk scheduled -> the last layer of its last chunk done on the device (seen by
+    # the layer counter's poller; where none was seen, that step's result back)
+    compute_s: float = 0.0
+    tail_s: float = 0.0  # compute's end -> last write completed at the source
     cached_tokens: int = 0  # prompt tokens the prefiller took from its prefix cache
+    # the prefiller's wall clock (unix s) when the last write completed; 0 = not given. On one
+    # host (one clock) the decoder splits its wait into the request's trip and the signal
+    settled_at: float = 0.0
 
 
 class PrefillProgress(msgspec.Struct, tag="prefill_progress", frozen=True):

@@ -94,6 +94,9 @@ class Job:
     progress_sent: float = 0.0  # when its decoder last heard of progress
     first_step_at: float | None = None
     computed_at: float | None = None
+    # when the poller saw the last layer of its last chunk done on the device: its compute's
+    # end (the tail after it is the transfer's); None when none was seen
+    last_layer_at: float | None = None
     handed: bool = False  # its pages count against its peer's share
     answer: tuple[str, PrefillFailCode, str] | None = None  # CANCELLING: kind, code, message
 
@@ -124,6 +127,12 @@ class PrefillJobs:
         if job is not None and job.state is JobState.QUEUED:
             job.state = JobState.COMPUTING
             job.first_step_at = now
+
+    def last_layer(self, job_id: int, at: float) -> None:
+        """The last layer of ``job``'s last chunk finished on the device at ``at``."""
+        job = self.jobs.get(job_id)
+        if job is not None and job.state is JobState.COMPUTING and job.last_layer_at is None:
+            job.last_layer_at = at
 
     def computed(self, job_id: int, now: float) -> list[Command]:
         """Its last chunk is computed and its context write posted."""
@@ -163,7 +172,7 @@ class PrefillJobs:
             reply = Reply(job_id, "failed", "transfer_failed", error)
         else:
             first = job.first_step_at or job.accepted_at
-            computed = job.computed_at or now
+            computed = job.last_layer_at or job.computed_at or now
             reply = Reply(job_id, "done", timings=(first - job.accepted_at, computed - first,
                                                    now - computed))
         outcome: Literal["finished", "aborted", "errored"] = (
@@ -243,14 +252,16 @@ class PrefillJobs:
         return out
 
 
-def wire_reply(r: Reply, request_id: str, cached_tokens: int = 0
+def wire_reply(r: Reply, request_id: str, cached_tokens: int = 0, settled_at: float = 0.0
                ) -> PrefillDone | AbortAck | PrefillFailed:
     """The message that gives the decoder the answer ``r`` about its request
-    (``cached_tokens``: of its prompt, taken from this node's prefix cache)."""
+    (``cached_tokens``: of its prompt, taken from this node's prefix cache; ``settled_at``:
+    this node's wall clock when the last write completed)."""
     if r.kind == "done":
         queue_s, compute_s, tail_s = r.timings
         return PrefillDone(request_id, queue_s + compute_s + tail_s, queue_s=queue_s,
-                           compute_s=compute_s, tail_s=tail_s, cached_tokens=cached_tokens)
+                           compute_s=compute_s, tail_s=tail_s, cached_tokens=cached_tokens,
+                           settled_at=settled_at)
     if r.kind == "acked":
         return AbortAck(request_id)
     return PrefillFailed(request_id, r.code, r.message)

@@ -84,7 +84,7 @@ def test_a_long_prompt_goes_remote_and_runs_its_last_token_once_the_kv_landed():
         assert send.num_tokens == 16 and send.route_keys == encoded_prefix_keys(send.prompt)
         assert len(send.dst_pages) == 4 and port.pool.num_free == 16 - 5  # 17 tokens: 5 pages
         assert side.waiting_for_kv() == 1 and seq.status is Status.REMOTE
-        await side.handle_messenger(AttemptEvent(send.request_id, "done", timings=(0.1, 0.2, 0.0)))
+        await side.handle_messenger(AttemptEvent(send.request_id, "done", timings=(0.1, 0.2, 0.0, 0.0)))
         await side.handle_messenger(AttemptEvent(send.request_id, "landed"))
         assert isinstance(port.sent[-1], ForgetPrefill)
         assert seq.status is Status.RUNNING and seq.num_computed == 16 and len(seq.block_table) == 5
@@ -334,7 +334,7 @@ def test_a_finish_before_prefilldone_waits_for_its_timings_and_hit():
         seq = long_seq()
         await side.enqueue(seq)
         rid = port.sent[0].request_id
-        event = AttemptEvent(rid, "done", timings=(0.01, 0.02, 0.0), cached_tokens=8)
+        event = AttemptEvent(rid, "done", timings=(0.01, 0.02, 0.0, 0.0), cached_tokens=8)
         if done_first:
             await side.handle_messenger(event)
         await side.handle_messenger(AttemptEvent(rid, "landed"))

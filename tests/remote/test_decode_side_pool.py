@@ -69,7 +69,7 @@ class Traffic:
     async def land(self, i: int) -> None:
         if rids := self.attempts():
             rid = rids[i % len(rids)]
-            await self.side.handle_messenger(AttemptEvent(rid, "done", timings=(0.0, 0.0, 0.0)))
+            await self.side.handle_messenger(AttemptEvent(rid, "done", timings=(0.0, 0.0, 0.0, 0.0)))
             await self.side.handle_messenger(AttemptEvent(rid, "landed"))
 
     async def fail(self, i: int) -> None:

@@ -40,6 +40,20 @@ def test_a_job_goes_queued_computing_settling_then_done_and_released():
     assert m.state(1) is None and m.settled(1, None, 4.0) == []  # answered once
 
 
+def test_compute_ends_with_the_last_layer_seen_and_the_tail_is_the_transfers():
+    """The poller saw the last layer of the job's last chunk at 2.2 (its step's result came
+    back at 3.0): compute ends there, the 1.3 s after it are the tail."""
+    m = machine()
+    m.accept(1, A, 3, IDLE, 10.0, 0.0)
+    m.last_layer(1, 0.5)  # not computing yet: no layer of it has run
+    m.step_started(1, 1.0)
+    m.last_layer(1, 2.2)
+    m.last_layer(1, 2.9)  # the first sighting counts
+    m.computed(1, 3.0)
+    [reply, _] = m.settled(1, None, 3.5)
+    assert reply.timings == pytest.approx((1.0, 1.2, 1.3))
+
+
 def test_a_failed_write_answers_transfer_failed():
     m = machine()
     m.accept(1, A, 3, IDLE, 10.0, 0.0)

@@ -205,7 +205,8 @@ class DecodeMessenger(MessengerBase):
                         await self._settled(rid, "failed", code, message)
                 case PrefillDone(request_id=rid) as done:
                     trace.mark("dm.done_in", rid)
-                    timings = (done.queue_s, done.compute_s, done.tail_s)
+                    timings = (done.queue_s, done.compute_s, done.tail_s,
+                               done.settled_at - done.prefill_s if done.settled_at else 0.0)
                     if self._of(rid, peer) is not None:
                         await self._settled(rid, "done", timings=timings,
                                             cached_tokens=done.cached_tokens)
@@ -323,7 +324,7 @@ class DecodeMessenger(MessengerBase):
                                            f"prefiller {w.peer.address} is not answering"))
 
     async def _settled(self, rid: str, kind: Any, code: str = "", message: str = "",
-                       timings: tuple[float, float, float] | None = None,
+                       timings: tuple[float, float, float, float] | None = None,
                        cached_tokens: int = 0) -> None:
         """Nothing more of ``rid`` will be written: tell the scheduler once any staged copy
         into its pages is done too."""

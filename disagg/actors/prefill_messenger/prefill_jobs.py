@@ -198,6 +198,9 @@ class JobWrites:
         num_layers = self.layout.num_layers
         if layers_done >= num_layers > step.next_layer:
             trace.mark("p.last_layer_in", "s", step_id)
+            for chunk in step.announce.chunks:  # a job's compute ends with its last layer
+                if chunk.start + chunk.count >= chunk.total:
+                    self.life.last_layer(chunk.job, seen_at or time.monotonic())
         whole = self.layerwise_min_tokens > 0 and step.tokens < self.layerwise_min_tokens
         spans = layer_spans(step.next_layer, layers_done, num_layers, whole)
         if not spans:

@@ -238,7 +238,7 @@ class PrefillMessenger(MessengerBase):
                         first = self.life.state(c.job) is JobState.QUEUED
                         if first and self.traces and c.job in self.traces:
                             self.traces[c.job].enter("prefill_compute")  # layers pushed
-                        self.life.step_started(c.job, now)
+                        self.life.step_started(c.job, a.sent_at or now)
                         if first and c.start > 0:  # it starts after pages from the cache
                             self.writes.ship_cached(c, now)
                     self._progressed(now)
@@ -384,7 +384,7 @@ class PrefillMessenger(MessengerBase):
         """The decoder's one answer about a job (sent soon); the job is gone here now."""
         job, posted = self.jobs.pop(r.job), self.writes.finish(r.job)
         rid = job.req.request_id
-        msg = wire_reply(r, rid, posted.cached_tokens)
+        msg = wire_reply(r, rid, posted.cached_tokens, time.time())
         if r.kind == "done" and self.metrics is not None:
             self.metrics.observe_transfer("sent", posted.bytes, posted.writes, time.monotonic()
                                           - (posted.first_post_at or time.monotonic()))

@@ -193,7 +193,8 @@ class DecodeSide(SchedulerSide):
             match c:
                 case Send():
                     seq = self.seqs[c.slot]
-                    self.clock.get(c.slot, {})["sent"] = time.monotonic()
+                    self.clock.get(c.slot, {}).update(sent=time.monotonic(),
+                                                      sent_unix=time.time())
                     if seq.trace is not None:  # this attempt's marks become its events
                         trace.unbind(self.sent.get(c.slot))
                         trace.bind(c.request_id, seq.trace.phase)
@@ -249,7 +250,7 @@ class DecodeSide(SchedulerSide):
             case PeersAlive(count=n):
                 await self._carry_out(self.remote.set_peers_alive(n))
 
-    def _prefiller_timings(self, rid: str, timings: tuple[float, float, float],
+    def _prefiller_timings(self, rid: str, timings: tuple[float, float, float, float],
                            cached_tokens: int) -> None:
         """The prefiller's queue and compute time and its prefix-cache hit, from the
         PrefillDone of the attempt that delivered the KV (before or after the KV itself)."""
@@ -257,6 +258,7 @@ class DecodeSide(SchedulerSide):
         clock = self.clock.get(slot)
         if clock is not None and self.sent.get(slot) == rid:
             clock.update(prefill_queue=timings[0], prefill_compute=timings[1],
+                         prefill_tail=timings[2], accepted_unix=timings[3],
                          prefill_cached=cached_tokens)
 
     def cached_tokens(self, seq: Sequence) -> int:
@@ -273,15 +275,32 @@ class DecodeSide(SchedulerSide):
             trace.mark("d.first", self.sent.get(seq.slot))
 
     def timings_of(self, seq: Sequence) -> dict[str, float] | None:
+        """Where the time to first token went (``Finished.timings``, ms). ``exposed_transfer``
+        is everything but compute: the node's TTFT less the prefiller's compute (to the last
+        layer of the prompt done on its device) and the decoder's first step (launched ->
+        token out), never clipped; its parts: ``decode_queue``, ``request_trip`` (sent ->
+        accepted by the prefiller; with one clock for both), ``prefill_queue``,
+        ``transfer_tail`` (last layer -> last write completed at the prefiller),
+        ``completion_signal`` (-> the KV seen landed here; with ``request_trip``'s clock,
+        else the two together as ``trip_and_signal``) and ``wake_up`` (-> the step that
+        computes its first token launched)."""
         c = self.clock.get(seq.slot)
         if c is None or not {"admit", "sent", "kv", "first"} <= c.keys():
             return None
+        launch = c.get("launch", c["kv"])
         out = {"decode_queue": c["sent"] - c["admit"], "kv_wait": c["kv"] - c["sent"],
-               "first_step": c["first"] - c["kv"]}
+               "wake_up": launch - c["kv"], "first_step": c["first"] - launch}
         if "prefill_queue" in c:  # the prefiller's PrefillDone may still be on its way
-            out.update(prefill_queue=c["prefill_queue"], prefill_compute=c["prefill_compute"],
-                       exposed_transfer=max(0.0, out["kv_wait"] - c["prefill_queue"]
-                                            - c["prefill_compute"]))
+            compute = c["prefill_compute"]
+            out.update(prefill_queue=c["prefill_queue"], prefill_compute=compute,
+                       transfer_tail=c["prefill_tail"],
+                       exposed_transfer=c["first"] - c["admit"] - compute - out["first_step"])
+            both = out["kv_wait"] - c["prefill_queue"] - compute - c["prefill_tail"]
+            if c.get("accepted_unix"):
+                trip = c["accepted_unix"] - c["sent_unix"]
+                out.update(request_trip=trip, completion_signal=both - trip)
+            else:
+                out["trip_and_signal"] = both
         return {k: round(1000 * v, 3) for k, v in out.items()}
 
     async def release(self, seq: Sequence) -> bool:
@@ -322,11 +341,12 @@ class DecodeSide(SchedulerSide):
                            None if seq.trace is None else trace.traceparent(seq.trace.phase))
 
     async def before_step(self, plan: StepPlan, batch: Batch) -> None:
-        if trace.enabled():  # hop marks: the step that computes a landed prompt's last token
-            for c in batch.chunks:
-                clock = self.clock.get(c.seq.slot)
-                if clock is not None and "kv" in clock and "first" not in clock:
-                    trace.mark("link", self.sent.get(c.seq.slot), "=d", plan.step_id)
+        now = time.monotonic()
+        for c in batch.chunks:  # the step that computes a landed prompt's first token
+            clock = self.clock.get(c.seq.slot)
+            if clock is not None and "kv" in clock and "launch" not in clock:
+                clock["launch"] = now
+                trace.mark("link", self.sent.get(c.seq.slot), "=d", plan.step_id)
 
     async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
                          hidden: bytes | None) -> None:

@@ -11,6 +11,7 @@ cancelled) until the messenger says no write reads them any more (``ReleaseJob``
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
@@ -104,7 +105,7 @@ class PrefillSide(SchedulerSide):
                             list(c.seq.block_table))
                   for c in batch.chunks if c.seq.slot in self.job_of]
         await self.port.to_messenger([self._menc.encode(
-            StepAnnounce(plan.step_id, plan.counter_base, chunks))])
+            StepAnnounce(plan.step_id, plan.counter_base, chunks, time.monotonic()))])
 
     async def after_step(self, plan: StepPlan, batch: Batch, result: StepResult,
                          hidden: bytes | None) -> None:
