@@ -23,7 +23,8 @@
 #   bash bench/dp_ep.sh /tmp/w > $OUT/log.txt 2>&1; tar czf $OUT/w.tgz -C /tmp w;
 #   tail -c 9000 $OUT/log.txt
 # Overrides: DEV0 DEV1 (cuda:0 cuda:1), SHAPES ("qwen3moe v2lite"), LAYERS (4), PAGES (4096 per
-# rank), IN (128) OUTLEN (128), T_A T_B T_C (timeouts, s), PY (python3). CPU dry run of the two-rank path:
+# rank), IN (128) OUTLEN (128), REVERSE (1: part b's benchmarks in the other order), T_A T_B
+# T_C (timeouts, s), PY (python3). CPU dry run of the two-rank path:
 #   PY=.venv/bin/python DEV0=cpu DEV1=cpu FORCE_TWO=1 bash bench/dp_ep.sh /tmp/w a
 set -u
 PY=${PY:-python3}
@@ -145,8 +146,10 @@ json.dump(c, open(sys.argv[2], 'w'))" "$shape" "$D/model/config.json" "${LAYERS:
     ok=1; for run in "${runs[@]}"; do wait_ready "${run%% *}" 280 || ok=0; done
     if [ $ok = 1 ]; then
       note "(b) $shape (${LAYERS:-4} layers): $(greedy_py tcp://127.0.0.1:6420 tcp://127.0.0.1:6421 "$VOCAB" 32)"
-      port=6420
-      for run in "${runs[@]}"; do
+      idx=$(seq 0 $((${#runs[@]} - 1)))
+      [ "${REVERSE:-0}" = 1 ] && idx=$(seq $((${#runs[@]} - 1)) -1 0)  # order effects
+      for i in $idx; do
+        run=${runs[$i]}; port=$((6420 + i))
         name=${run%% *}; conc=64
         [ "$name" != one ] && [ "$ONE" = 0 ] && conc=128
         timeout 200 "$PY" -m disagg.bench serve --connect "tcp://127.0.0.1:$port" \
@@ -160,7 +163,6 @@ p50 {s['tpot_ms']['p50']:.2f} ms, ITL p50 {s['itl_ms']['p50']:.2f} ms, out \
 {s['output_throughput']:.0f} tok/s\")" "$D/$name.json" "$shape $name" "$conc" 2>/dev/null \
           | tee -a "$SUMMARY"
         note "(b) $shape $name: $(ranks_py "tcp://127.0.0.1:$port")"
-        port=$((port + 1))
       done
     else note "(b) $shape: a node did not start (see $D/*.log)"; fi
     stop_nodes
