@@ -23,13 +23,12 @@ import numpy as np
 import torch
 
 from disagg.config import env
+from disagg.engine.launched import Launched
 from disagg.engine.picking import Fill, check_processor_ids, pick, prompt_rows, verify_rows
-from disagg.engine.sampling import LogprobRows
 from disagg.engine.speculative import emitted_per_chunk
 from disagg.kernels.counter import LayerCounter
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.transformer import Transformer
-from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import SeqChunk, StepPlan
 
 if TYPE_CHECKING:
@@ -122,46 +121,6 @@ def flatten_plan(plan: StepPlan, page_size: int, num_pages: int, vocab: int) -> 
                      for j in range(-c.num_draft, 1)],
         hidden_rows=[int(last[i]) for i, c in enumerate(chunks) if c.want_hidden],
         max_q_len=int(n.max()), max_seq_len=int(end.max()))
-
-
-class Launched:
-    """A step on its way: ``wait()`` returns (sampled tokens, hidden rows, counts) once the
-    device is done. Tokens still on the device were queued for a copy into pinned host memory
-    behind ``event`` at launch, so nothing waits for the device before ``wait()``."""
-
-    def __init__(self, tokens: list[int] | torch.Tensor, ctx: torch.Tensor | None = None,
-                 counts: list[int] | None = None, event: torch.cuda.Event | None = None):
-        self.tokens, self.ctx, self.counts, self.event = tokens, ctx, counts, event
-        self.logprobs: LogprobRows | None = None  # sampled tokens' (rows that asked), by slot
-        self.prompt: LogprobRows | None = None  # prompt rows' (chunks with prompt_rows)
-        # a step with late_mask chunks: its forward pass is queued, its tokens are picked by
-        # ``with_masks`` once their masks arrive (until then there is nothing to wait for)
-        self.picker: Callable[[dict[int, bytes]], Launched] | None = None
-
-    def with_masks(self, masks: dict[int, bytes]) -> Launched:
-        """The step picked with its late chunks' grammar masks (by slot); a step that had
-        none is returned as it is."""
-        if self.picker is None:
-            return self
-        out = self.picker(masks)
-        out.prompt = self.prompt
-        return out
-
-    def logprob_maps(self) -> tuple[dict[int, TokenLogprobs] | None,
-                                    dict[int, list[TokenLogprobs]] | None]:
-        """After ``wait()``: the step's sampled-token logprobs by slot and prompt logprobs by
-        slot (``StepResult.logprobs`` / ``prompt_logprobs``), None where none was asked."""
-        return (None if self.logprobs is None else dict(self.logprobs.host()),
-                None if self.prompt is None else self.prompt.grouped())
-
-    def wait(self) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
-        if self.picker is not None:
-            raise RuntimeError("the step's grammar masks never arrived (late_mask chunks)")
-        if isinstance(self.tokens, torch.Tensor):
-            if self.event is not None:
-                self.event.synchronize()
-            self.tokens = self.tokens.tolist()
-        return self.tokens, self.ctx, self.counts
 
 
 class ModelRunner:
