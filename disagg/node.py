@@ -102,9 +102,6 @@ class Node:
             0, len(cfg.devices)) if ex.expert_parallel else None).check(arch),
             arch.moe.num_experts if arch.moe else None, len(cfg.devices), ex.dp,
             ex.expert_parallel)
-        if ex.dp > 1 and cfg.role == "prefill":
-            raise ConfigError(f"--dp {ex.dp} runs on mixed and decode nodes for now (a prefill "
-                              "node's writes come from one rank): use --tp on the prefiller")
         if ex.dp > 1 and cfg.cache.kv_host_cache_mb:
             raise ConfigError(f"--dp {ex.dp} with --kv-host-cache-mb: the KV tiers hold one "
                               "rank's pages, not yet one pool per rank; drop one of them")
@@ -240,15 +237,18 @@ class Node:
 
     async def _start_prefill(self, cfg: NodeConfig, arch: ModelArch, setup: SchedulerSetup,
                              actors: list) -> None:
+        from disagg.actors.prefill_messenger.layer_poller import LeastCounter
         from disagg.actors.prefill_messenger.prefill_messenger import PrefillMessenger
         from disagg.actors.scheduler.prefill_scheduler import PrefillSide
         from disagg.kernels.counter import LayerCounter
 
         assert self.executors is not None
-        handle = self.executors.ready[0].counter
-        if handle is None:
-            raise RuntimeError("the lead executor did not share a layer counter")
-        self.counter = LayerCounter.attach(handle)
+        tp = len(cfg.devices) // cfg.executor.dp  # each DP rank's lead keeps a counter
+        handles = [r.counter for r in self.executors.ready[::tp]]
+        if any(h is None for h in handles):
+            raise RuntimeError("a lead executor did not share a layer counter")
+        counters = [LayerCounter.attach(h) for h in handles if h is not None]
+        self.counter = counters[0] if len(counters) == 1 else LeastCounter(counters)
         m_sock, s_sock = self._pair("messenger")
         self.scheduler = SchedulerActor("prefill", setup, None, s_sock, side=PrefillSide)
         self.messenger = PrefillMessenger(
@@ -256,7 +256,8 @@ class Node:
             self.counter, vocab_size=arch.vocab_size, kv_fds=self.executors.kv_fds,
             peer_share=cfg.disagg.peer_share, ownership_timeout_s=cfg.disagg.ownership_timeout_s,
             metrics=self.metrics, layerwise_min_tokens=cfg.disagg.layerwise_min_tokens,
-            host_kv=self.host_pool.tensors if self.host_pool is not None else None)
+            host_kv=self.host_pool.tensors if self.host_pool is not None else None,
+            dp=cfg.executor.dp)
         self.address = self.messenger.address
         actors.append(("messenger", self.messenger.run))
 

@@ -159,9 +159,9 @@ def merge_results(plan: StepPlan, results: list[StepResult], pages_per_rank: int
     for r in results:
         if r.error is not None:
             return StepResult(plan.step_id, [], error=r.error)
-    if any(r.counts is not None or r.drafts is not None or r.hidden_rows for r in results):
-        return StepResult(plan.step_id, [], error="speculative counts, drafts or hidden rows "
-                          "are not merged over DP ranks")
+    if any(r.counts is not None or r.drafts is not None for r in results):
+        return StepResult(plan.step_id, [], error="speculative counts or drafts are not "
+                          "merged over DP ranks")
     taken = [iter(r.token_ids) for r in results]
     tokens: list[int] = []
     try:
@@ -172,7 +172,32 @@ def merge_results(plan: StepPlan, results: list[StepResult], pages_per_rank: int
         return StepResult(plan.step_id, [], error="a DP rank returned too few tokens")
     logprobs = {k: v for r in results for k, v in (r.logprobs or {}).items()} or None
     prompt = {k: v for r in results for k, v in (r.prompt_logprobs or {}).items()} or None
-    return StepResult(plan.step_id, tokens, logprobs=logprobs, prompt_logprobs=prompt)
+    return StepResult(plan.step_id, tokens, logprobs=logprobs, prompt_logprobs=prompt,
+                      hidden_rows=sum(r.hidden_rows for r in results))
+
+
+def merge_hidden(plan: StepPlan, results: list[StepResult], frames: list[bytes | None],
+                 pages_per_rank: int) -> bytes | None:
+    """The step's hidden-row frame from its ranks' (``want_hidden`` chunks' rows, each rank's
+    in its chunk order): the rows back in the step's chunk order; None when there are none."""
+    rows: list[list[bytes]] = []
+    for r, frame in zip(results, frames, strict=True):
+        n = r.hidden_rows
+        if n and (frame is None or len(frame) % n):
+            raise ValueError(f"step {plan.step_id}: a rank's hidden rows do not match its frame")
+        size = len(frame) // n if n and frame is not None else 0
+        rows.append([frame[i * size:(i + 1) * size] for i in range(n)] if frame else [])
+    if not any(rows):
+        return None
+    taken = [iter(r) for r in rows]
+    out = []
+    for c in plan.chunks:
+        if c.want_hidden:
+            row = next(taken[c.block_table[0] // pages_per_rank], None)
+            if row is None:
+                raise ValueError(f"step {plan.step_id}: a rank returned too few hidden rows")
+            out.append(row)
+    return b"".join(out)
 
 
 class _Running(Protocol):

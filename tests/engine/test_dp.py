@@ -148,3 +148,19 @@ def test_rank_pages_names_one_rank():
     assert rank_pages([0, 3], 8) == (0, [0, 3])
     with pytest.raises(ValueError, match="span"):
         rank_pages([7, 8], 8)
+
+
+def test_hidden_rows_come_back_in_chunk_order():
+    from disagg.engine.dp import merge_hidden
+
+    def c(slot, pages, hidden):
+        return SeqChunk(slot, [1, 2], 0, pages, False, want_hidden=hidden)
+
+    plan = StepPlan(3, [c(1, [9], True), c(2, [0], True), c(3, [1], False), c(4, [10], True)],
+                    0)
+    results = [StepResult(3, [], hidden_rows=1), StepResult(3, [], hidden_rows=2)]
+    frames = [b"BB", b"AACC"]  # rank 0: slot 2's row; rank 1: slots 1 and 4
+    assert merge_hidden(plan, results, frames, 8) == b"AABBCC"
+    assert merge_hidden(plan, [StepResult(3, []), StepResult(3, [])], [None, None], 8) is None
+    with pytest.raises(ValueError, match="too few hidden rows"):
+        merge_hidden(plan, [results[0], StepResult(3, [], hidden_rows=1)], [b"BB", b"AA"], 8)

@@ -160,7 +160,7 @@ def test_bad_layouts_refused_by_name_at_parse():
 
 @pytest.mark.parametrize("args, message", [
     (["--dp", "3", "--expert-parallel"], "8 experts do not divide over 3 ranks"),
-    (["--dp", "2", "--role", "prefill"], "--dp 2 runs on mixed and decode nodes for now"),
+    (["--dp", "2", "--kv-host-cache-mb", "16"], "--dp 2 with --kv-host-cache-mb"),
     (["--tp", "3"], "does not divide the 4 attention heads"),
 ])
 def test_bad_layouts_refused_by_name_at_start(args, message, tmp_path):
@@ -176,12 +176,15 @@ def test_bad_layouts_refused_by_name_at_start(args, message, tmp_path):
 
 
 @pytest.mark.fabric
-@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_prefill_tp2_to_decode_dp2_expert_parallel(kind, tmp_path):
-    """Prefill --tp 2 -> decode --dp 2 --expert-parallel: the decoder's rank reserves the
-    pages and names its own executors (a TP 1 layout to the prefiller), the planner maps TP 2
-    onto it (GQA: heads rebuilt; MLA: one source replica), the unit counts exact; tokens equal
-    transformers' and both ranks take requests; every pool full after."""
+@pytest.mark.parametrize("kind, prefill", [("qwen3_moe", "tp2"), ("deepseek_v3", "tp2"),
+                                           ("qwen3_moe", "dp2"), ("deepseek_v3", "dp2")])
+def test_prefill_to_decode_dp2_expert_parallel(kind, prefill, tmp_path):
+    """Prefill --tp 2 or --dp 2 --expert-parallel -> decode --dp 2 --expert-parallel: the
+    decoder's rank reserves the pages and names its own executors (a TP 1 layout to the
+    prefiller); a --dp prefiller runs each job on any of its ranks and writes from that rank's
+    executor once every rank computed the layer; the planner maps the layouts (TP 2 -> 1: GQA
+    heads rebuilt, MLA one source replica; TP 1 -> 1 one-to-one), the unit counts exact;
+    tokens equal transformers' and both decoder ranks take requests; every pool full after."""
     import threading
 
     from disagg.model.config import ModelArch
@@ -198,7 +201,9 @@ def test_prefill_tp2_to_decode_dp2_expert_parallel(kind, tmp_path):
                             arch.hidden_size, tp, replicas, arch.layout_kind, arch.kv_parts)
 
     p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    p = NodeProcess(["--role", "prefill", "--model", str(path), "--listen", p_addr, "--tp", "2",
+    p_args = ["--tp", "2"] if prefill == "tp2" else ["--dp", "2", "--expert-parallel"]
+    p_tp = 2 if prefill == "tp2" else 1
+    p = NodeProcess(["--role", "prefill", "--model", str(path), "--listen", p_addr, *p_args,
                      "--max-batch-tokens", "5", *COMMON], tmp_path / "p.log")
     d = NodeProcess(["--role", "decode", "--model", str(path), "--listen", d_addr, "--dp", "2",
                      "--expert-parallel", "--prefill-peer", p_addr, "--heartbeat", "0.2",
@@ -214,7 +219,7 @@ def test_prefill_tp2_to_decode_dp2_expert_parallel(kind, tmp_path):
                 ids = prompt(n, salt=50 + n)
                 assert generate(c, ids, 5) == hf_greedy(path, ids, 5), n
                 assert c.stats().kv_units_received - before == request_units(
-                    desc(2), desc(1), n - 1), n
+                    desc(p_tp), desc(1), n - 1), n
             got: dict[int, list[int]] = {}
 
             def run(n: int) -> None:
@@ -236,7 +241,10 @@ def test_prefill_tp2_to_decode_dp2_expert_parallel(kind, tmp_path):
             assert len(ranks) == 2 and all(r.started > 0 for r in ranks)
         finally:
             c.close()
-        assert stats(p_addr).kv_writes_sent > 0
+        ps = stats(p_addr)
+        assert ps.kv_writes_sent > 0
+        if prefill == "dp2":  # the concurrent jobs ran on both prefiller ranks
+            assert len(ps.dp_ranks) == 2 and all(r.started > 0 for r in ps.dp_ranks)
         wait_for(lambda: pools_full(d_addr) and pools_full(p_addr), what="pools full")
     finally:
         assert p.stop() == [] and d.stop() == []

@@ -43,7 +43,8 @@ from disagg.protocol.executor import (
 )
 
 if TYPE_CHECKING:
-    from disagg.engine.runner import Launched, ModelRunner
+    from disagg.engine.launched import Launched
+    from disagg.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     else:
         fd_sock.sendall(b"no")
     counter = None
-    if rank == 0 and cfg.role == "prefill":  # only the lead rank keeps the layer counter
+    # only the lead rank (of each DP rank, --dp) keeps the layer counter
+    if rank % tp.size == 0 and cfg.role == "prefill":
         from disagg.kernels.counter import LayerCounter
 
         counter = LayerCounter.create(device)
@@ -240,7 +242,7 @@ def launch(runner: ModelRunner, plan: StepPlan) -> Launched | Exception:
     """Queue a step on the device; a failure is kept for its reply (the executor serves on)."""
     try:
         if not plan.chunks:  # this DP rank has no work in the step (--dp)
-            return idle(runner)
+            return idle(runner, plan)
         return runner.launch(plan)
     except Exception as e:  # noqa: BLE001
         log.exception("step %d failed", plan.step_id)
@@ -258,12 +260,17 @@ def finish(launched: Launched | Exception, masks: dict[int, bytes]) -> Launched 
         return e
 
 
-def idle(runner: ModelRunner) -> Launched:
+def idle(runner: ModelRunner, plan: StepPlan) -> Launched:
     """A step with no chunk for this DP rank: under expert parallelism the model still joins
-    every MoE layer's all-to-all with zero rows (``Transformer.idle``); no token comes back."""
+    every MoE layer's all-to-all with zero rows (``Transformer.idle``); no token comes back.
+    A prefill node's layer counter goes to the step's last layer (the messenger follows the
+    least advanced DP rank)."""
     from disagg.engine.runner import Launched
 
     runner.model.idle()
+    if runner.counter is not None:
+        runner.counter.set_base(plan.counter_base)
+        runner.counter.bump(runner.model.arch.num_layers)
     return Launched([])
 
 

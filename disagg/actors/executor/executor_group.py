@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.config import NodeConfig
-from disagg.engine.dp import merge_results, split_plan
+from disagg.engine.dp import merge_hidden, merge_results, split_plan
 from disagg.protocol.executor import (
     Collect,
     ExecutorReady,
@@ -198,6 +198,7 @@ class ExecutorGroup:
         deadline = time.monotonic() + self.cfg.step_timeout_s
         results: dict[bytes, StepResult] = {}
         hidden: bytes | None = None
+        frames_of: dict[bytes, bytes | None] = {}  # each rank's hidden-row frame
         while len(results) < len(self._identities):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -210,8 +211,9 @@ class ExecutorGroup:
                     self.foreign_frames += 1  # not one of ours: never taken as a result
                 elif isinstance(msg, StepResult) and msg.step_id == step_id:
                     results[ident] = msg
+                    frames_of[ident] = frames[2] if len(frames) > 2 else None
                     if ident == self._identities[0]:
-                        hidden = frames[2] if len(frames) > 2 else None
+                        hidden = frames_of[ident]
             else:
                 self._check_alive()
         leads = [results[self._identities[d * self.tp]] for d in range(self.dp)]
@@ -220,7 +222,15 @@ class ExecutorGroup:
         plan = self._plans.pop(step_id, None)
         if plan is None:
             return leads[0], hidden
-        return merge_results(plan, leads, self.num_pages), None
+        merged = merge_results(plan, leads, self.num_pages)
+        if merged.error is not None:
+            return merged, None
+        lead_ids = [self._identities[d * self.tp] for d in range(self.dp)]
+        try:
+            return merged, merge_hidden(plan, leads, [frames_of[i] for i in lead_ids],
+                                        self.num_pages)
+        except ValueError as e:
+            return StepResult(step_id, [], error=str(e)), None
 
     def _decode(self, frames: list[bytes]) -> tuple[bytes, ExecutorReply | None]:
         """(identity, message) of a frame from an executor; a malformed one is counted and

@@ -57,3 +57,20 @@ class LayerPoller:
                                                    time.monotonic())
                 seen = (step_id, done)
             time.sleep(POLL_S)
+
+
+class LeastCounter:
+    """The layer counters of a ``--dp`` prefill node's ranks (each rank's lead executor bumps
+    its own) read as one: the least advanced, so a step's layer goes out once every rank has
+    computed it."""
+
+    def __init__(self, counters: list[Any]):
+        self.counters = counters
+
+    def read(self) -> int:
+        return min(c.read() for c in self.counters)
+
+    def close(self) -> None:
+        for c in self.counters:
+            c.close()
+

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg import trace
+from disagg.engine.dp import rank_pages
 from disagg.protocol.inproc import ChunkInfo, StepAnnounce
 from disagg.protocol.peer import KVLayoutDesc, PrefillFailCode, PrefillRequest
 from disagg.remote.prefill import PrefillJobs
@@ -63,6 +64,7 @@ class Step:
     announce: StepAnnounce
     next_layer: int = 0  # layers [0, next_layer) handed to the engine
     plans: dict[int, ChunkPlan | None] = field(default_factory=dict)  # by chunk index, lazily
+    bases: dict[int, int] = field(default_factory=dict)  # --dp: its rank's first region, by chunk
 
     @property
     def tokens(self) -> int:
@@ -93,8 +95,11 @@ class JobWrites:
                  kv_regions: list[Any], ctx_region: Any, zero_slot: int,
                  fail: Callable[[int, PrefillFailCode, str], None],
                  progressed: Callable[[float], None], metrics: Any = None,
-                 layerwise_min_tokens: int = 0) -> None:
+                 layerwise_min_tokens: int = 0, dp: int = 1) -> None:
         self.layout = layout
+        # --dp: kv_regions are every rank's executors in rank order; a job's pages (global
+        # ids) lie on one rank, whose regions and local page ids its writes name (``_source``)
+        self.dp, self.rank_width = dp, len(kv_regions) // dp
         self.life = life
         self.transfer = transfer  # disagg.transfer.TransferEngine
         self.kv_regions = kv_regions
@@ -221,8 +226,9 @@ class JobWrites:
                 plan = self._plan(step, i, w.job)
                 if plan is None:
                     continue
+                base = step.bases.get(i, 0)
                 for sr, dr in plan.by_pair:  # every source rank sends in parallel
-                    self.post(w, self.kv_regions[sr], w.job.dst_kv[dr],
+                    self.post(w, self.kv_regions[base + sr], w.job.dst_kv[dr],
                               plan.layers((sr, dr), lo, hi))
                 if lo == 0 and self.layout.spec_method == "draft":  # computed before it
                     self.ship_spec(w, self.spec_plan(w, chunk))
@@ -248,13 +254,14 @@ class JobWrites:
         if w is None or not self.life.may_write(chunk.job, now):
             return
         w.cached_tokens = chunk.start
-        plan = job_pages_plan(self.layout, w.job.req, chunk.pages,
+        base, pages = self._source(chunk.pages)
+        plan = job_pages_plan(self.layout, w.job.req, pages,
                               [i for i in range(chunk.start // self.layout.page_size)
                                if i not in w.from_host])
         if plan is None:
             return
         for sr, dr in plan.by_pair:  # every layer in one write per destination
-            self.post(w, self.kv_regions[sr], w.job.dst_kv[dr],
+            self.post(w, self.kv_regions[base + sr], w.job.dst_kv[dr],
                       plan.layers((sr, dr), 0, self.layout.num_layers))
         self.ship_spec(w, spec_pages_plan(self.layout, w.job.req, chunk.pages,
                                           range(chunk.start // self.layout.page_size)))
@@ -281,6 +288,13 @@ class JobWrites:
             self.post(w, regions[sr], w.job.dst_kv[dr], plan.layers((sr, dr), 0,
                                                                     self.layout.num_layers))
 
+    def _source(self, pages: list[int]) -> tuple[int, list[int]]:
+        """The first source region of the rank holding ``pages`` and their ids there."""
+        if self.dp == 1:
+            return 0, pages
+        rank, local = rank_pages(pages, self.layout.num_pages)
+        return rank * self.rank_width, local
+
     def spec_plan(self, w: Posted, c: ChunkInfo) -> ChunkPlan | None:
         return spec_pages_plan(self.layout, w.job.req, c.pages, pages_to_send(
             c.start, c.start + c.count, c.total, self.layout.page_size))
@@ -291,7 +305,8 @@ class JobWrites:
         if i not in step.plans:
             c = step.announce.chunks[i]
             sent = self.jobs[job.id].from_host  # a failed reload recomputes them: sent already
-            step.plans[i] = job_pages_plan(self.layout, job.req, c.pages, [
+            step.bases[i], pages = self._source(c.pages)
+            step.plans[i] = job_pages_plan(self.layout, job.req, pages, [
                 j for j in pages_to_send(c.start, c.start + c.count, c.total,
                                          self.layout.page_size) if j not in sent])
         return step.plans[i]

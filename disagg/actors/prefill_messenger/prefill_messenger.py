@@ -122,6 +122,7 @@ class PrefillMessenger(MessengerBase):
         metrics: Metrics | None = None,
         layerwise_min_tokens: int = 0,  # shorter steps ship all layers at once (JobWrites)
         host_kv: list[torch.Tensor] | None = None,  # the host KV tier's memory, per rank
+        dp: int = 1,  # --dp: kvs are every rank's executors in rank order, layout one rank's
     ):
         self.vocab_size = vocab_size
         # decoders' node keys only
@@ -147,7 +148,7 @@ class PrefillMessenger(MessengerBase):
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
         self.writes = JobWrites(layout, self.life, transfer, self.kv_regions, self.ctx_region,
                                 zero_slot, self._fail, self._progressed, metrics,
-                                layerwise_min_tokens)
+                                layerwise_min_tokens, dp)
         if host_kv and not transfer.engine.device_memory:  # the fabric ships host memory
             self.writes.host = ([transfer.register(t, access="source") for t in host_kv],
                                 msgspec.structs.replace(layout, num_pages=host_kv[0].shape[1]))
