@@ -125,12 +125,15 @@ def cluster(chat_llama, tmp_path_factory):
                     for _ in range(2))
     with running([p, *decoders.values()], list(decoders)):
         lt = LoopThread()
-        r, _ = lt.run(start_router(f"tcp://127.0.0.1:{free_port()}", list(decoders),
-                                   poll_interval=0.2, dead_after=1.5, wait_for_peer=30))
+        r, gw = lt.run(start_router(f"tcp://127.0.0.1:{free_port()}", list(decoders),
+                                    "127.0.0.1:0", str(chat_llama), "tiny-llama",
+                                    poll_interval=0.2, dead_after=1.5, wait_for_peer=30))
+        r.gateway = gw
         wait_for(lambda: len(r.balancer.alive()) == 2, what="both decoders live")
         try:
             yield lt, r, decoders, p_addr
         finally:
+            lt.run(gw.stop())
             lt.run(r.stop())
             lt.close()
 
@@ -225,16 +228,85 @@ def test_streams_of_a_restarting_decoder_move_to_the_other(cluster):
     reference = stream_all(r.address, prompts)  # uninterrupted
     before = moved(r, "moved")
 
-    def kill_executor(peer: str) -> None:
-        [executor] = decoders[peer].children()
-        os.kill(executor, signal.SIGKILL)
-
-    result, victim, n = kill_when_streaming(lt, r, prompts, kill_executor)
+    ready = {a: starts(p) for a, p in decoders.items()}
+    result, victim, n = kill_when_streaming(lt, r, prompts, kill_executor_of(decoders))
     check(result, reference)
     assert moved(r, "moved") - before >= n >= 2
-    log = decoders[victim].log_path
-    wait_for(lambda: log.read_text().count("ready: ") >= 2, timeout=90, what="restarted")
+    restarted(r, decoders, victim, ready[victim])
+
+
+def kill_executor_of(decoders):
+    def kill(peer: str) -> None:
+        [executor] = decoders[peer].children()
+        os.kill(executor, signal.SIGKILL)
+    return kill
+
+
+def starts(proc) -> int:
+    return proc.log_path.read_text().count("ready: ")
+
+
+def restarted(r: Router, decoders, victim: str, before: int) -> None:
+    """Wait until ``victim`` started again (``before``: its starts until its executor was
+    killed) and the router sends it requests again."""
+    wait_for(lambda: starts(decoders[victim]) > before, timeout=90, what=f"{victim} restarted")
     wait_for(lambda: len(r.balancer.serving()) == 2, timeout=90, what=f"{victim} serving again")
+
+
+def test_http_choices_with_stop_strings_and_logprobs_survive_a_restart(cluster):
+    """Through the router's OpenAI gateway: completions with n=2 seeded choices, logprobs and
+    a stop string met mid-output, while a decoder restarts under them: every response (text,
+    logprobs, finish reasons, usage) equal to the same request's uninterrupted one."""
+    import threading
+
+    import openai
+
+    lt, r, decoders, _ = cluster
+    client = openai.OpenAI(base_url=r.gateway.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+
+    def ask(i: int, stop: list[str] | None) -> dict:
+        out = client.completions.create(
+            model="tiny-llama", prompt=" ".join(f"w{5 + (i * 7 + j) % 200}" for j in range(6)),
+            max_tokens=NEW, n=2, seed=11 + i, temperature=0.8, logprobs=1, stop=stop,
+            extra_body={"ignore_eos": True})
+        return {"choices": [(c.index, c.text, c.finish_reason, c.logprobs.tokens)
+                            for c in sorted(out.choices, key=lambda c: c.index)],
+                "usage": (out.usage.prompt_tokens, out.usage.completion_tokens)}
+
+    whole = [ask(i, None) for i in range(6)]
+    # a stop string met mid-output of choice 0: the word at a third of its text
+    stops = [[w["choices"][0][1].split()[len(w["choices"][0][1].split()) // 3]] for w in whole]
+    reference = [ask(i, stops[i]) for i in range(6)]
+    assert all(ref["choices"][0][2] == "stop" for ref in reference)
+    before = moved(r, "moved")
+    got: list[dict | Exception | None] = [None] * 6
+
+    def one(i: int) -> None:
+        try:
+            got[i] = ask(i, stops[i])
+        except openai.APIError as e:  # compared below: none is expected
+            got[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    victim = None
+    while victim is None:
+        assert time.monotonic() < deadline, "no decoder ever streamed"
+        for peer in r.balancer.order:
+            if lt.run(streaming_on(r, peer, 3)) >= 2:
+                victim = peer
+                break
+        time.sleep(0.01)
+    ready = starts(decoders[victim])
+    kill_executor_of(decoders)(victim)
+    for t in threads:
+        t.join(120)
+    assert got == reference
+    assert moved(r, "moved") > before
+    restarted(r, decoders, victim, ready)
 
 
 def test_streams_of_a_killed_decoder_finish_on_the_other_exactly(cluster):

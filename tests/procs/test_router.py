@@ -137,7 +137,8 @@ def test_requests_refused_by_a_restarting_node_go_to_the_other(router, nodes, ca
     """An executor of one node dies: while that node restarts it answers every request with
     ``unavailable``; the router sends those requests to the other node, so clients see none of
     it (they used to get the node's ``unavailable``). The request the executor died under ends
-    with ``internal`` (it may have run on it: not resent)."""
+    with ``internal`` there and migrates (tests/procs/test_migration.py): it ends as it would
+    have, or ``internal`` past its bounds."""
     restarting, _ = list(nodes)
     proc = nodes[restarting]
 

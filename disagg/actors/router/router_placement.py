@@ -47,16 +47,18 @@ class RouterPlacement:
 
     async def _recover(self, f: Flight, addr: str, err: Error) -> bool:
         """``addr`` ended ``f`` with ``err``: a request that streamed nothing and was refused
-        ``unavailable`` goes to a peer it has not tried; a streaming one ended because its node
-        stops or restarts (``unavailable``, ``shutting_down``, ``internal``) migrates. False
-        (the client gets ``err``) otherwise."""
-        if not f.streamed:
-            return err.code == "unavailable" and await self._elsewhere(f, addr)
+        ``unavailable`` goes to a peer it has not tried; one ended because its node stops or
+        restarts (``shutting_down``, ``internal``: its executor died; ``unavailable`` after a
+        token) migrates, counted against ``--migration-limit`` (a request that kills every
+        executor it runs on stops there). False (the client gets ``err``) otherwise."""
+        if not f.streamed and err.code == "unavailable":
+            return await self._elsewhere(f, addr)
         if err.code not in MIGRATE_ON or not self.migration.enabled:
             return False
         self.balancer.on_end(addr)
         f.peer = None
-        await self._migrate(f, addr, f"ended it mid-stream ({err.code}: {err.message})")
+        await self._migrate(f, addr, f"ended it{' mid-stream' if f.streamed else ''} "
+                            f"({err.code}: {err.message})")
         return True
 
     async def _elsewhere(self, f: Flight, addr: str) -> bool:
