@@ -25,14 +25,16 @@ from disagg.protocol import DPRankStats
 from disagg.protocol.executor import StepPlan, StepResult
 
 
-def choose_rank(pending: list[int], free: list[int], need: int) -> int | None:
+def choose_rank(pending: list[int], free: list[int], need: int,
+                started: list[int] | None = None) -> int | None:
     """The rank a new sequence needing ``need`` pages starts on: among those with ``need``
-    free pages, the fewest ``pending`` tokens, then the most free pages, then the lowest;
+    free pages, the fewest ``pending`` tokens, then the most free pages, then the fewest
+    sequences ``started`` there (one after another, requests alternate), then the lowest;
     None when no rank has room."""
     fits = [r for r in range(len(free)) if free[r] >= need]
     if not fits:
         return None
-    return min(fits, key=lambda r: (pending[r], -free[r], r))
+    return min(fits, key=lambda r: (pending[r], -free[r], started[r] if started else 0, r))
 
 
 class DPPagePool:
@@ -74,7 +76,7 @@ class DPPagePool:
         if after is None:
             free = [p.num_free for p in self.pools]
             pending = self.loads() if self.loads is not None else [0] * len(self.pools)
-            rank = choose_rank(pending, free, n)
+            rank = choose_rank(pending, free, n, self.started)
             if rank is None:
                 return None
             local = None

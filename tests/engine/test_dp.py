@@ -22,6 +22,7 @@ def test_rank_choice_fewest_pending_then_most_free():
     assert choose_rank([3, 3], [9, 9], 2) == 0
     assert choose_rank([0, 9], [1, 9], 2) == 1  # rank 0 has no room
     assert choose_rank([0, 0], [1, 1], 2) is None
+    assert choose_rank([0, 0], [9, 9], 2, started=[4, 3]) == 1  # one after another: alternate
 
 
 def test_a_sequence_stays_on_its_rank_and_pages_return():
