@@ -31,13 +31,13 @@ b64() {  # name, extra flags
     --vocab-size "$VOCAB" --seed 0 --warmup 2 --timeout 300 --label "batch 64, $name" \
     --json "$WORK/b64_$name.json" "$@" || echo "batch 64 $name failed"
 }
-for round in 1 2; do  # two rounds, interleaved, so a drift shows
+for round in ${ROUNDS:-1 2}; do  # two rounds, interleaved, so a drift shows
   b64 "plain_r$round"
   b64 "json_r$round" --json-schema @bench/data/surface_schema.json
-  b64 "logprobs_r$round" --top-logprobs 5
+  [ -n "${NO_LOGPROBS:-}" ] || b64 "logprobs_r$round" --top-logprobs 5
 done
 i=0
-for n in 1 8 1 8; do
+for n in ${NS:-1 8 1 8}; do
   i=$((i + 1)); [ "$i" -gt 2 ] && n="${n}_r2" || n="${n}_r1"
   stats "stats_before_n$n"
   timeout 300 python3 -m disagg.bench serve --http "http://127.0.0.1:$hport" --n "${n%_*}" \
@@ -65,6 +65,8 @@ for n in ("1_r1", "8_r1", "1_r2", "8_r2"):
     x = s(f"n{n}")
     if x:
         print(f"n={n}: TTFT p50 {x['ttft_ms']['p50']:.1f} ms mean {x['ttft_ms']['mean']:.1f}")
+    if not (w / f"stats_before_n{n}.json").exists():
+        continue
     b = json.loads((w / f"stats_before_n{n}.json").read_text())
     a = json.loads((w / f"stats_after_n{n}.json").read_text())
     print(f"  prefix query {a['prefix_query_tokens'] - b['prefix_query_tokens']} hit "
