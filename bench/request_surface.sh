@@ -37,7 +37,7 @@ for round in ${ROUNDS:-1 2}; do  # two rounds, interleaved, so a drift shows
   [ -n "${NO_LOGPROBS:-}" ] || b64 "logprobs_r$round" --top-logprobs 5
 done
 i=0
-for n in ${NS:-1 8 1 8}; do
+for n in ${NS-1 8 1 8}; do
   i=$((i + 1)); [ "$i" -gt 2 ] && n="${n}_r2" || n="${n}_r1"
   stats "stats_before_n$n"
   timeout 300 python3 -m disagg.bench serve --http "http://127.0.0.1:$hport" --n "${n%_*}" \
