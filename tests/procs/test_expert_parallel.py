@@ -89,6 +89,14 @@ def test_dp2_matches_transformers(kind, ep, tmp_path):
             assert sum(r.started for r in s.dp_ranks) == 5
             assert all(r.started > 0 for r in s.dp_ranks)  # the concurrent ones spread
             assert all((r.all_to_all_s > 0) == ep for r in s.dp_ranks)
+            # prefix caching per rank: a next turn reuses the pages of its first turn's rank
+            n = 3 * PAGE + 1
+            turn = prompt(n, salt=n) + got[n] + prompt(3, salt=7)
+            msgs = list(c.generate(prompt_token_ids=turn, sampling=SamplingParams(
+                max_tokens=4, ignore_eos=True)))
+            assert [t for m in msgs for t in getattr(m, "token_ids", [])] == hf_greedy(
+                path, turn, 4)
+            assert msgs[-1].usage.cached_tokens >= 3 * PAGE
         finally:
             c.close()
     finally:
