@@ -1,6 +1,7 @@
 """How fast the KV tiers' copies run on one GPU (issue 38): ``copy_pages`` out (device pages
 -> pinned host slots) and in (back), for PAGES pages of a Qwen3-8B-shaped KV (36 layers, 8 kv
-heads, head_dim 128, page 16, bf16: 2.25 MiB a page), with the slots in one run or scattered.
+heads, head_dim 128, page 16, bf16: 2.25 MiB a page) between the device layout and the
+slot-major pinned host pool, with the slots in one run or scattered.
 
     python bench/tier_copy_probe.py [PAGES]
 """
@@ -22,7 +23,7 @@ def main() -> None:
     layers, num_pages, slots_total = 36, 4096, 8192
     pb = 2 * 8 * 16 * 128 * 2
     dev = torch.randint(0, 255, (layers, num_pages, pb), dtype=torch.uint8, device="cuda")
-    host = torch.empty((layers, slots_total, pb), dtype=torch.uint8, pin_memory=True)
+    host = torch.empty((slots_total, layers, pb), dtype=torch.uint8, pin_memory=True)
     stream = torch.cuda.Stream()
     pages = tuple(range(100, 100 + n))
     rng = random.Random(0)
@@ -39,26 +40,6 @@ def main() -> None:
             gb = n * layers * pb / 1e9
             print(f"{kind:>3} {n} pages ({gb:.2f} GB), slots {name}: {1e3 * dt:.1f} ms, "
                   f"{gb / dt:.1f} GB/s")
-    # for comparison: slot-major host memory ([slots, layers, page bytes]: a slot is one
-    # contiguous run), one copy per slot into a device staging buffer, one device scatter
-    host2 = torch.empty((slots_total, layers, pb), dtype=torch.uint8, pin_memory=True)
-    idx = torch.tensor(pages, device="cuda")
-    for name, slots in (("one run", tuple(range(n))),
-                        ("scattered", tuple(rng.sample(range(slots_total), n)))):
-        def reload(slots: tuple[int, ...] = slots) -> None:
-            with torch.cuda.stream(stream):
-                staged = torch.empty((n, layers, pb), dtype=torch.uint8, device="cuda")
-                for i, s in enumerate(slots):
-                    staged[i].copy_(host2[s], non_blocking=True)
-                dev.index_copy_(1, idx, staged.transpose(0, 1))
-            stream.synchronize()
-        reload()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            reload()
-        dt = (time.perf_counter() - t0) / 5
-        gb = n * layers * pb / 1e9
-        print(f"slot-major in {n} pages, slots {name}: {1e3 * dt:.1f} ms, {gb / dt:.1f} GB/s")
 
 
 if __name__ == "__main__":

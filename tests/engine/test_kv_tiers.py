@@ -322,11 +322,13 @@ def test_a_host_tier_larger_than_the_machine_is_refused_with_the_numbers():
     CacheConfig(kv_host_cache_mb=1, kv_disk_cache_dir="/tmp/kv").validate()
 
 
-def test_copy_runs_pair_adjacent_pages_and_slots():
-    from disagg.engine.tier_copy import runs
+def test_slot_runs_and_the_host_layout_of_one_page():
+    from disagg.engine.tier_copy import host_layout_pages, slot_runs
 
-    assert runs((4, 5, 6, 9, 10), (0, 1, 7, 8, 9)) == [(4, 0, 2), (6, 7, 1), (9, 8, 2)]
-    assert runs((), ()) == []
+    assert slot_runs((0, 1, 7, 8, 9, 3)) == [(0, 0, 2), (2, 7, 3), (5, 3, 1)]
+    assert slot_runs(()) == []
+    # slot s, layer l of a slot-major pool sits at (l + s * layers) pages of one layer
+    assert host_layout_pages([0, 2, 5], 3) == [0, 6, 15]
 
 
 @pytest.mark.parametrize("device", [
@@ -344,8 +346,8 @@ def test_the_thread_mover_copies_pages_out_and_back_byte_exact(device):
     try:
         mover.submit(Copy(1, "out", (2, 3, 4, 9), (5, 6, 0, 1)))
         mover.wait(1)
-        assert torch.equal(host.tensors[0][:, 5].to(device), kv[:, 2])
-        assert torch.equal(host.tensors[0][:, 1].to(device), kv[:, 9])
+        assert torch.equal(host.tensors[0][5].to(device), kv[:, 2])
+        assert torch.equal(host.tensors[0][1].to(device), kv[:, 9])
         mover.submit(Copy(2, "in", (12, 13, 14, 15), (5, 6, 0, 1)))
         mover.wait(2)
         assert torch.equal(kv[:, 12:15], kv[:, 2:5]) and torch.equal(kv[:, 15], kv[:, 9])
@@ -406,8 +408,8 @@ def test_a_queued_copy_out_gives_up_a_page_and_reloads_go_before_copies_out(monk
         mover.wait(2)
         mover.wait(3)
         assert order == [1, 3, 2]
-        assert torch.equal(host.tensors[0][:, 1], kv[:, 1])
-        assert not host.tensors[0][:, 2].any()  # withdrawn: never written
+        assert torch.equal(host.tensors[0][1], kv[:, 1])
+        assert not host.tensors[0][2].any()  # withdrawn: never written
         assert sorted(op for op, _ in mover.done()) == [1, 2, 3]
     finally:
         mover.close()

@@ -112,8 +112,8 @@ class JobWrites:
         self.metrics = metrics  # disagg.serving.metrics.Metrics | None
         self.layerwise_min_tokens = layerwise_min_tokens  # shorter steps: all layers at once
         self.layerwise_steps = 0  # steps that began shipping before their last layer
-        # the host KV tier's registrations (one per rank) and its layout (slots for pages),
-        # when this backend ships from host memory (``ship_host``); None: no host shipping
+        # the host KV tier's registrations (one per rank) and the layout its offsets follow
+        # (``ship_host``), when this backend ships from host memory; None: no host shipping
         self.host: tuple[list[Any], KVLayoutDesc] | None = None
         self.host_pages_sent = 0  # pages shipped straight from the host tier
 
@@ -278,7 +278,9 @@ class JobWrites:
         indices = sorted(i for i in src if i >= w.job.req.skip_pages and i not in w.from_host)
         if not indices:
             return
-        table = [src.get(i, 0) for i in range(indices[-1] + 1)]
+        # the host pool is slot-major: slot s's layer l lies l + s * layers pages in
+        # (``layout``: one page a layer; disagg.engine.tier_copy.host_layout_pages)
+        table = [src.get(i, 0) * self.layout.num_layers for i in range(indices[-1] + 1)]
         plan = job_pages_plan(layout, w.job.req, table, indices)
         if plan is None:
             return

@@ -150,8 +150,9 @@ class PrefillMessenger(MessengerBase):
                                 zero_slot, self._fail, self._progressed, metrics,
                                 layerwise_min_tokens, dp)
         if host_kv and not transfer.engine.device_memory:  # the fabric ships host memory
+            # slot-major: a layout of one page a layer gives its offsets (JobWrites.ship_host)
             self.writes.host = ([transfer.register(t, access="source") for t in host_kv],
-                                msgspec.structs.replace(layout, num_pages=host_kv[0].shape[1]))
+                                msgspec.structs.replace(layout, num_pages=1))
         self.poller: LayerPoller | None = None
         self.traces: dict[int, trace.Phases] = {}  # job -> its spans (traces exported)
 
