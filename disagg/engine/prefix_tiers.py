@@ -32,6 +32,11 @@ class PrefixTiers:
         # messenger ships them from host memory); their slots stay pinned until ``unhold``
         self.on_host_pages: Callable[[Sequence, list[tuple[int, int]]], None] | None = None
         self._held: dict[int, list[int]] = {}  # slot -> host slots held for its writes
+        # a decode node: prefixes reloaded into the device cache ahead of a remote prefill
+        # (``promote``), by reload op; the sequences whose copy landed (``take_promoted``)
+        self.promoting: dict[int, Sequence] = {}
+        self._promoted: list[Sequence] = []
+        self._lower: dict[int, dict[str, int]] = {}  # slot -> pages promoted, per tier
 
     def attach(self, pool: PagePool) -> None:
         pool.tiers = self.tiers
@@ -105,7 +110,57 @@ class PrefixTiers:
         for r in self.tiers.poll():
             self._landed(sched, r)
 
+    def promote(self, sched: TieredScheduler, seq: Sequence, hashes: list[bytes]) -> bool:
+        """Reload the lower tiers' pages of ``seq``'s prefix into the device cache, not into
+        ``seq``: registered there once the copy landed and left evictable (most recently
+        used), so the lookup of its remote prefill (a decode node's ``skip_pages``) finds
+        them. True when a copy went out: ``seq`` waits (``LOADING``) for ``take_promoted``."""
+        pool = sched.pool
+        found = self.tiers.stage(self.tiers.find(hashes, pool.page_of))
+        lower = [(tier, h, slot) for tier, h, slot in found.where if tier != "device"]
+        if not lower:
+            return False
+        held = [pool.take(h) for tier, h, _ in found.where if tier == "device"]
+        fresh = pool.allocate(len(lower))  # with the run's device pages held: not evicted
+        pool.free(held)
+        if fresh is None:
+            for tier, h, _ in lower:
+                if tier == "disk":
+                    self.tiers.host.abort(h)  # its staged slot
+            return False
+        r = self.tiers.reload(seq, [slot for _, _, slot in lower], fresh,
+                              [h for _, h, _ in lower],
+                              [h if tier == "disk" else b"" for tier, h, _ in lower])
+        self.promoting[r.op] = seq
+        self._lower[seq.slot] = {t: sum(1 for x, _, _ in lower if x == t) for t in TIERS}
+        seq.status = Status.LOADING
+        return True
+
+    def take_promoted(self) -> list[Sequence]:
+        """The sequences whose prefix ``promote`` brought into the device cache since."""
+        out, self._promoted = self._promoted, []
+        return out
+
+    def count_held(self, seq: Sequence, pages: int, page_size: int) -> None:
+        """Per-tier counts of a decode node's first lookup for a remote prefill: ``pages``
+        held on the device, of which those ``promote`` brought from a lower tier."""
+        lower = self._lower.pop(seq.slot, {})
+        for tier in TIERS:
+            n = pages - sum(lower.values()) if tier == "device" else lower.get(tier, 0)
+            self.tiers.count_hit(tier, max(0, min(n, pages)), max(0, min(n, pages)) * page_size)
+
     def _landed(self, sched: TieredScheduler, r: Reload) -> None:
+        if r.op in self.promoting:
+            seq = self.promoting.pop(r.op)
+            for page, h in zip(r.pages, r.hashes, strict=True) if r.ok else ():
+                sched.pool.cache_page(page, h)
+            sched.pool.free(list(r.pages))  # cached and evictable (a failed copy: free)
+            if not r.ok:
+                self._lower.pop(seq.slot, None)
+            if seq.status is Status.LOADING:
+                seq.status = Status.WAITING
+                self._promoted.append(seq)
+            return
         seq = self.loading.pop(r.op)
         self._op_of.pop(seq.slot, None)
         if seq.status is not Status.LOADING:  # ended meanwhile: no copy writes its pages now
@@ -143,13 +198,18 @@ class PrefixTiers:
         them landed. False if it was not loading."""
         self._failed.discard(seq.slot)
         self._counted.pop(seq.slot, None)
+        self._lower.pop(seq.slot, None)
+        if seq.status is Status.LOADING and seq in self.promoting.values():
+            seq.status = Status.FINISHED  # its copy lands into the cache alone
+            return True
         if seq.slot not in self._op_of:
             return False
         seq.status = Status.FINISHED
         return True
 
     def busy(self) -> bool:
-        return bool(self.loading)
+        """Copies in flight, or promoted sequences not taken yet (a driver keeps going)."""
+        return bool(self.loading or self.promoting or self._promoted)
 
     def hold(self, seq: Sequence, slots: list[int]) -> None:
         for s in slots:

@@ -84,3 +84,19 @@ def test_a_prefiller_serves_a_decoders_prefix_from_its_host_tier(model_dir, tmp_
         assert s.kv_bytes_from_host > 0
         # shipped from host memory, as they reloaded for the turn's compute
         assert s.kv_pages_from_host >= s.tier_hit_tokens_host // PAGE > 0
+
+
+def test_a_decoders_host_tier_serves_its_multi_turn_hits(model_dir, tmp_path):
+    """The decoder's small pool lets the earlier turns go to its host tier; before asking
+    the prefiller, it brings them back into its device cache and sends them as skip_pages."""
+    p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "64", "--no-prefix-caching")
+    d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "10", "--prefill-peer",
+                     p_addr, "--kv-host-cache-mb", "1", "--heartbeat", "0.2")
+    with running([p, d], [d_addr]):
+        cached = converse(d_addr, model_dir)
+        assert all(n >= 3 * PAGE for n in cached), cached  # the prefiller caches nothing
+        for a in (p_addr, d_addr):
+            wait_for(lambda a=a: pools_full(a), what=f"idle pool on {a}")
+        s = stats(d_addr)
+        assert s.tier_hits_host > 0 and s.kv_bytes_from_host > 0
+        assert s.tier_hit_tokens_host + s.tier_hit_tokens_device == s.prefix_hit_tokens

@@ -11,7 +11,8 @@ prefiller is alive, are prefilled here in mixed steps. Prompts waiting for pages
 queue) are served whenever pages return to the pool, and end with ``timeout`` if they wait
 past ``--queue-timeout``. With prefix caching, a remote prompt's pages are hashed while its
 prefill runs elsewhere (``_hash_ahead``), so caching them when its KV lands does not delay its
-first token.
+first token. With KV tiers, a remote prompt's lower-tier pages are brought back into the
+device cache before its turn (``PrefixTiers.promote``), so they go as ``skip_pages``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import msgspec
 from disagg import trace
 from disagg.actors.scheduler.sides import SchedulerPort, SchedulerSide
 from disagg.engine.cache import pages_needed
+from disagg.engine.prefix_tiers import TieredScheduler
 from disagg.engine.scheduling import Batch, Sequence, Status
 from disagg.protocol import Error, Finished, Usage
 from disagg.protocol.executor import StepPlan, StepResult
@@ -78,6 +80,10 @@ class DecodeSide(SchedulerSide):
         self.context: dict[int, bytes] = {}  # slot -> the landed attempt's context row (mtp)
         self._menc = msgspec.msgpack.Encoder()
         self._failed: tuple[int, int] | None = None  # (head slot, pages free) of a failed _pump
+        # KV tiers: sequences whose prefix is coming back into the device cache before their
+        # remote prefill (disagg.engine.prefix_tiers.PrefixTiers.promote), and those promoted
+        self.promoting: dict[int, Sequence] = {}
+        self._promoted: set[int] = set()
 
     async def enqueue(self, seq: Sequence) -> bool:
         """Take ``seq`` for remote prefill when a prefiller is alive and more than
@@ -94,6 +100,11 @@ class DecodeSide(SchedulerSide):
         held = sched.held_run(hashes)  # in any KV tier: a host-tier prefix is reloaded here
         if n - held * ps <= self.local_prefill_max_tokens:
             return False  # the scheduler takes the same cached pages and computes the rest
+        if (isinstance(sched, TieredScheduler) and seq.slot not in self._promoted
+                and sched.tiers.promote(sched, seq, hashes)):
+            self._promoted.add(seq.slot)  # once: its lower-tier pages come to the device
+            self.promoting[seq.slot] = seq  # cache first; then it is enqueued again
+            return True
         seq.status = Status.REMOTE
         self.seqs[seq.slot] = seq
         if seq.trace is not None:  # waits for pages, then a prefiller's KV
@@ -118,9 +129,14 @@ class DecodeSide(SchedulerSide):
             await asyncio.sleep(0)
 
     def in_flight(self) -> int:
-        return self.remote.waiting_for_kv()
+        return self.remote.waiting_for_kv() + len(self.promoting)
 
     async def pages_changed(self) -> None:
+        if isinstance(self.port.sched, TieredScheduler):  # prefixes back in the device cache
+            for seq in self.port.sched.tiers.take_promoted():
+                if self.promoting.pop(seq.slot, None) is not None and not await self.enqueue(
+                        seq):
+                    self.port.sched.add(seq)
         await self._pump()
 
     def next_deadline(self) -> float | None:
@@ -184,6 +200,8 @@ class DecodeSide(SchedulerSide):
             sched.free_pages(seq.block_table)  # still cached: a later turn matches them again
             seq.block_table, seq.hashes = [], []
             return None
+        if isinstance(sched, TieredScheduler) and not seq.matched:
+            sched.tiers.count_held(seq, len(seq.block_table), self.port.page_size)
         sched.count_lookup(seq, len(seq.block_table) * self.port.page_size)
         return pages
 
@@ -305,6 +323,8 @@ class DecodeSide(SchedulerSide):
 
     async def release(self, seq: Sequence) -> bool:
         self.held.pop(seq.slot, None)
+        self.promoting.pop(seq.slot, None)  # its copy lands in the cache alone (remove)
+        self._promoted.discard(seq.slot)
         self.context.pop(seq.slot, None)
         self.clock.pop(seq.slot, None)
         trace.unbind(self.sent.pop(seq.slot, None))
