@@ -413,3 +413,25 @@ def test_a_queued_copy_out_gives_up_a_page_and_reloads_go_before_copies_out(monk
         assert sorted(op for op, _ in mover.done()) == [1, 2, 3]
     finally:
         mover.close()
+
+
+def test_promote_brings_a_prefix_back_into_the_device_cache_for_a_remote_prefill():
+    """A decode node's remote prompt: its host-tier pages are reloaded into the device
+    cache (not into the sequence), then found there by a plain lookup; per-tier counts."""
+    mover = Recorder()
+    s = make_sched(pages=8, slots=32, mover=mover)
+    prompt = list(range(10, 10 + 4 * PAGE + 1))
+    run_all(s, [mk(0, prompt)], land=mover)
+    flood_with(s, mover)
+    q = mk(1, prompt)
+    hashes = s.prefix_hashes(q)
+    assert s.pool.cached_run(hashes) == 0 and s.held_run(hashes) == 4
+    assert s.tiers.promote(s, q, hashes) and q.status is Status.LOADING
+    assert s.has_work() and s.tiers.take_promoted() == []
+    mover.land()
+    s.schedule()
+    assert s.tiers.take_promoted() == [q] and q.status is Status.WAITING
+    assert s.pool.cached_run(hashes) == 4 and s.pool.num_free == 8  # cached, evictable
+    s.tiers.count_held(q, 4, PAGE)
+    assert s.tiers.tiers.counters.hit_tokens["host"] == 4 * PAGE
+    assert not s.has_work()
