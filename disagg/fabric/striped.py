@@ -7,7 +7,8 @@ other lanes' ``(address, base, key)`` in its ``handle`` (``b"S"`` + msgpack), so
 single lane still reads it as a plain descriptor (``disagg.fabric.lanes``, pure). A batch
 is bounds-checked whole, then its writes are spread over ``min(local lanes, remote lanes)``
 lanes, least-loaded by bytes
-(``topology.stripe``); lane ``i`` writes to the peer's lane ``i``. Every write still carries
+(``topology.stripe``), from a first lane drawn per batch (``topology.first_lane``: a batch of
+one write leaves on any lane, not always lane 0); lane ``i`` writes to the peer's lane ``i``. Every write still carries
 the batch's immediate, and the lanes share one :class:`ExpectationTable`, so a receiver counts
 arrivals on any lane towards the same expectation: striping changes nothing in what the peers
 count. Lanes pick interfaces nearest first (``lane_domains``; the node passes the NIC names
@@ -31,7 +32,7 @@ from disagg.fabric.engine import FabricEngine
 from disagg.fabric.expectations import Expectation, ExpectationTable
 from disagg.fabric.lanes import Lane, lanes_handle, lanes_of
 from disagg.fabric.regions import LocalRegion, Window, buffer_address
-from disagg.fabric.topology import MAX_LANES, lane_domains, stripe
+from disagg.fabric.topology import MAX_LANES, first_lane, lane_domains, stripe
 
 
 def create(options: BackendOptions) -> FabricEngine | StripedEngine:
@@ -192,9 +193,11 @@ class StripedEngine:
         so, do, ln = check_writes(src.length, dst.length, src_offsets, dst_offsets, lengths)
         remote = lanes_of(dst)
         n = min(len(self.lanes), len(remote))
+        first = first_lane(imm, int(do[0]), n) if so.shape[0] else 0
         if n == 1 or so.shape[0] <= 1:
-            return self.lanes[0].submit(src.lanes[0], remote[0], so, do, ln, imm, timeout)
-        lane_of = np.asarray(stripe(ln.tolist(), n))
+            return self.lanes[first].submit(src.lanes[first], remote[first], so, do, ln, imm,
+                                            timeout)
+        lane_of = np.asarray(stripe(ln.tolist(), n, first))
         futs = []
         for i in range(n):
             m = lane_of == i

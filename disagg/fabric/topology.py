@@ -9,6 +9,7 @@ same switch < same root complex < same NUMA node < across nodes (nvidia-smi's PI
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import os
 from collections.abc import Sequence
@@ -129,20 +130,32 @@ def pair_gpus(topo: Topology) -> list[Affinity]:
     return out
 
 
-def stripe(lengths: list[int], lanes: int) -> list[int]:
+def stripe(lengths: list[int], lanes: int, first: int = 0) -> list[int]:
     """Assign writes to ``lanes`` NICs/endpoints, greedy least-loaded by bytes, ties to the
-    lowest lane (pure, stable). Equal lengths (the usual page runs) make it round robin."""
+    lane soonest from ``first`` on (pure, stable). Equal lengths (the usual page runs) make
+    it round robin from ``first``."""
     if lanes <= 0:
         raise ValueError("need at least one lane")
     if not lengths or min(lengths) == max(lengths):
-        return [i % lanes for i in range(len(lengths))]
-    heap = [(0, i) for i in range(lanes)]  # (bytes so far, lane): a valid heap as it is
+        return [(first + i) % lanes for i in range(len(lengths))]
+    heap = [(0, i) for i in range(lanes)]  # (bytes so far, lanes after first): a valid heap
     out = []
     for n in lengths:
-        load, lane = heap[0]
-        heapq.heapreplace(heap, (load + n, lane))
-        out.append(lane)
+        load, k = heap[0]
+        heapq.heapreplace(heap, (load + n, k))
+        out.append((first + k) % lanes)
     return out
+
+
+def first_lane(imm: int, offset: int, lanes: int) -> int:
+    """The lane a batch of writes starts on (``stripe``'s ``first``): drawn from its immediate
+    (the request's key) and its first destination offset, so that batches of one write, or
+    of fewer writes than lanes, do not all leave on lane 0 (SEED.md 29: a random NIC per
+    transfer); deterministic, so tests can check it."""
+    if lanes <= 1:
+        return 0
+    h = hashlib.blake2b(f"{imm}:{offset}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % lanes
 
 
 def _bdf_key(bdf: str) -> str:

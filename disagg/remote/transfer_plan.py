@@ -11,9 +11,14 @@ latent (1, kind mla: one "head", replicated on every rank), so page ``p`` of lay
 part) is one contiguous run of ``page_bytes`` at ``(l * num_pages + p) * page_bytes``, and one
 part of a range of the rank's heads within one page is one contiguous run (HND).
 
-Sharding. For every destination rank ``d`` the planner takes the source ranks of ONE source
-replica set (the one its replica set is assigned to, ``replica_assignment``) and, for each
-source rank whose heads overlap ``d``'s, moves the overlap (a *piece*) page by page:
+Sharding. For every destination rank ``d`` and every page, the planner takes the source ranks
+of ONE source replica set and, for each source rank whose heads overlap ``d``'s, moves the
+overlap (a *piece*) page by page. Which set: ``replica_senders`` deals the source sets, in an
+order drawn from the request's key, over the destination sets; a destination set given
+several (fewer destination sets than source ones, as MLA's latent on a TP prefiller sent to a
+narrower decoder) has each chunk's pages cut into one contiguous share per source set, the
+first share to a set drawn per chunk (``page_shares``): every replica holding the KV sends a
+share, a different one per transfer, and each page still goes exactly once (SEED.md 29).
 
 - the piece is all heads of both ranks (equal sharding, and always for MLA's one latent): the
   parts are adjacent on both sides, so a page is one run, and runs of pages adjacent on BOTH
@@ -169,11 +174,34 @@ def replica_assignment(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int) -> list[
     device sends, and with fewer the senders vary from request to request.
     Deterministic in ``seed`` (the prefiller passes the request key) and platform-independent.
     The decoder's count does not depend on it."""
-    def draw(i: int) -> bytes:
-        return hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+    return [senders[0] for senders in replica_senders(src, dst, seed)]
 
-    order = sorted(range(src.kv_replicas), key=draw)
-    return [order[j % len(order)] for j in range(dst.kv_replicas)]
+
+def _draw(seed: int, salt: object) -> bytes:
+    return hashlib.blake2b(f"{seed}:{salt}".encode(), digest_size=8).digest()
+
+
+def replica_senders(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int) -> list[list[int]]:
+    """The source replica sets that send to each destination replica set: a seeded random
+    order of the source sets dealt round-robin, one per destination set when there are as many
+    destination sets or more, else several per destination set (every source set sends, each
+    a share of the pages: ``page_shares``). The first of each is ``replica_assignment``'s."""
+    order = sorted(range(src.kv_replicas), key=lambda i: _draw(seed, i))
+    if dst.kv_replicas >= len(order):
+        return [[order[j % len(order)]] for j in range(dst.kv_replicas)]
+    return [order[j::dst.kv_replicas] for j in range(dst.kv_replicas)]
+
+
+def page_shares(pages: int, senders: list[int], seed: int, salt: int) -> list[tuple[int, range]]:
+    """``pages`` pages of one chunk cut into contiguous near-equal shares, one per sender
+    (empty ones left out), in order from a sender drawn from ``seed`` and ``salt`` (the
+    chunk's first destination page: each chunk of a request draws anew). Together the shares
+    cover every page once."""
+    k = len(senders)
+    first = int.from_bytes(_draw(seed, f"p{salt}"), "little") % k if k > 1 else 0
+    cuts = [i * pages // k for i in range(k + 1)]
+    return [(senders[(i + first) % k], range(cuts[i], cuts[i + 1])) for i in range(k)
+            if cuts[i + 1] > cuts[i]]
 
 
 @dataclass(frozen=True)
@@ -195,16 +223,23 @@ class Piece:
 
 
 def pieces(src: KVLayoutDesc, dst: KVLayoutDesc, seed: int = 0) -> list[Piece]:
-    """Every (source rank, destination rank, head range) a page is moved by."""
+    """Every (source rank, destination rank, head range) a page is moved by, from each
+    destination set's first sender (any sender's pieces move a page in as many units)."""
     assign = replica_assignment(src, dst, seed)
+    return [pc for d in range(dst.tp_size) for pc in rank_pieces(src, dst, d,
+                                                                 assign[d % dst.kv_replicas])]
+
+
+def rank_pieces(src: KVLayoutDesc, dst: KVLayoutDesc, d: int, replica: int) -> list[Piece]:
+    """The pieces destination rank ``d`` takes from the ranks of source replica set
+    ``replica``."""
+    dh = dst.rank_heads(d)
     out: list[Piece] = []
-    for d in range(dst.tp_size):
-        dh = dst.rank_heads(d)
-        for s in replica_ranks(src, assign[d % dst.kv_replicas]):
-            sh = src.rank_heads(s)
-            lo, hi = max(dh.start, sh.start), min(dh.stop, sh.stop)
-            if lo < hi:
-                out.append(Piece(s, d, lo, hi - lo, dh == sh, src.kv_parts))
+    for s in replica_ranks(src, replica):
+        sh = src.rank_heads(s)
+        lo, hi = max(dh.start, sh.start), min(dh.stop, sh.stop)
+        if lo < hi:
+            out.append(Piece(s, d, lo, hi - lo, dh == sh, src.kv_parts))
     return out
 
 
@@ -241,32 +276,44 @@ def plan_layer_writes(
     seed: int = 0,
 ) -> list[Write]:
     """Writes that copy ``src_pages`` of ``layer`` (on every source rank) into ``dst_pages``
-    (on every destination rank), grouped by piece (see the module docstring). ``seed`` picks
-    the source replica sets (``replica_assignment``); pass the request key so every layer and
-    chunk of a request uses the same senders."""
+    (on every destination rank), grouped by destination rank, share and piece (see the module
+    docstring). ``seed`` picks the source replica sets (``replica_senders``, ``page_shares``):
+    pass the request key, so every layer of a chunk uses the same senders and the decoder
+    could tell nothing from the count."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
     writes: list[Write] = []
-    runs: list[tuple[int, int, int]] | None = None
-    for pc in pieces(src, dst, seed):
-        if pc.whole:
-            runs = runs if runs is not None else page_runs(src_pages, dst_pages)
-            pb = src.page_bytes
-            writes.extend(
-                Write(src.page_offset(layer, s), dst.page_offset(layer, d), n * pb, n,
+    senders = replica_senders(src, dst, seed)
+    salt = dst_pages[0] if dst_pages else 0
+    for d in range(dst.tp_size):
+        for replica, share in page_shares(len(src_pages), senders[d % dst.kv_replicas], seed,
+                                          salt):
+            sp, dp = src_pages[share.start:share.stop], dst_pages[share.start:share.stop]
+            for pc in rank_pieces(src, dst, d, replica):
+                writes.extend(piece_writes(src, dst, pc, sp, dp, layer))
+    return writes
+
+
+def piece_writes(src: KVLayoutDesc, dst: KVLayoutDesc, pc: Piece, src_pages: list[int],
+                 dst_pages: list[int], layer: int) -> list[Write]:
+    """The writes of piece ``pc`` of these pages of ``layer``: runs of pages adjacent on both
+    sides for a whole piece, else one write per part (K, V) of each page."""
+    if pc.whole:
+        pb = src.page_bytes
+        return [Write(src.page_offset(layer, s), dst.page_offset(layer, d), n * pb, n,
                       pc.src_rank, pc.dst_rank)
-                for s, d, n in runs)
-            continue
-        length = pc.count * src.head_bytes
-        s_head = pc.head - src.rank_heads(pc.src_rank).start
-        d_head = pc.head - dst.rank_heads(pc.dst_rank).start
-        for kv in range(pc.kv_parts):
-            s_in = (kv * src.num_kv_heads + s_head) * src.head_bytes
-            d_in = (kv * dst.num_kv_heads + d_head) * dst.head_bytes
-            writes.extend(
-                Write(src.page_offset(layer, s) + s_in, dst.page_offset(layer, d) + d_in, length,
-                      1, pc.src_rank, pc.dst_rank)
-                for s, d in zip(src_pages, dst_pages, strict=True))
+                for s, d, n in page_runs(src_pages, dst_pages)]
+    length = pc.count * src.head_bytes
+    s_head = pc.head - src.rank_heads(pc.src_rank).start
+    d_head = pc.head - dst.rank_heads(pc.dst_rank).start
+    writes: list[Write] = []
+    for kv in range(pc.kv_parts):
+        s_in = (kv * src.num_kv_heads + s_head) * src.head_bytes
+        d_in = (kv * dst.num_kv_heads + d_head) * dst.head_bytes
+        writes.extend(
+            Write(src.page_offset(layer, s) + s_in, dst.page_offset(layer, d) + d_in, length,
+                  1, pc.src_rank, pc.dst_rank)
+            for s, d in zip(src_pages, dst_pages, strict=True))
     return writes
 
 

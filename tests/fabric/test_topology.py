@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from disagg.fabric.topology import (
+    first_lane,
     lane_domains,
     nearest_nic_names,
     pair_gpus,
@@ -86,6 +87,26 @@ def test_cpulist_and_stripe() -> None:
     assert parse_cpulist("") == []
     assert stripe([4, 4, 4, 4], 2) == [0, 1, 0, 1]
     assert stripe([8, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert stripe([4, 4, 4], 3, first=2) == [2, 0, 1]  # round robin from the first lane
+    assert stripe([8, 1, 1, 1], 2, first=1) == [1, 0, 0, 0]
+
+
+def test_first_lane_spreads_batches_over_lanes() -> None:
+    """A batch's first lane is drawn from its immediate and first offset (SEED.md 29): batches
+    of one write, which all left on lane 0, spread over every lane, each on exactly one."""
+    key = (3 << 16) | 1
+    for lanes in (2, 3, 4):
+        got = [first_lane(key, off * 4096, lanes) for off in range(400)]
+        assert set(got) == set(range(lanes))
+        assert min(got.count(i) for i in range(lanes)) > 400 / lanes / 2  # none starved
+        assert got == [first_lane(key, off * 4096, lanes) for off in range(400)]  # seeded
+        # a batch striped from its first lane: every write on one lane, lanes even
+        lengths = [4096] * 5
+        lane_of = stripe(lengths, lanes, first_lane(key, 0, lanes))
+        assert len(lane_of) == 5 and set(lane_of) <= set(range(lanes))
+        assert max(lane_of.count(i) for i in range(lanes)) - min(
+            lane_of.count(i) for i in range(lanes)) <= 1
+    assert first_lane(key, 123, 1) == 0
 
 
 def test_nearest_nic_names_take_cuda_bus_ids(tmp_path: Path) -> None:

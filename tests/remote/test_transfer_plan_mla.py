@@ -16,10 +16,12 @@ from disagg.remote.requests import request_problem
 from disagg.remote.transfer_plan import (
     CONTEXT_UNITS,
     incompatibility,
+    page_shares,
     pages_to_send,
     plan_chunk,
     plan_layer_writes,
     rank_heads,
+    replica_senders,
     request_units,
     shard_kv_heads,
     units_per_page,
@@ -113,7 +115,7 @@ def test_mla_plan_lands_every_page_once(tp_s, tp_d, sort):
             assert (hits[r][~inside] == 0).all()
             assert (got[r] == want[r]).all()  # the right (layer, token, dim, byte)
             senders = {w.src_rank for w in writes if w.dst_rank == r}
-            assert len(senders) == 1 and senders <= set(range(tp_s))  # one replica per rank
+            assert senders <= set(range(tp_s))  # TP 2 -> 1: both replicas may send shares
             assert all(0 in rank_heads(src, s) for s in senders)  # it holds the latent
         units = sum(w.units for w in writes)
         assert units + CONTEXT_UNITS == request_units(src, dst, total)
@@ -158,6 +160,46 @@ def test_mla_replica_choice_varies_with_the_key():
     assert {senders(one, two, s) for s in range(10)} == {((0, 0), (1, 0))}
     # the decoder's count never depends on the key
     assert {request_units(two, two, 5) for _ in range(3)} == {3 * 3 * 2 + CONTEXT_UNITS}
+
+
+def test_mla_replicas_share_each_transfer_drawn_per_chunk():
+    """TP 2 -> TP 1 (SEED.md 29): each chunk's pages are cut between the two latent replicas,
+    the first share's sender drawn per chunk from the key; every page of every layer lands
+    once, from one replica, and the decoder's count is unchanged."""
+    src, dst = mla(2, num_pages=40), mla(1, num_pages=40)
+    assert replica_senders(src, dst, 5) in ([[0, 1]], [[1, 0]])  # both replicas send
+    firsts, per_rank = set(), {0: 0, 1: 0}
+    rng = random.Random(3)
+    for seed in range(30):
+        total = rng.randint(9, 40)
+        n = pages_needed(total, 2)
+        src_pages, dst_pages = rng.sample(range(40), n), rng.sample(range(40), n)
+        cuts = sorted(rng.sample(range(1, total), 2))
+        writes, want, got, hits = simulate(src, dst, src_pages, dst_pages, total, seed, cuts)
+        inside = want[0] != -1
+        assert (hits[0][inside] == 1).all() and (hits[0][~inside] == 0).all()
+        assert (got[0] == want[0]).all()
+        assert sum(w.units for w in writes) + CONTEXT_UNITS == request_units(src, dst, total)
+        for w in writes:
+            per_rank[w.src_rank] += w.units
+        bounds = [0, *cuts, total]
+        for a, b in zip(bounds, bounds[1:], strict=False):  # chunk by chunk
+            idx = list(pages_to_send(a, b, total, 2))
+            if not idx:
+                continue
+            shares = page_shares(len(idx), replica_senders(src, dst, seed)[0], seed,
+                                 dst_pages[idx[0]])
+            assert [p for _, r in shares for p in r] == list(range(len(idx)))  # each page once
+            assert len(shares) == min(2, len(idx))  # two pages or more: both replicas send
+            assert abs(len(shares[0][1]) - len(shares[-1][1])) <= 1  # near-equal shares
+            firsts.add(shares[0][0])
+            layer0 = plan_layer_writes(src, dst, [src_pages[i] for i in idx],
+                                       [dst_pages[i] for i in idx], 0, seed)
+            assert {w.src_rank for w in layer0} == {r for r, _ in shares}
+            assert plan_layer_writes(src, dst, [src_pages[i] for i in idx],
+                                     [dst_pages[i] for i in idx], 0, seed) == layer0  # seeded
+    assert firsts == {0, 1}  # the first share's sender varies from transfer to transfer
+    assert min(per_rank.values()) > 0.4 * sum(per_rank.values())  # the replicas share the load
 
 
 def test_partial_pieces_with_one_part_are_one_run_per_head_range():
