@@ -81,6 +81,7 @@ class Node:
         self.transfer: TransferEngine | None = None
         self.counter: Any = None
         self.host_pool: Any = None  # the host KV tier's memory (disagg.engine.tier_copy)
+        self.tiers: KVTiers | None = None
         # fed by the messengers; served by --metrics-listen / the gateway (shared by restarts)
         self.metrics = metrics if metrics is not None else Metrics()
         self.address: str | None = None
@@ -226,6 +227,7 @@ class Node:
                 c.kv_disk_cache_dir, c.kv_disk_cache_mb, arch.identity(info.dtype))
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        self.tiers = tiers
         return tiers
 
     def _kv_tensors(self) -> list[torch.Tensor]:
@@ -368,6 +370,11 @@ class Node:
                 await self.transfer.close()
         if self.counter is not None:
             self.counter.close()
+        if self.tiers is not None:  # its copies read the KV mappings: done before they go
+            close = getattr(self.tiers.mover, "close", None)
+            if close is not None:
+                await asyncio.to_thread(close)
+            self.tiers = self.host_pool = None  # a restarted node pins its own
         if self.executors is not None:
             await self.executors.stop()
         security.uninstall(self.ctx)
