@@ -64,6 +64,10 @@ class PagePool:
         """Free pages that hold a cached prefix (evictable)."""
         return len(self._evictable)
 
+    def rank_of(self, page: int) -> int:
+        """The DP rank a page lies on: one pool is one rank (``engine.dp.DPPagePool``)."""
+        return 0
+
     def cache_page(self, page: int, h: bytes) -> None:
         """Register a full page in use whose KV is complete under its chained hash (a page
         with the same hash already cached keeps the entry)."""

@@ -10,13 +10,14 @@ goes to every rank (``split_plan``: the rank's chunks with its local page ids; a
 any gets an empty plan, which under expert parallelism still joins every MoE layer's
 all-to-all), and the ranks' results are put back in the step's chunk order
 (``merge_results``). Prefix caching works per rank: a prefix is matched on the rank holding
-its longest cached run.
+its longest cached run. A preemption frees pages on the rank short of them
+(``preemption_victim``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol, cast
+from typing import Protocol, TypeVar, cast
 
 import msgspec
 
@@ -200,6 +201,33 @@ def merge_hidden(plan: StepPlan, results: list[StepResult], frames: list[bytes |
                 raise ValueError(f"step {plan.step_id}: a rank returned too few hidden rows")
             out.append(row)
     return b"".join(out)
+
+
+class _Victim(Protocol):
+    """What ``preemption_victim`` reads of a running sequence."""
+
+    @property
+    def slot(self) -> int: ...
+
+    @property
+    def arrival(self) -> float: ...
+
+    @property
+    def block_table(self) -> list[int]: ...
+
+
+V = TypeVar("V", bound=_Victim)
+
+
+def preemption_victim(pool: PagePool, seq: V, running: Iterable[V], scheduled: set[int]) -> V:
+    """The sequence to preempt so that ``seq`` gets pages: the latest arrived of ``running``
+    (``seq`` and the step's ``scheduled`` slots left out) that holds pages on the rank
+    ``seq``'s pages lie on (they never leave it: another rank's pages would not help), on any
+    rank when ``seq`` holds none yet; ``seq`` itself when there is none."""
+    rank = pool.rank_of(seq.block_table[0]) if seq.block_table else None
+    victims = [s for s in running if s is not seq and s.slot not in scheduled and s.block_table
+               and (rank is None or pool.rank_of(s.block_table[0]) == rank)]
+    return max(victims, key=lambda s: s.arrival) if victims else seq
 
 
 class _Running(Protocol):

@@ -3,8 +3,8 @@
 Pure logic (no sockets, no asyncio, no torch): the Scheduler actor drives it and the tests drive
 it directly. Each step holds, in order: one decode token for every running sequence whose prompt
 is done, the next chunks of running prefills, then new sequences admitted from the waiting queue.
-When pages run out, the most recently arrived running sequence is preempted (recompute): its
-pages are freed and it goes back to the head of the waiting queue with prompt + outputs so far.
+When pages run out, the latest arrived running sequence with pages on the rank short of them is
+preempted (recompute, ``dp.preemption_victim``): freed, it rejoins the waiting queue's head.
 
 With prefix caching, a sequence about to start takes the cached pages of its longest cached
 prefix (whole pages, never its last token) and computes from the first uncached token; every
@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from disagg.engine import sequence as seqs
 from disagg.engine.cache import PagePool, page_hashes, page_root, pages_needed
+from disagg.engine.dp import preemption_victim
 from disagg.engine.grammar import fill_masks
 from disagg.engine.sequence import Batch, ScheduledChunk, Sequence, SeqUpdate, Status
 from disagg.protocol import TokenLogprobs
@@ -308,8 +309,7 @@ class BatchScheduler:
             if pages is not None:
                 seq.block_table.extend(pages)
                 return True
-            victims = [s for s in self.running if s.slot not in scheduled and s is not seq]
-            victim = max(victims, key=lambda s: s.arrival) if victims else seq
+            victim = preemption_victim(self.pool, seq, self.running, scheduled)
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -8,8 +8,15 @@ import random
 
 import pytest
 
-from disagg.engine.cache import page_hashes
-from disagg.engine.dp import DPPagePool, choose_rank, merge_results, pending_by_rank, split_plan
+from disagg.engine.cache import PagePool, page_hashes
+from disagg.engine.dp import (
+    DPPagePool,
+    choose_rank,
+    merge_results,
+    pending_by_rank,
+    preemption_victim,
+    split_plan,
+)
 from disagg.engine.scheduling import BatchScheduler
 from disagg.engine.sequence import Sequence
 from disagg.protocol import SamplingParams
@@ -113,6 +120,44 @@ def test_batch_scheduler_over_ranks_balances_and_frees():
         sched.update(batch, plan_tokens)
     assert ranks_used == {0, 1}
     assert not sched.has_work() and pool.num_free == pool.num_pages
+
+
+def test_a_preemption_victim_is_on_the_rank_short_of_pages():
+    pool = DPPagePool(4, 2)
+
+    def seq(slot: int, arrival: int, pages: list[int]) -> Sequence:
+        s = Sequence(slot, f"r{slot}", [5, 6], SamplingParams(max_tokens=4), 0, arrival)
+        s.block_table = pages
+        return s
+
+    a, c, b, fresh = seq(0, 0, [0, 1]), seq(1, 1, [2]), seq(2, 2, [4, 5]), seq(3, 3, [])
+    running = [a, c, b, fresh]
+    assert preemption_victim(pool, a, running, set()) is c  # b arrived later, on rank 1
+    assert preemption_victim(pool, b, running, set()) is b  # no one else on rank 1
+    assert preemption_victim(pool, a, running, {1}) is a  # c is in this step
+    assert preemption_victim(pool, fresh, running, set()) is b  # no pages yet: any rank
+    one = PagePool(8)  # one rank: the latest arrival holding pages, as before --dp
+    assert preemption_victim(one, a, running, set()) is b
+
+
+def test_the_scheduler_preempts_on_the_rank_short_of_pages():
+    """Rank 0 full: the decode needing a page there preempts rank 0's later sequence, not
+    the latest arrival (on rank 1, whose pages would not help); rank 1 keeps running."""
+    pool = DPPagePool(2, 2)
+    sched = BatchScheduler(pool, 4, 64, 8, 64, [2], prefix_caching=False)  # type: ignore[arg-type]
+    ranks = [[0, 9], [0, 9], [9, 0]]  # loads steering s0, s1 to rank 0 and s2 to rank 1
+    pool.loads = lambda: ranks.pop(0) if ranks else [0, 0]
+    seqs = [Sequence(i, f"r{i}", [7, 8, 9, 10], SamplingParams(max_tokens=6, ignore_eos=True),
+                     0, i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch is not None and [pool.rank_of(s.block_table[0]) for s in seqs] == [0, 0, 1]
+    sched.update(batch, [3, 3, 3])
+    batch = sched.schedule()  # every decode needs a second page; rank 0 has none left
+    assert batch is not None and sched.num_preemptions == 1
+    assert [c.seq.slot for c in batch.chunks] == [0, 2]  # s1 preempted, s2 still running
+    assert seqs[1].block_table == [] and len(seqs[2].block_table) == 2
 
 
 def test_rank_stats_and_metrics():
