@@ -14,7 +14,7 @@ tier, and nothing here is keyed by anything else.
   unless the host tier has it already (then it is only touched: LRU across tiers, a page in
   both tiers counted once), so evicting it later costs nothing. Eviction takes pages whose
   copy landed first; evicting one whose copy is still in flight takes it out of that copy
-  if it has not started (``withdraw``: not kept) or waits for it (``wait``), only when the
+  if it has not started (``expedite``: copied at once) or waits for it (``wait``), only when the
   pool holds nothing else (a device pool smaller than what runs), so a slot never holds a
   torn page. A lookup (``find``) walks a prefix's
   hashes through the tiers; the scheduler reloads the host-tier pages into new device pages
@@ -168,8 +168,8 @@ class Mover(Protocol):
         """Until copy ``op`` is done (``done`` still reports it)."""
         ...
 
-    def withdraw(self, op: int, page: int) -> bool:
-        """Take ``page`` out of copy out ``op`` if it has not started (True)."""
+    def expedite(self, op: int, page: int) -> bool:
+        """Copy ``page`` of copy out ``op`` now if that copy has not started (True: done)."""
         ...
 
 
@@ -195,6 +195,7 @@ class TierCounters:
     bytes_to_disk: int = 0
     bytes_from_disk: int = 0
     copies_waited: int = 0  # evictions that waited for their page's copy out
+    copies_expedited: int = 0  # ... that copied their page at once (its copy not started)
     copies_skipped: int = 0  # not kept: no host slot free of pins, or evicted unsent
 
 
@@ -252,10 +253,11 @@ class KVTiers:
         if inflight is None:
             return
         op, h = inflight
-        if self.mover.withdraw(op, page):  # not started: not kept
+        if self.mover.expedite(op, page):  # not started: copied now, by itself
             self._out[op] = [r for r in self._out[op] if r[0] != page]
-            self.host.abort(h)
-            self.counters.copies_skipped += 1
+            self.host.commit(h)
+            self.counters.bytes_out += self.mover.page_bytes
+            self.counters.copies_expedited += 1
         else:  # the copy must have read it before it is written again
             self.mover.wait(op)
             self.counters.copies_waited += 1

@@ -201,16 +201,16 @@ class SyncMover:
     def wait(self, op: int) -> None:
         """Every copy is done at ``submit``."""
 
-    def withdraw(self, op: int, page: int) -> bool:
-        return False
+    def expedite(self, op: int, page: int) -> bool:
+        return False  # done at submit
 
 
 class ThreadMover:
     """Copies on one worker thread; ``done`` reports what finished (a copy that raised is
     reported not ok, and logged). Reloads that read only host slots go first (a request
     waits for them); the rest (copies out, spills, reloads reading disk files, which must
-    follow the spills of the slots they fill) in submission order. ``withdraw`` takes a page
-    out of a copy out not started yet."""
+    follow the spills of the slots they fill) in submission order. ``expedite`` copies a page
+    of a copy out not started yet at once, in the caller's thread."""
 
     def __init__(self, kv: list[torch.Tensor], host: HostPool, disk: DiskStore | None = None):
         self.kv, self.host, self.disk = kv, host, disk
@@ -224,6 +224,7 @@ class ThreadMover:
         self._closing = False
         self._in_flight = 0
         self._stream = torch.cuda.Stream(kv[0].device) if kv[0].is_cuda else None
+        self._caller_stream = torch.cuda.Stream(kv[0].device) if kv[0].is_cuda else None
         self._thread = threading.Thread(target=self._work, name="kv-tiers", daemon=True)
         self._thread.start()
 
@@ -271,17 +272,23 @@ class ThreadMover:
     def busy(self) -> bool:
         return self._in_flight > 0
 
-    def withdraw(self, op: int, page: int) -> bool:
-        """Take ``page`` out of copy out ``op`` if it has not started (True: it will not be
-        read); False: the copy runs or ran."""
+    def expedite(self, op: int, page: int) -> bool:
+        """Copy ``page`` of copy out ``op`` now, in the caller's thread, if that copy has not
+        started (it goes on without the page): True once the bytes are in its slot; False
+        when the copy runs or ran (``wait`` for it)."""
         with self._cond:
             for i, c in enumerate(self._later):
                 if c.op == op and c.kind == "out" and page in c.pages:
-                    keep = [j for j, p in enumerate(c.pages) if p != page]
-                    self._later[i] = Copy(op, "out", tuple(c.pages[j] for j in keep),
-                                          tuple(c.slots[j] for j in keep))
-                    return True
-        return False
+                    j = c.pages.index(page)
+                    slot = c.slots[j]
+                    self._later[i] = Copy(op, "out", c.pages[:j] + c.pages[j + 1:],
+                                          c.slots[:j] + c.slots[j + 1:])
+                    break
+            else:
+                return False
+        copy_pages(Copy(op, "out", (page,), (slot,)), self.kv, self.host.tensors,
+                   self._caller_stream)
+        return True
 
     def wait(self, op: int) -> None:
         """Block until copy ``op`` is done: an eviction of a page whose copy runs, at most

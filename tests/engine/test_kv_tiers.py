@@ -79,7 +79,7 @@ class Recorder:
         self.waited.append(op)
         self.land()
 
-    def withdraw(self, op: int, page: int) -> bool:
+    def expedite(self, op: int, page: int) -> bool:
         return False  # as if every copy had started
 
 
@@ -374,8 +374,8 @@ def test_the_host_tier_is_token_exact_on_cuda(tiny_models):
 
 
 def test_a_queued_copy_out_gives_up_a_page_and_reloads_go_before_copies_out(monkeypatch):
-    """The worker runs a copy out; meanwhile a page is withdrawn from the next one (its slot
-    stays unwritten) and a reload submitted after it runs before it."""
+    """The worker runs a copy out; meanwhile a page of the next one is copied at once by the
+    caller (the next one goes on without it) and a reload submitted after it runs before it."""
     import threading
 
     from disagg.engine import tier_copy
@@ -403,13 +403,14 @@ def test_a_queued_copy_out_gives_up_a_page_and_reloads_go_before_copies_out(monk
             threading.Event().wait(0.01)
         mover.submit(Copy(2, "out", (1, 2), (1, 2)))
         mover.submit(Copy(3, "in", (7,), (0,)))  # reads slot 0 only: goes first
-        assert mover.withdraw(2, 2) and not mover.withdraw(2, 5)
+        assert mover.expedite(2, 2) and not mover.expedite(2, 5)
+        assert torch.equal(host.tensors[0][2], kv[:, 2])  # in its slot already
         gate.set()
         mover.wait(2)
         mover.wait(3)
         assert order == [1, 3, 2]
         assert torch.equal(host.tensors[0][1], kv[:, 1])
-        assert not host.tensors[0][2].any()  # withdrawn: never written
+        assert torch.equal(host.tensors[0][2], kv[:, 2])
         assert sorted(op for op, _ in mover.done()) == [1, 2, 3]
     finally:
         mover.close()

@@ -100,3 +100,29 @@ def test_a_decoders_host_tier_serves_its_multi_turn_hits(model_dir, tmp_path):
         s = stats(d_addr)
         assert s.tier_hits_host > 0 and s.kv_bytes_from_host > 0
         assert s.tier_hit_tokens_host + s.tier_hit_tokens_device == s.prefix_hit_tokens
+
+
+def test_a_node_spills_its_host_tier_to_disk_and_reads_it_back(model_dir, tmp_path):
+    """More distinct pages than the 1 MiB host tier holds (512 pages of the tiny model): the
+    oldest spill to the disk tier; sent again, those prompts' prefixes come back from disk,
+    with the same greedy tokens as the first time."""
+    addr, proc = node("mixed", model_dir, tmp_path, "--num-pages", "32", "--kv-host-cache-mb",
+                      "1", "--kv-disk-cache-dir", str(tmp_path / "kv"))
+    prompts = [[3 + (97 * p + 7 * i) % 300 for i in range(16 * PAGE + 1)] for p in range(40)]
+    with running([proc]):
+        client = Client(addr)
+        try:
+            def greedy(ids: list[int]) -> list[int]:
+                return [t for m in client.generate(prompt_token_ids=ids, sampling=SamplingParams(
+                    max_tokens=2, ignore_eos=True), timeout=60) for t in getattr(m, "token_ids", [])]
+
+            first = [greedy(p) for p in prompts]
+            wait_for(lambda: stats(addr).disk_cache_bytes_used > 0, what="pages on disk")
+            again = [greedy(p) for p in prompts[:8]]  # the oldest: in no tier above disk
+        finally:
+            client.close()
+        assert again == first[:8]
+        s = stats(addr)
+        assert s.tier_hit_tokens_disk == 8 * 16 * PAGE and s.kv_bytes_from_disk > 0, s
+        assert 0 < s.disk_cache_bytes_used <= s.disk_cache_bytes_total
+        wait_for(lambda: pools_full(addr), what="idle pool")
