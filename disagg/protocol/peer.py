@@ -15,6 +15,8 @@ from disagg.protocol import PROTOCOL_VERSION, Stats, StatsRequest
 # page ids and memory descriptors; the pages move through the transfer engine.
 
 
+MAX_DP_RANKS = 1024  # a Pong's dp_ranks above this is refused (a bad frame)
+
 PrefillFailCode = Literal["bad_request", "incompatible", "overloaded", "transfer_failed",
                           "timeout", "internal"]
 
@@ -215,6 +217,8 @@ class Pong(msgspec.Struct, tag="pong", frozen=True):
     layout: KVLayoutDesc
     transport: str = ""  # "backend/provider" of its transfer engine; decoders must match it
     v: int = PROTOCOL_VERSION
+    # --dp: the DP ranks sharing queued_tokens (the decoder weighs the queue per rank)
+    dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=MAX_DP_RANKS)] = 1
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):

@@ -4,7 +4,9 @@ sockets, no asyncio, time passed in).
 A prefiller is *alive* from a ``Pong`` that finds it compatible (its KV layout and transport
 match this decoder's) until it is silent for ``peer_timeout_s``, answers incompatible, or
 leaves the peer set (discovery: ``vanished``; a peer that comes back is alive again at its next
-Pong). Its *load* is the queued tokens its last Pong reported plus the tokens sent to it since.
+Pong). Its *load* is the queued tokens its last Pong reported plus the tokens sent to it since;
+the choice weighs it per DP rank (``share``: a ``--dp N`` prefiller serves N queues at once, as
+the router counts a node of N ranks as N times the seats).
 Its *health* (``disagg.remote.peer_health``) makes it suspect after failed attempts. The choice
 among the ``candidates`` is ``disagg.serving.routing.PrefillerChoice``; the decode messenger
 feeds the events in and carries the sockets.
@@ -32,10 +34,16 @@ class Prefiller:
     layout: KVLayoutDesc | None = None  # from its last Pong: sizes the expected units
     removed: bool = False  # left the peer set (discovery): dead until it comes back
     health: PeerHealth = field(default_factory=PeerHealth)
+    ranks: int = 1  # its DP ranks, from its last Pong
 
     @property
     def load(self) -> int:
         return self.queued_tokens + self.sent_tokens
+
+    @property
+    def share(self) -> int:
+        """The load one of its DP ranks carries (rounded up: any load counts)."""
+        return -(-self.load // self.ranks)
 
 
 def pong_problem(theirs: KVLayoutDesc, transport: str, ours: KVLayoutDesc,
@@ -81,13 +89,13 @@ class PrefillerTable:
     # ------------------------------------------------------------------ events
 
     def pong(self, address: str, now: float, queued_tokens: int, layout: KVLayoutDesc,
-             transport: str) -> str | None:
-        """A Pong arrived: its load replaces the last one, and it is alive if compatible and
-        still in the peer set. Returns why it is refused when that is news (to log), else
-        None."""
+             transport: str, ranks: int = 1) -> str | None:
+        """A Pong arrived: its load (over ``ranks`` DP ranks) replaces the last one, and it is
+        alive if compatible and still in the peer set. Returns why it is refused when that is
+        news (to log), else None."""
         p = self.entries[address]
         p.last_pong = now
-        p.queued_tokens, p.sent_tokens = queued_tokens, 0
+        p.queued_tokens, p.sent_tokens, p.ranks = queued_tokens, 0, max(1, ranks)
         why = pong_problem(layout, transport, self.layout, self.transport)
         news = why if why and why != p.incompatible else None
         p.incompatible, p.layout = why, layout
@@ -128,8 +136,8 @@ class PrefillerTable:
     # ------------------------------------------------------------------ choice
 
     def candidates(self, now: float) -> dict[str, int]:
-        """Address -> load of the live prefillers a request may go to: those not suspect, or
-        every live one when all are."""
+        """Address -> load per DP rank (``Prefiller.share``) of the live prefillers a request
+        may go to: those not suspect, or every live one when all are."""
         live = [p for p in self.entries.values() if p.alive]
         healthy = [p for p in live if not p.health.suspect(now)] or live
-        return {p.address: p.load for p in healthy}
+        return {p.address: p.share for p in healthy}

@@ -191,7 +191,7 @@ def test_prefill_to_decode_dp2_expert_parallel(kind, prefill, tmp_path):
     decoder's rank reserves the pages and names its own executors (a TP 1 layout to the
     prefiller); a --dp prefiller runs each job on any of its ranks and writes from that rank's
     executor once every rank computed the layer; the planner maps the layouts (TP 2 -> 1: GQA
-    heads rebuilt, MLA one source replica; TP 1 -> 1 one-to-one), the unit counts exact;
+    heads rebuilt, MLA's pages shared between both source replicas; TP 1 -> 1 one-to-one), the unit counts exact;
     tokens equal transformers' and both decoder ranks take requests; every pool full after."""
     import threading
 

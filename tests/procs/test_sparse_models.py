@@ -1,6 +1,6 @@
 """MoE and MLA models in real nodes: a mixed node under TP 2, prefill -> decode pairs with
-equal and different TP (MLA's latent replicated on every rank: each decoder rank takes its
-pages from one source replica), token-exact with transformers; a GQA prefiller refused by an
+equal and different TP (MLA's latent replicated on every rank: a narrower decoder takes each
+chunk's pages in shares from every source replica), token-exact with transformers; a GQA prefiller refused by an
 MLA decoder by name."""
 
 from __future__ import annotations

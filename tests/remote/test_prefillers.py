@@ -4,8 +4,9 @@ a prefiller among its candidates (``disagg.serving.routing.PrefillerChoice``).""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
-from disagg.protocol.peer import KVLayoutDesc
+from disagg.protocol.peer import MAX_DP_RANKS, KVLayoutDesc, Pong
 from disagg.remote.prefillers import PrefillerTable, pong_problem
 from disagg.serving.routing import PREFILLER_SLACK_TOKENS, PrefillerChoice
 
@@ -80,6 +81,30 @@ def test_load_is_the_last_pong_queue_plus_what_was_sent_since() -> None:
     assert t.candidates(1.0) == {"a": 100, "b": 130}
     t.pong("b", 2.0, 60, LAYOUT, "fabric")  # its queue now counts what was sent
     assert t.candidates(2.0) == {"a": 100, "b": 60}
+
+
+def test_a_dp_prefiller_is_weighed_per_rank() -> None:
+    """A --dp 4 prefiller's queue is shared by four ranks (Pong.dp_ranks): with 300 tokens
+    queued it is chosen over a one-rank prefiller with 100 (75 a rank), as the router counts
+    a node of N ranks as N times the seats."""
+    t = table("dp", "one")
+    t.pong("dp", 1.0, 300, LAYOUT, "fabric", ranks=4)
+    t.pong("one", 1.0, 100, LAYOUT, "fabric")
+    assert t.candidates(1.0) == {"dp": 75, "one": 100}
+    assert PrefillerChoice(tiebreak=lambda: 0.0).pick(t.candidates(1.0)) == "dp"
+    t.sent("dp", 200)  # 500 over four ranks: 125 a rank, now busier than the other
+    assert PrefillerChoice(tiebreak=lambda: 0.0).pick(t.candidates(1.0)) == "one"
+    t.pong("dp", 2.0, 1, LAYOUT, "fabric", ranks=4)
+    assert t.candidates(2.0)["dp"] == 1  # rounded up: any queue counts
+    # on the wire: an older prefiller's Pong is one rank; a bad rank count is a bad frame
+    old = Pong(1, 5, LAYOUT, "fabric")
+    dec = msgspec.msgpack.Decoder(Pong)
+    raw = msgspec.to_builtins(old)
+    del raw["dp_ranks"]
+    assert dec.decode(msgspec.msgpack.encode(raw)).dp_ranks == 1
+    for bad in (0, MAX_DP_RANKS + 1):
+        with pytest.raises(msgspec.ValidationError):
+            dec.decode(msgspec.msgpack.encode({**raw, "dp_ranks": bad}))
 
 
 def test_suspects_are_left_out_while_others_are_healthy() -> None:

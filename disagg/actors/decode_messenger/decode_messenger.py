@@ -188,7 +188,7 @@ class DecodeMessenger(MessengerBase):
                 case Pong() as pong:
                     now = time.monotonic()
                     if why := self.prefillers.pong(peer.address, now, pong.queued_tokens,
-                                                   pong.layout, pong.transport):
+                                                   pong.layout, pong.transport, pong.dp_ranks):
                         log.error("prefiller %s refused: %s", peer.address, why)
                     if self.prefillers.alive(peer.address) and offer_due(peer, now):
                         await self.challenges.offer(peer)

@@ -209,7 +209,8 @@ class PrefillMessenger(MessengerBase):
             match msg:
                 case Ping(seq=seq):
                     await self._reply(peer, Pong(seq, self.queued_tokens, self.layout,
-                                                 self.transfer.transport))
+                                                 self.transfer.transport,
+                                                 dp_ranks=self.writes.dp))
                 case PrefillRequest() as req:
                     trace.mark("p.arrived", req.request_id, at=arrived)
                     trace.mark("p.req_in", req.request_id)
