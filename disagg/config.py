@@ -121,8 +121,8 @@ class CacheConfig(msgspec.Struct, frozen=True):
 
 class SchedulerConfig(msgspec.Struct, frozen=True):
     max_batch_tokens: Annotated[int, Flag(
-        "tokens per step: decode tokens plus prefill chunks")] = 2048
-    max_running: Annotated[int, Flag("sequences per step")] = 256
+        "tokens per step: decode tokens plus prefill chunks (per rank with --dp)")] = 2048
+    max_running: Annotated[int, Flag("sequences per step (per rank with --dp)")] = 256
     max_model_len: Annotated[int, Flag(
         "context limit in tokens (default 0: the model's max_position_embeddings; capped by "
         "the KV pool)")] = 0

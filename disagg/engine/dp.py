@@ -27,12 +27,12 @@ from disagg.protocol.executor import StepPlan, StepResult
 
 
 def choose_rank(pending: list[int], free: list[int], need: int,
-                started: list[int] | None = None) -> int | None:
+                started: list[int] | None = None, budget: list[int] | None = None) -> int | None:
     """The rank a new sequence needing ``need`` pages starts on: among those with ``need``
-    free pages, the fewest ``pending`` tokens, then the most free pages, then the fewest
-    sequences ``started`` there (one after another, requests alternate), then the lowest;
-    None when no rank has room."""
-    fits = [r for r in range(len(free)) if free[r] >= need]
+    free pages (and step ``budget`` tokens left, when given), the fewest ``pending`` tokens,
+    then the most free pages, then the fewest sequences ``started`` there (one after another,
+    requests alternate), then the lowest; None when no rank has room."""
+    fits = [r for r in range(len(free)) if free[r] >= need and (budget is None or budget[r] > 0)]
     if not fits:
         return None
     return min(fits, key=lambda r: (pending[r], -free[r], started[r] if started else 0, r))
@@ -47,6 +47,7 @@ class DPPagePool:
         self.pools = [PagePool(pages_per_rank) for _ in range(ranks)]
         self.num_pages = pages_per_rank * ranks
         self.loads: Callable[[], list[int]] | None = None
+        self.budget: list[int] | None = None  # this step's tokens left per rank (StepBudget)
         self.started = [0] * ranks  # sequences that took their first pages, per rank
 
     def rank_of(self, page: int) -> int:
@@ -77,7 +78,7 @@ class DPPagePool:
         if after is None:
             free = [p.num_free for p in self.pools]
             pending = self.loads() if self.loads is not None else [0] * len(self.pools)
-            rank = choose_rank(pending, free, n, self.started)
+            rank = choose_rank(pending, free, n, self.started, self.budget)
             if rank is None:
                 return None
             local = None
@@ -122,6 +123,40 @@ class DPPagePool:
         base = rank * self.pages_per_rank
         self.started[rank] += 1
         return [base + p for p in self.pools[rank].match(hashes[:best])]
+
+
+class _Paged(Protocol):
+    @property
+    def block_table(self) -> list[int]: ...
+
+
+class StepBudget:
+    """One step's token budget (``--max-batch-tokens``) per DP rank, as vLLM's per-rank
+    engines count it: each rank's chunks add up to at most ``tokens`` (one budget for a
+    one-rank ``PagePool``). A sequence's rank is its pages'; one without pages yet may take
+    the most any rank has left, and the pool starts it on a rank with some left."""
+
+    def __init__(self, pool: PagePool, tokens: int) -> None:
+        self.pool = pool
+        self.left = [tokens] * (len(pool.pools) if isinstance(pool, DPPagePool) else 1)
+        if isinstance(pool, DPPagePool):
+            pool.budget = self.left  # the rank choice skips ranks with nothing left
+
+    def of(self, seq: _Paged) -> int:
+        """Tokens ``seq``'s rank may still take in this step."""
+        if not seq.block_table:
+            return max(self.left)
+        return self.left[self.pool.rank_of(seq.block_table[0])]
+
+    def take(self, seq: _Paged, tokens: int) -> int:
+        """Spend up to ``tokens`` of ``seq``'s rank (it holds pages); what was taken."""
+        rank = self.pool.rank_of(seq.block_table[0])
+        got = min(tokens, self.left[rank])
+        self.left[rank] -= got
+        return got
+
+    def __bool__(self) -> bool:
+        return any(n > 0 for n in self.left)
 
 
 def pending_by_rank(block_tables: Iterable[tuple[list[int], int]], pages_per_rank: int,

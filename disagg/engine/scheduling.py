@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from disagg.engine import sequence as seqs
 from disagg.engine.cache import PagePool, page_hashes, page_root, pages_needed
-from disagg.engine.dp import preemption_victim
+from disagg.engine.dp import StepBudget, preemption_victim
 from disagg.engine.grammar import fill_masks
 from disagg.engine.sequence import Batch, ScheduledChunk, Sequence, SeqUpdate, Status
 from disagg.protocol import TokenLogprobs
@@ -154,46 +154,43 @@ class BatchScheduler:
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> Batch | None:
-        budget = self.max_batch_tokens
+        budget = StepBudget(self.pool, self.max_batch_tokens)  # per DP rank
         decodes: list[ScheduledChunk] = []
         drafted: list[ScheduledChunk] = []  # decodes with drafts: several queries each
         prefills: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         for seq in sorted(self.running, key=lambda s: (not s.is_decode, s.arrival)):
-            if budget == 0:
-                break
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
-            count = min(seq.num_tokens - seq.num_computed, budget)
-            spec, drafts = self._drafts(seq, budget - count) if seq.is_decode else (0, [])
+            if not budget.of(seq) or seq.status is not Status.RUNNING:  # no tokens left on
+                continue  # its rank, or preempted earlier in this loop
+            count = min(seq.num_tokens - seq.num_computed, budget.of(seq))
+            spec, drafts = self._drafts(seq, budget.of(seq) - count) if seq.is_decode else (0, [])
             if not self._reserve(seq, count + spec + self._ahead(seq, count + spec), scheduled):
                 continue  # preempted itself
             chunk = self._chunk(seq, count, spec, drafts)
             (drafted if spec else decodes if seq.is_decode else prefills).append(chunk)
             scheduled.add(seq.slot)
-            budget -= chunk.count
-        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            budget.take(seq, chunk.count)
+        while budget and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if self.prefix_caching and not seq.block_table and seq.params.prompt_logprobs is None:
                 if self._match(seq):  # prompt logprobs: every prompt position is computed
                     self.waiting.pop(0)  # loading from a lower KV tier (prefix_tiers)
                     continue
-            count = min(seq.num_tokens - seq.num_computed, budget)
+            count = min(seq.num_tokens - seq.num_computed, budget.of(seq))
             need = pages_needed(seq.num_computed + count + self._ahead(seq, count),
                                 self.page_size) - len(seq.block_table)
             pages = self.pool.allocate(need, seq.block_table[-1] if seq.block_table else None)
-            if pages is None:
-                # a waiting sequence holds no pages between steps: its cached ones go back
-                # (still cached) so that several waiting ones cannot starve the pool
-                self._release(seq)
+            if pages is not None:
+                seq.block_table.extend(pages)
+                count = budget.take(seq, count)  # its rank may have less left than the most
+            if pages is None or not count:  # a waiting sequence holds no pages between steps:
+                self._release(seq)  # its cached ones go back (still cached), none starve
                 seq.num_computed = 0
                 break
-            seq.block_table.extend(pages)
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
             prefills.append(self._chunk(seq, count))
-            budget -= count
         if not decodes and not drafted and not prefills:
             return None
         return Batch(decodes + drafted + prefills, len(decodes))

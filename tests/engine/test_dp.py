@@ -160,6 +160,54 @@ def test_the_scheduler_preempts_on_the_rank_short_of_pages():
     assert seqs[1].block_table == [] and len(seqs[2].block_table) == 2
 
 
+def _per_rank(pool: DPPagePool, batch) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for c in batch.chunks:
+        r = pool.rank_of(c.seq.block_table[0])
+        out[r] = out.get(r, 0) + c.count
+    return out
+
+
+def test_max_batch_tokens_bounds_each_rank():
+    """--max-batch-tokens is per DP rank (as --max-running, and as vLLM's per-rank engines):
+    four 12-token prompts under a budget of 8 fill both ranks to 8 in the first step (16 in
+    all), and a rank out of tokens does not hold the other's decodes back."""
+    pool = DPPagePool(32, 2)
+    sched = BatchScheduler(pool, 4, 8, 8, 64, [2], prefix_caching=False)  # type: ignore[arg-type]
+    pool.loads = lambda: pending_by_rank(((s.block_table, s.num_tokens - s.num_computed)
+                                          for s in sched.running), 32, 2)
+    for i in range(4):
+        sched.add(Sequence(i, f"r{i}", [3 + i] * 12, SamplingParams(max_tokens=3,
+                                                                  ignore_eos=True), 0, i))
+    seen_both = False
+    for _ in range(40):
+        batch = sched.schedule()
+        if batch is None:
+            break
+        per = _per_rank(pool, batch)
+        assert all(n <= 8 for n in per.values()), per
+        seen_both |= per == {0: 8, 1: 8}
+        sched.update(batch, [5] * sum(1 for c in batch.chunks if c.sample))
+    assert seen_both and not sched.has_work() and pool.num_free == pool.num_pages
+
+    # decodes: rank 0 has three, a budget of 2 takes two of them and rank 1's one still runs
+    pool = DPPagePool(16, 2)
+    sched = BatchScheduler(pool, 4, 8, 8, 64, [2], prefix_caching=False)  # type: ignore[arg-type]
+    steer = [[0, 9], [0, 9], [0, 9], [9, 0]]
+    pool.loads = lambda: steer.pop(0) if steer else [0, 0]
+    seqs = [Sequence(i, f"d{i}", [9], SamplingParams(max_tokens=4, ignore_eos=True), 0, i)
+            for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()  # one-token prompts, all admitted
+    assert first is not None and [pool.rank_of(s.block_table[0]) for s in seqs] == [0, 0, 0, 1]
+    sched.update(first, [5] * 4)
+    sched.max_batch_tokens = 2
+    step = sched.schedule()
+    assert step is not None and [c.seq.slot for c in step.chunks] == [0, 1, 3]
+    assert _per_rank(pool, step) == {0: 2, 1: 1}
+
+
 def test_rank_stats_and_metrics():
     from disagg.engine.cache import PagePool
     from disagg.engine.dp import rank_stats
