@@ -134,13 +134,21 @@ class StepBudget:
     """One step's token budget (``--max-batch-tokens``) per DP rank, as vLLM's per-rank
     engines count it: each rank's chunks add up to at most ``tokens`` (one budget for a
     one-rank ``PagePool``). A sequence's rank is its pages'; one without pages yet may take
-    the most any rank has left, and the pool starts it on a rank with some left."""
+    the most any rank has left, and the pool starts it on a rank with some left while the
+    budget is entered (``with``: only the step's own allocations heed it)."""
 
     def __init__(self, pool: PagePool, tokens: int) -> None:
         self.pool = pool
         self.left = [tokens] * (len(pool.pools) if isinstance(pool, DPPagePool) else 1)
-        if isinstance(pool, DPPagePool):
-            pool.budget = self.left  # the rank choice skips ranks with nothing left
+
+    def __enter__(self) -> StepBudget:
+        if isinstance(self.pool, DPPagePool):
+            self.pool.budget = self.left  # the rank choice skips ranks with nothing left
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if isinstance(self.pool, DPPagePool):
+            self.pool.budget = None
 
     def of(self, seq: _Paged) -> int:
         """Tokens ``seq``'s rank may still take in this step."""

@@ -154,7 +154,10 @@ class BatchScheduler:
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> Batch | None:
-        budget = StepBudget(self.pool, self.max_batch_tokens)  # per DP rank
+        with StepBudget(self.pool, self.max_batch_tokens) as budget:  # per DP rank, this step
+            return self._form(budget)
+
+    def _form(self, budget: StepBudget) -> Batch | None:
         decodes: list[ScheduledChunk] = []
         drafted: list[ScheduledChunk] = []  # decodes with drafts: several queries each
         prefills: list[ScheduledChunk] = []

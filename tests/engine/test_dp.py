@@ -189,6 +189,8 @@ def test_max_batch_tokens_bounds_each_rank():
         seen_both |= per == {0: 8, 1: 8}
         sched.update(batch, [5] * sum(1 for c in batch.chunks if c.sample))
     assert seen_both and not sched.has_work() and pool.num_free == pool.num_pages
+    # between steps the budget is gone: a decoder's reservation may take any rank
+    assert pool.budget is None and pool.allocate(1) is not None
 
     # decodes: rank 0 has three, a budget of 2 takes two of them and rank 1's one still runs
     pool = DPPagePool(16, 2)
