@@ -206,3 +206,38 @@ def test_batched_mask_fill_equals_one_by_one(tok):
         for s, m in zip(live, masks, strict=True):
             words = torch.frombuffer(bytearray(m), dtype=torch.int32)
             s.accept(rng.choice(unpack(words[None], 300)[0].nonzero().flatten().tolist()))
+
+
+def test_late_masks_cover_the_constrained_follow_rows_still_running(tok):
+    """The step built ahead gives every row a follow chunk; constrained ones go ``late_mask``
+    and get their mask once the token before is applied, except a row whose request ended in
+    the meantime (aborted here): it has none (picked unconstrained, its token dropped)."""
+    from disagg.engine.cache import PagePool
+    from disagg.engine.scheduling import BatchScheduler, Sequence, Status
+
+    s = BatchScheduler(PagePool(64), 4, 16, 8, 256, (2,))
+    g = Grammars(tok, 300, (2,))
+    so = StructuredOutput("regex", "[a-d]{4,12}")
+    seqs = [Sequence(i, f"r{i}", [10 + i, 11, 12], SamplingParams(max_tokens=20, structured=so
+                                                                  if i < 2 else None),
+                     seed=i, arrival=i) for i in range(3)]
+    for q in seqs:
+        q.grammar = g.compile(so) if q.params.structured else None
+        s.add(q)
+    first = s.schedule()
+    assert first is not None
+    [a], [b] = tok.encode("a"), tok.encode("b")
+    s.update(first, [a for _ in first.chunks])
+    batch = s.schedule()
+    assert batch is not None and s.can_defer(batch)  # constrained rows only or not: deferred
+    ahead = s.schedule_ahead(batch)
+    assert ahead is not None
+    wires = {c.seq.slot: c.to_wire() for c in ahead.chunks}
+    assert wires[0].late_mask and wires[1].late_mask and not wires[2].late_mask
+    assert not any(w.allowed for w in wires.values())
+    assert s.late_masks(batch) is None  # not a step built ahead
+    seqs[1].status = Status.FINISHED  # its request ended while the step was in flight
+    s.update(batch, [b, b, 50])
+    masks = s.late_masks(ahead)
+    assert masks is not None and set(masks) == {0}
+    assert masks[0] == seqs[0].grammar.mask()  # after "ab": another letter of a-d
