@@ -139,17 +139,33 @@ class RouterPlacement:
         await self._send_to(f, peer)
 
     async def _send_to(self, f: Flight, peer: str) -> None:
-        trace.event(f.span, "sent", peer=peer)
-        f.peer = peer
-        f.tried.add(peer)
-        self.balancer.on_start(peer)
-        try:
-            await self.peers[peer].send(self._enc.encode(f.req), zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            self.balancer.on_end(peer)
-            await self._end(f, Error("unavailable", f"could not send to {peer}: {e}",
-                                     f.client_id))
-
+        """Send ``f`` to ``peer``; a send that fails (the connection dropped, and the monitor
+        has not said so yet) goes to another live peer, one it has not tried first, each peer
+        at most once; ``unavailable`` when none takes it."""
+        failed: set[str] = set()
+        why = ""
+        frame = self._enc.encode(f.req)
+        while True:
+            trace.event(f.span, "sent", peer=peer)
+            f.peer = peer
+            f.tried.add(peer)
+            self.balancer.on_start(peer)
+            try:
+                await self.peers[peer].send(frame, zmq.NOBLOCK)
+                return
+            except zmq.ZMQError as e:
+                self.balancer.on_end(peer)
+                f.peer = None
+                failed.add(peer)
+                why = str(e)
+                log.warning("request %s: could not send to %s (%s)", f.client_id, peer, e)
+            keys = prefix_keys(f.req.prompt_token_ids, f.req.prompt, f.req.cache_salt)
+            nxt = self.balancer.pick(f.tried, keys) or self.balancer.pick(failed, keys)
+            if nxt is None:
+                await self._end(f, Error("unavailable", "could not send to "
+                                         f"{', '.join(sorted(failed))}: {why}", f.client_id))
+                return
+            peer = nxt
 
 
 def migration_counter(metrics: Metrics) -> Any:
