@@ -298,8 +298,11 @@ class Client:
         request_id: str | None = None,
         timeout: float = 600.0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> Iterator[TokenChunk | Finished]:
-        req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt)
+        """As ``AsyncClient.generate``, blocking: ``tenant`` is the unit of fairness the
+        request counts under on the node (ignored from a CURVE client key, its own tenant)."""
+        req = _request(prompt, prompt_token_ids, sampling, request_id, cache_salt, tenant)
         self._send(self._enc.encode(req), timeout)
         done = False
         try:

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="each output token's logprob and K alternatives (0-20; with --json)")
     ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                     help="the prompt tokens' logprobs and K alternatives (0-20; with --json)")
+    ap.add_argument("--tenant", default=None, metavar="NAME",
+                    help="the tenant the request counts under in the node's fair queue and "
+                         "--max-requests-per-client (1-256 characters; ignored from a CURVE "
+                         "client key, which is its own tenant)")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     ap.add_argument("--stats", action="store_true", help="print the node's Stats as JSON")
     ap.add_argument("--wait", type=float, default=0.0,
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         first: float | None = None
         reason = ""
-        for msg in client.generate(args.prompt, ids, sampling, timeout=args.timeout):
+        for msg in client.generate(args.prompt, ids, sampling, timeout=args.timeout,
+                                   tenant=args.tenant):
             if isinstance(msg, TokenChunk):
                 first = first or time.perf_counter()
                 out_ids.extend(msg.token_ids)
