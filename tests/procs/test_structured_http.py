@@ -105,8 +105,11 @@ def test_streamed_tool_call(oai):
         calls += delta.tool_calls or []
         reasons.append(ch.choices[0].finish_reason)
     assert reasons[-1] == "tool_calls"
-    assert calls and calls[0].function.name == "get_weather"
-    json.loads(calls[0].function.arguments)
+    head, pieces = calls[0], calls[1:]
+    assert head.id and head.function.name == "get_weather" and head.function.arguments == ""
+    assert len(pieces) > 1 and all(p.id is None and p.index == 0 for p in pieces)
+    args = json.loads("".join(p.function.arguments for p in pieces))  # streamed in pieces
+    assert set(args) == {"city", "unit"}
 
 
 def test_guided_keys_in_extra_body(oai):

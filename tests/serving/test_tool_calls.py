@@ -5,6 +5,7 @@ forced-call grammars, and bad input named."""
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import msgspec
@@ -48,6 +49,57 @@ def plan(family, choice=None, parallel=None):
     return p
 
 
+def joined(deltas):
+    """(content, calls) of streamed deltas, joined as a client does: a call's first delta
+    carries its index, id, type and name (arguments ""), later ones only argument pieces."""
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        for c in d.get("tool_calls", []):
+            if "id" in c:
+                assert c["index"] == len(calls) and c["type"] == "function"
+                assert c["function"]["arguments"] == ""
+                calls[c["index"]] = {"id": c["id"], "name": c["function"]["name"], "args": ""}
+            else:
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
+                calls[c["index"]]["args"] += c["function"]["arguments"]
+    return content, [calls[i] for i in range(len(calls))]
+
+
+def streamed(p, pieces):
+    s = p.stream()
+    deltas = [d for piece in pieces for d in s.push(piece)] + s.finish()
+    return s, deltas
+
+
+def splits(out, seed=0):
+    """Every chunk size, every cut in two, and random splits into pieces of 1-9 characters."""
+    rng = random.Random(seed)
+    for size in range(1, len(out) + 1):
+        yield [out[i:i + size] for i in range(0, len(out), size)]
+    for cut in range(1, len(out)):
+        yield [out[:cut], out[cut:]]
+    for _ in range(100):
+        cuts, i = [], 0
+        while i < len(out):
+            j = i + rng.randint(1, 9)
+            cuts.append(out[i:j])
+            i = j
+        yield cuts
+
+
+def check_streams_like_whole(p, out):
+    content, calls = p.parse(out)
+    want = [(c.name, c.arguments) for c in calls]
+    for pieces in splits(out):
+        s, deltas = streamed(p, pieces)
+        text, got = joined(deltas)
+        assert text.strip() == (content or "").strip(), pieces
+        assert [(c["name"], c["args"]) for c in got] == want, pieces
+        assert s.called == bool(calls)
+    return want
+
+
 @pytest.mark.parametrize("family, out, content", [
     ("hermes", HERMES_OUT, "Let me look."), ("llama3_json", LLAMA_OUT, None),
     ("deepseek_v3", DS_OUT, "Sure.")])
@@ -56,16 +108,67 @@ def test_parsers_whole_and_streamed_in_every_split(family, out, content):
     got_content, calls = p.parse(out)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == WANT
-    for size in (1, 2, 3, 7, len(out)):
-        s = p.stream()
-        deltas = [d for i in range(0, len(out), size) for d in s.push(out[i:i + size])]
-        deltas += s.finish()
-        text = "".join(d.get("content", "") for d in deltas)
-        assert text.strip() == (content or "")
-        calls = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                for c in calls] == WANT
-        assert [c["index"] for c in calls] == [0, 1] and s.called
+    check_streams_like_whole(p, out)
+
+
+def test_arguments_stream_in_pieces_as_they_are_written():
+    """A call's header goes out once its name is whole, before its arguments end; its
+    arguments come in several pieces, each sent as soon as it is known."""
+    p = plan("hermes")
+    out = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    s = p.stream()
+    head = out.index('{"city"')
+    assert s.push(out[:head - 2]) == []
+    first = s.push(out[head - 2:head + 1])
+    assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert [d["tool_calls"][0]["function"]["arguments"] for d in first[1:]] == ["{"]
+    pieces = [d["tool_calls"][0]["function"]["arguments"]
+              for ch in out[head + 1:] for d in s.push(ch)] + [
+        d["tool_calls"][0]["function"]["arguments"] for d in s.finish()]
+    assert len(pieces) > 5 and "{" + "".join(pieces) == '{"city": "Paris"}'
+
+
+ODD_ARGS = [
+    '{"q":"a\\"b\\u00e9\\ud83d\\ude00\\n","n":-1.5e3,"ok":true,"x":null,"l":[1,{"a":[]}],'
+    '"e":{}}',
+    '  {\n  "nested": {"deep": [ "x" , 2 ,false ] } ,"t":"\\/tab\\t"}  ',
+    '"{\\"as\\": \\"a string\\"}"',  # arguments sent as a JSON string
+    '{}',
+]
+
+
+@pytest.mark.parametrize("args", ODD_ARGS)
+def test_streamed_arguments_join_to_the_whole_calls_for_any_json(args):
+    """Escapes, surrogate pairs, numbers, literals, nesting and whitespace: the pieces join to
+    exactly the non-streamed call's normalized arguments, in every family and forced mode."""
+    outs = {
+        "hermes": f'<tool_call>{{"name": "get_weather", "arguments": {args}}}</tool_call>',
+        "llama3_json": f'{{"name": "get_weather", "parameters": {args}}}',
+        "deepseek_v3": (f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n"
+                        f"```json\n{args}\n```{DS_CALL_END}{DS_CALL_BEGIN}get_time{DS_SEP}"
+                        f"{args}{DS_CALL_END}{DS_CALLS_END}"),
+    }
+    for family, out in outs.items():
+        want = check_streams_like_whole(plan(family), out)
+        assert want and want[0][0] == "get_weather", family
+    if args.lstrip().startswith("{"):
+        named = plan("hermes", {"type": "function", "function": {"name": "get_time"}})
+        assert check_streams_like_whole(named, args)[0][0] == "get_time"
+        required = plan("hermes", "required")
+        out = f'[{{"name": "get_time", "parameters": {args}}}, {{"name": "get_weather", ' \
+            f'"parameters": {args}}}]'
+        assert len(check_streams_like_whole(required, out)) == 2
+
+
+def test_streams_without_parallel_calls_and_around_text():
+    p = plan("hermes", parallel=False)
+    assert len(check_streams_like_whole(p, HERMES_OUT)) == 1
+    for text in ("plain text, no call", "<tool_call>not json</tool_call> then text",
+                 "<tool_call>{\"nam", "a <tool_ b"):
+        check_streams_like_whole(plan("hermes"), text)
+    for text in ("plain", "  <|python_tag|>nope", "{\"no\": 1}"):
+        check_streams_like_whole(plan("llama3_json"), text)
+    check_streams_like_whole(plan("deepseek_v3"), "no tool tokens at all")
 
 
 def test_plain_text_stays_content_and_one_call_without_parallel():
@@ -98,9 +201,8 @@ def test_forced_calls_have_schemas_that_their_outputs_satisfy():
         jsonschema.validate(out * 2, schema)  # parallel_tool_calls false: one call
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "nope", "parameters": {}}], schema)
-    s = req.stream()
-    deltas = s.push(json.dumps(out)[:5]) + s.push(json.dumps(out)[5:]) + s.finish()
-    assert deltas[-1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    _, deltas = streamed(req, [json.dumps(out)[:5], json.dumps(out)[5:]])
+    assert joined(deltas)[1][0]["name"] == "get_weather"
     assert plan_tools([WEATHER], "none", None, None) is None
 
 
