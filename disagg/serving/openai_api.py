@@ -8,6 +8,7 @@ request raises ``ApiError`` carrying the HTTP status and the OpenAI error body.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -62,10 +63,36 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-def node_error(code: str, message: str) -> ApiError:
-    """A node's ``Error`` as the HTTP error to answer (unknown codes: 500)."""
+def node_error(code: str, message: str, prompt_param: str = "prompt") -> ApiError:
+    """A node's ``Error`` as the HTTP error to answer (unknown codes: 500), ``param`` the
+    request parameter its message names (``node_param``)."""
     status = NODE_ERROR_STATUS.get(code, 500)
-    return ApiError(status, message, error_type(status), code=code)
+    param = node_param(message, prompt_param) if status == 400 else None
+    return ApiError(status, message, error_type(status), param=param, code=code)
+
+
+# The node's messages name the field they refuse first (``SamplingParams.validate``,
+# ``prepare_prompt``, a constraint's ``StructuredOutput.param`` when it fails to compile):
+# ``NAME: ...`` or ``NAME must ...``. Its fields as the request parameters they come from
+# (a constraint's param is the parameter itself); the prompt's problems name the prompt.
+_NODE_FIELDS = {name: name for name in (
+    "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "min_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+    "cache_salt", *CONSTRAINT_FIELDS, "tool_choice")} | {"prompt_logprobs": "logprobs"}
+_LEADING_NAME = re.compile(r"([a-z_]+)(?::|\s+must\b)")
+_PROMPT_PROBLEM = re.compile(r"(token id -?\d+ is outside the vocabulary|the prompt\b|give "
+                             r"exactly one of prompt)")
+
+
+def node_param(message: str, prompt_param: str = "prompt") -> str | None:
+    """The request parameter a node's refusal names (``prompt_param``: the prompt's, ``prompt``
+    or ``messages``), or None where it names none the request has."""
+    m = _LEADING_NAME.match(message)
+    if m is not None and m.group(1) in _NODE_FIELDS:
+        return _NODE_FIELDS[m.group(1)]
+    if _PROMPT_PROBLEM.match(message):
+        return prompt_param
+    return None
 
 
 # ------------------------------------------------------------------ request bodies
@@ -183,6 +210,7 @@ class Prepared:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     logprobs: int | None = None  # alternatives per token (None: no logprobs)
     tools: ToolPlan | None = None  # chat with tools: how its output becomes tool_calls
+    prompt_param: str = "prompt"  # the parameter holding the prompt (chat: messages)
     tenant: str | None = None  # the gateway's: GenerateRequest.tenant (disagg.serving.tenants)
     traceparent: str | None = None  # the caller's HTTP traceparent header (disagg.trace)
 
@@ -270,6 +298,7 @@ def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                    structured=forced)
     prep.tools = plan
+    prep.prompt_param = "messages"
     return prep
 
 

@@ -143,6 +143,7 @@ def test_bad_constraints_are_400_and_the_node_keeps_serving(oai, kw, needle):
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                     max_tokens=5, **kw)
     assert needle in str(e.value)
+    assert e.value.param == needle  # the node's refusals (a grammar that fails to compile) too
     ok = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                      max_tokens=3, response_format={"type": "json_object"})
     assert ok.choices[0].message.content.startswith("{")

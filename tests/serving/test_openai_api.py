@@ -222,3 +222,41 @@ def test_sampling_values_the_sampler_cannot_use_are_400(kw, param):
 def test_node_error_status(code, status, kind):
     e = node_error(code, "why")
     assert (e.status, e.type, e.code, e.message) == (status, kind, code, "why")
+
+
+NODE_VOCAB = 50
+
+
+def _node_refusal(prompt_ids=(1, 2), **sampling):
+    """The message the node's own check (``prepare_prompt``) refuses a request with."""
+    from disagg.protocol import GenerateRequest, SamplingParams
+    from disagg.serving.admission import RequestRejected, prepare_prompt
+
+    req = GenerateRequest("r", prompt_token_ids=list(prompt_ids),
+                          sampling=SamplingParams(**sampling))
+    with pytest.raises(RequestRejected) as e:
+        prepare_prompt(req, None, NODE_VOCAB, 8)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("refusal, prompt_param, param", [
+    (lambda: _node_refusal(prompt_ids=[1, NODE_VOCAB]), "prompt", "prompt"),
+    (lambda: _node_refusal(prompt_ids=[1, NODE_VOCAB]), "messages", "messages"),
+    (lambda: _node_refusal(prompt_ids=list(range(9))), "prompt", "prompt"),
+    (lambda: _node_refusal(logit_bias={NODE_VOCAB + 3: 1.0}), "prompt", "logit_bias"),
+    (lambda: _node_refusal(stop_token_ids=[NODE_VOCAB]), "prompt", "stop_token_ids"),
+    (lambda: _node_refusal(max_tokens=0), "prompt", "max_tokens"),
+    (lambda: _node_refusal(top_p=0.0), "prompt", "top_p"),
+    (lambda: _node_refusal(prompt_logprobs=21), "prompt", "logprobs"),
+    (lambda: "guided_grammar: invalid grammar: undefined rule", "prompt", "guided_grammar"),
+    (lambda: "tool_choice: the json constraint admits no output", "messages", "tool_choice"),
+    (lambda: "request_id must have 1-256 characters", "prompt", None),
+    (lambda: "structured: invalid regex", "prompt", None),
+])
+def test_node_refusals_name_the_request_parameter(refusal, prompt_param, param):
+    """A node's bad_request reaches the client with ``param`` the parameter its message names
+    (the messages here are the node's own, from its checks)."""
+    e = node_error("bad_request", refusal(), prompt_param)
+    assert (e.status, e.param) == (400, param), e.message
+    assert e.body()["error"]["param"] == param
+    assert node_error("internal", "max_tokens: whatever").param is None  # not the request's

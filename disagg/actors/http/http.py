@@ -316,7 +316,7 @@ class Gateway:
                         yield Event(matcher.flush(), 0, msg.reason, msg.usage)
                         return
         except RequestError as e:
-            raise node_error(e.error.code, e.error.message) from None
+            raise node_error(e.error.code, e.error.message, prep.prompt_param) from None
         except TimeoutError as e:
             raise ApiError(504, str(e), "server_error", code="timeout") from None
         raise ApiError(502, "the node's stream ended without a finish", "server_error",
