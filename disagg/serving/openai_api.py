@@ -288,8 +288,6 @@ def prepare_chat(body: ChatBody, tok: TokenizerLike | None, model_name: str,
         max_tokens = max(1, max_model_len - len(ids))
         if default_max_tokens > 0:
             max_tokens = min(max_tokens, default_max_tokens)
-    if plan is not None and body.n not in (None, 1):
-        raise ApiError(400, "n > 1 is not served with tools", param="n")
     forced = plan.structured() if plan is not None else None
     if forced is not None and _constraint(body) is not None:
         raise ApiError(400, f"tool_choice {body.tool_choice!r} forces the output; it cannot "

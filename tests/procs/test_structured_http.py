@@ -112,6 +112,34 @@ def test_streamed_tool_call(oai):
     assert set(args) == {"city", "unit"}
 
 
+def test_n_choices_with_tools_each_parse_their_own_calls(oai):
+    """n = 3 with tools: each choice its own calls, whole and streamed (the same seeded
+    outputs: streamed, each choice's header and argument pieces join to its whole calls)."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
+              tool_choice="required", parallel_tool_calls=False, max_tokens=200, n=3,
+              temperature=1.0, seed=5)
+    whole = oai.chat.completions.create(**kw)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    want = {}
+    for c in whole.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        want[c.index] = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        assert all(set(json.loads(a)) == {"city", "unit"} for _, a in want[c.index])
+    got: dict[int, dict[int, list[str]]] = {0: {}, 1: {}, 2: {}}
+    reasons = {}
+    for ch in oai.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            for t in c.delta.tool_calls or []:
+                if t.id is not None:
+                    got[c.index][t.index] = [t.function.name, ""]
+                else:
+                    got[c.index][t.index][1] += t.function.arguments
+            if c.finish_reason is not None:
+                reasons[c.index] = c.finish_reason
+    assert reasons == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    assert {k: [tuple(v[i]) for i in sorted(v)] for k, v in got.items()} == want
+
+
 def test_guided_keys_in_extra_body(oai):
     r = oai.completions.create(model="tiny", prompt="pick", max_tokens=20,
                                extra_body={"guided_choice": ["alpha", "beta"]})

@@ -9,7 +9,9 @@ node's prefix cache by then and they compute only the last partial page (one pre
 prompt; without the prefix cache, --no-prefix-caching, each choice prefills the whole prompt).
 A choice's failure fails the request (its other choices are aborted). Usage: prompt tokens
 once per prompt, completion tokens of every choice, cached tokens the most any choice of a
-prompt took from the cache, summed over the prompts.
+prompt took from the cache, summed over the prompts. Chat with tools: each choice's output is
+parsed for its own calls (whole: ``message.tool_calls``; streamed: a ``ToolStream`` per choice,
+its deltas under the choice's index) and has its own ``finish_reason``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from disagg.serving.openai_logprobs import (
     choice_seed,
     completion_logprobs,
 )
+from disagg.serving.tool_calls import apply_tool_calls
+from disagg.serving.tool_calls import finish_reason as tool_finish_reason
 
 if TYPE_CHECKING:
     from disagg.actors.http.http import Event, Gateway
@@ -178,12 +182,13 @@ async def serve_many(gw: Gateway, request: web.Request, prep: Prepared, rid: str
     relays = [functools.partial(relay, p, f"{rid}-{k}") for k, p in enumerate(preps)]
     async with contextlib.aclosing(merged(relays, prep.n)) as events:
         if prep.stream:
-            return await _stream(gw, request, events, rid, chat, prep, shapers)
-        return await _collect(gw, events, rid, chat, shapers, prep.n)
+            return await _stream(gw, request, events, rid, chat, prep, preps, shapers)
+        return await _collect(gw, events, rid, chat, shapers, preps, prep.n)
 
 
 async def _collect(gw: Gateway, events: AsyncIterator[tuple[int, Event]], rid: str, chat: bool,
-                   shapers: list[Shaper], n: int) -> tuple[web.Response, str]:
+                   shapers: list[Shaper], preps: list[Prepared], n: int
+                   ) -> tuple[web.Response, str]:
     parts: list[list[str]] = [[] for _ in shapers]
     ends: dict[int, tuple[str, Usage]] = {}
     async for k, ev in events:
@@ -201,6 +206,9 @@ async def _collect(gw: Gateway, events: AsyncIterator[tuple[int, Event]], rid: s
         choice = build(rid, gw.model_name, sh.text("".join(parts[k]), True), reason,
                        usage)["choices"][0]
         choice.update(index=k, logprobs=sh.final())
+        plan = preps[k].tools
+        if chat and plan is not None:  # each choice's own calls
+            apply_tool_calls(choice, plan)
         choices.append(choice)
     body = build(rid, gw.model_name, "", None, total_usage([ends[k][1] for k in
                                                              range(len(shapers))], n))
@@ -210,8 +218,8 @@ async def _collect(gw: Gateway, events: AsyncIterator[tuple[int, Event]], rid: s
 
 
 async def _stream(gw: Gateway, request: web.Request, events: AsyncIterator[tuple[int, Event]],
-                  rid: str, chat: bool, prep: Prepared, shapers: list[Shaper]
-                  ) -> tuple[web.StreamResponse, str]:
+                  rid: str, chat: bool, prep: Prepared, preps: list[Prepared],
+                  shapers: list[Shaper]) -> tuple[web.StreamResponse, str]:
     first = await anext(events)
     created, model, usage_on = int(time.time()), gw.model_name, prep.include_usage
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -221,10 +229,12 @@ async def _stream(gw: Gateway, request: web.Request, events: AsyncIterator[tuple
     async def put(data: bytes | None) -> None:
         await send(request, resp, data, gw.limits.write_timeout_s)
 
-    def chunk(k: int, text: str | None, reason: str | None, lp: dict[str, Any] | None) -> bytes:
+    def chunk(k: int, text: str | None, reason: str | None, lp: dict[str, Any] | None,
+              delta: dict[str, Any] | None = None) -> bytes:
         if chat:
-            out = chat_chunk(rid, model, created, {} if text is None else {"content": text},
-                             reason, usage_on)
+            if delta is None:
+                delta = {} if text is None else {"content": text}
+            out = chat_chunk(rid, model, created, delta, reason, usage_on)
         else:
             out = completion_chunk(rid, model, created, text or "", reason, usage_on)
         out["choices"][0].update(index=k, logprobs=lp)
@@ -233,6 +243,13 @@ async def _stream(gw: Gateway, request: web.Request, events: AsyncIterator[tuple
     usages: dict[int, Usage] = {}
     reasons: dict[int, str] = {}
     started: set[int] = set()
+    # chat with tools: each choice's output as content and delta.tool_calls of its own
+    tools = [p.tools.stream() if chat and p.tools is not None else None for p in preps]
+
+    async def tool_deltas(k: int, deltas: list[dict[str, Any]]) -> None:
+        for delta in deltas:
+            await put(chunk(k, None, None, None, delta))
+
     try:
         if chat:
             for k in range(len(shapers)):
@@ -247,12 +264,20 @@ async def _stream(gw: Gateway, request: web.Request, events: AsyncIterator[tuple
             text = sh.text(ev.text, k not in started)
             started.add(k)
             lp = sh.chunk(ev)
+            calls = tools[k]
+            if calls is not None:
+                await tool_deltas(k, calls.push(text))
+                text = ""
             if text or lp is not None and ev.tokens:
                 await put(chunk(k, text, None, lp))
             if ev.finish_reason is not None:
                 assert ev.usage is not None
                 usages[k], reasons[k] = ev.usage, ev.finish_reason
-                await put(chunk(k, None, ev.finish_reason, None))
+                reason = ev.finish_reason
+                if calls is not None:
+                    await tool_deltas(k, calls.finish())
+                    reason = tool_finish_reason(reason, calls.called)
+                await put(chunk(k, None, reason, None))
             item = await anext(events, None)
         if len(usages) != len(shapers):
             raise ApiError(502, "a choice's stream ended without a finish", "server_error")
