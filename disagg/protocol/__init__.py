@@ -378,6 +378,10 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     disk_cache_bytes_total: int = 0  # the disk tier's bound (0: no disk tier)
     disk_cache_bytes_used: int = 0  # its page files' bytes
     kv_pages_from_host: int = 0  # prefill: pages shipped to decoders from the host tier
+    # prefill: KV units (a page's run of one layer, as kv_units_received counts them; context
+    # writes not included) posted from each executor's pages, in executor order (--dp ranks
+    # rank-major, each its --tp ranks): every source replica sends a share of an MLA transfer
+    kv_units_sent_by_rank: list[int] = []
     v: int = PROTOCOL_VERSION
 
 

@@ -248,6 +248,7 @@ class MessengerStats(msgspec.Struct, tag="messenger_stats", array_like=True, fro
     layerwise_steps: int = 0  # prefill: steps whose first layer shipped before the last finished
     kv_junk_immediates: int = 0  # decode: immediates refused (unknown/finished key, overflow)
     kv_pages_from_host: int = 0  # prefill: pages shipped straight from the host KV tier
+    kv_units_sent_by_rank: list[int] = []  # prefill: KV units posted from each executor's pages
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query", array_like=True, frozen=True):

@@ -148,6 +148,13 @@ class _StatsCollector(Collector):
                 reqs.add_metric([node, state], float(getattr(s, state)))
         yield reqs
         yield from _dp_rank_metrics(self.last)
+        sent = CounterMetricFamily("disagg_node_kv_units_sent", "Prefill: KV units (a page's "
+                                   "run of one layer) posted from each executor's pages "
+                                   "(Stats.kv_units_sent_by_rank).", labels=["node", "rank"])
+        for node, s in self.last.items():
+            for rank, units in enumerate(getattr(s, "kv_units_sent_by_rank", [])):
+                sent.add_metric([node, str(rank)], float(units))
+        yield sent
 
 
 _DP_RANK = (  # Stats.dp_ranks fields as metrics labelled by node and rank (--dp > 1)

@@ -13,8 +13,8 @@ from disagg.client import Client
 from disagg.model.config import ModelArch
 from disagg.protocol import SamplingParams
 from disagg.protocol.peer import KVLayoutDesc
-from disagg.remote.transfer_plan import request_units, shard_kv_heads
-from nodes import pools_full, stats
+from disagg.remote.transfer_plan import CONTEXT_UNITS, request_units, shard_kv_heads
+from nodes import pools_full, stats, wait_for
 from tinymodels import NodeProcess, free_port, hf_greedy, make_tiny_model
 
 PAGE = 4
@@ -69,7 +69,10 @@ def test_mixed_node_tp2_matches_transformers(kind, tmp_path):
                                               ("deepseek_v3", 2, 2), ("qwen2_moe", 1, 2)])
 def test_prefill_decode_pairs_match_transformers(kind, p_tp, d_tp, tmp_path):
     """Every page of every layer lands on every decoder rank exactly as counted; tokens equal
-    transformers'; both pools full after."""
+    transformers'; both pools full after. Every prefiller rank sent a share of the longest
+    prompt's pages (``Stats.kv_units_sent_by_rank``: with MLA's latent on a ``--tp 2``
+    prefiller, both source replicas of one transfer, to one decoder rank too), and the ranks'
+    units add up to what the decoder counted, less the context write."""
     path = make_tiny_model(kind, tmp_path / kind)
     arch = ModelArch.from_dir(path)
     p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
@@ -84,11 +87,19 @@ def test_prefill_decode_pairs_match_transformers(kind, p_tp, d_tp, tmp_path):
         c = Client(d_addr)
         try:
             wait_prefiller(c)
-            for n in (2, PAGE + 1, 3 * PAGE + 2):
+            sent = [0] * p_tp
+            for n in (2, PAGE + 1, 3 * PAGE + 2):  # the last: a chunk of 2 pages
                 before = c.stats().kv_units_received
                 assert generate(c, prompt(n), 5) == hf_greedy(path, prompt(n), 5), n
                 want = request_units(desc(arch, p_tp), desc(arch, d_tp), n - 1)
                 assert c.stats().kv_units_received - before == want, n
+                # its pages back: the messenger's counts of the job's every write are in
+                wait_for(lambda: pools_full(p_addr), what="the prefiller's pages back")
+                now = stats(p_addr).kv_units_sent_by_rank
+                by_rank = [a - b for a, b in zip(now, sent, strict=True)]
+                assert sum(by_rank) == want - CONTEXT_UNITS, (n, by_rank)
+                sent = now
+            assert all(u > 0 for u in by_rank), by_rank  # every source rank sent a share
         finally:
             c.close()
         assert stats(p_addr).kv_writes_sent > 0

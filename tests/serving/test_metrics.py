@@ -94,3 +94,13 @@ def test_disaggregation_fields_of_stats():
     assert s["disagg_node_kv_writes_sent_total,node=p"] == 12
     assert s["disagg_node_kv_bytes_sent_total,node=p"] == 4096
     assert s["disagg_kv_layer_lag,node=p"] == 2
+
+
+def test_units_sent_per_source_rank():
+    m = Metrics()
+    m.update_stats(Stats("prefill", 10, 10, 16, 0, 0, 1, 1, 0, 0, 0, 0, 0,
+                         kv_units_sent_by_rank=[30, 18]), node="p")
+    m.update_stats(Stats("decode", 10, 10, 16, 0, 0, 1, 1, 0, 0, 0, 0, 0), node="d")
+    s = {k: v for k, v in samples(m).items() if k.startswith("disagg_node_kv_units_sent")}
+    assert s == {"disagg_node_kv_units_sent_total,node=p,rank=0": 30,
+                 "disagg_node_kv_units_sent_total,node=p,rank=1": 18}

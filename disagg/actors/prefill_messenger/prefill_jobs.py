@@ -116,6 +116,7 @@ class JobWrites:
         # (``ship_host``), when this backend ships from host memory; None: no host shipping
         self.host: tuple[list[Any], KVLayoutDesc] | None = None
         self.host_pages_sent = 0  # pages shipped straight from the host tier
+        self.units_by_rank = [0] * len(kv_regions)  # KV units posted from each executor's pages
 
     # ------------------------------------------------------------------ what it owns
 
@@ -178,9 +179,10 @@ class JobWrites:
         self.post(w, self.ctx_region, w.job.dst_ctx, Runs.of([context_write(
             (self.zero_slot if slot is None else slot) * n, w.job.req.ctx_offset, n)]))
 
-    def post(self, w: Posted, src: Any, dst: Any, runs: Runs) -> None:
+    def post(self, w: Posted, src: Any, dst: Any, runs: Runs, rank: int | None = None) -> None:
         """Hand ``runs`` to the transfer engine (the caller checked ``may_write``); no write
-        may still be queued or posted past the job's absolute deadline."""
+        may still be queued or posted past the job's absolute deadline. ``rank``: the executor
+        whose pages they are (KV, counted in ``units_by_rank``; None: the context write)."""
         now = time.monotonic()
         if w.first_post_at is None:
             w.first_post_at = now
@@ -190,6 +192,8 @@ class JobWrites:
         try:
             w.futures.extend(self.transfer.write(src, dst, runs, w.job.req.key,
                                                  timeout=min(left, self.transfer.timeout_s)))
+            if rank is not None:
+                self.units_by_rank[rank] += int(runs.units.sum())
         except Exception as e:  # out of range: refuse, never write outside
             log.error("job %d: refused writes: %s", w.job.id, e)
             self._fail(w.job.id, "transfer_failed", str(e))
@@ -229,7 +233,7 @@ class JobWrites:
                 base = step.bases.get(i, 0)
                 for sr, dr in plan.by_pair:  # every source rank sends in parallel
                     self.post(w, self.kv_regions[base + sr], w.job.dst_kv[dr],
-                              plan.layers((sr, dr), lo, hi))
+                              plan.layers((sr, dr), lo, hi), base + sr)
                 if lo == 0 and self.layout.spec_method == "draft":  # computed before it
                     self.ship_spec(w, self.spec_plan(w, chunk))
         if step.next_layer < num_layers <= layers_done:  # last layer out: markers
@@ -245,7 +249,7 @@ class JobWrites:
         if plan is None:
             return
         self.post(w, self.kv_regions[0], w.job.dst_kv[0], plan.layers((0, 0), 0,
-                                                                      plan.num_layers))
+                                                                      plan.num_layers), 0)
 
     def ship_cached(self, chunk: ChunkInfo, now: float) -> None:
         """A job's first chunk starts after pages this node had in its prefix cache: they are
@@ -262,7 +266,7 @@ class JobWrites:
             return
         for sr, dr in plan.by_pair:  # every layer in one write per destination
             self.post(w, self.kv_regions[base + sr], w.job.dst_kv[dr],
-                      plan.layers((sr, dr), 0, self.layout.num_layers))
+                      plan.layers((sr, dr), 0, self.layout.num_layers), base + sr)
         self.ship_spec(w, spec_pages_plan(self.layout, w.job.req, chunk.pages,
                                           range(chunk.start // self.layout.page_size)))
 
@@ -288,7 +292,7 @@ class JobWrites:
         self.host_pages_sent += len(indices)
         for sr, dr in plan.by_pair:
             self.post(w, regions[sr], w.job.dst_kv[dr], plan.layers((sr, dr), 0,
-                                                                    self.layout.num_layers))
+                                                                    self.layout.num_layers), sr)
 
     def _source(self, pages: list[int]) -> tuple[int, list[int]]:
         """The first source region of the rank holding ``pages`` and their ids there."""

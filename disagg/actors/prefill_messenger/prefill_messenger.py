@@ -414,7 +414,8 @@ class PrefillMessenger(MessengerBase):
             kv_writes_sent=self.transfer.writes_sent, kv_bytes_sent=self.transfer.bytes_sent,
             layer_lag=self.writes.layer_lag(self.counter.read()),
             layerwise_steps=self.writes.layerwise_steps,
-            kv_pages_from_host=self.writes.host_pages_sent)
+            kv_pages_from_host=self.writes.host_pages_sent,
+            kv_units_sent_by_rank=list(self.writes.units_by_rank))
 
     async def _reply(self, peer: bytes, msg: Any) -> None:
         try:
