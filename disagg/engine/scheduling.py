@@ -21,6 +21,9 @@ so each chunk carries the tokens it has not seen yet (``draft_prefix``; a remote
 cached page bring the draft's KV with the model's). The step verifies the drafts (``disagg.engine.speculative``) and returns
 1 .. k + 1 tokens for the chunk: the sequence's computed length grows by the tokens it keeps,
 so the KV of rejected drafts is never counted.
+
+Overlapped decoding's part (a step planned while its predecessor's tokens are still on the
+device, and the pages that step still writes) is ``disagg.engine.overlapped``, a base class.
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ from collections.abc import Callable
 from disagg.engine import sequence as seqs
 from disagg.engine.cache import PagePool, page_hashes, page_root, pages_needed
 from disagg.engine.dp import StepBudget, preemption_victim
-from disagg.engine.grammar import fill_masks
+from disagg.engine.overlapped import OverlappedDecoding
 from disagg.engine.sequence import Batch, ScheduledChunk, Sequence, SeqUpdate, Status
 from disagg.protocol import TokenLogprobs
 
 __all__ = ["Batch", "BatchScheduler", "ScheduledChunk", "SeqUpdate", "Sequence", "Status"]
 
 
-class BatchScheduler:
+class BatchScheduler(OverlappedDecoding):
     def __init__(
         self,
         pool: PagePool,
@@ -79,8 +82,9 @@ class BatchScheduler:
         self.propose = propose
         self.spec_draft_tokens = 0  # drafted tokens verified
         self.spec_accepted_tokens = 0  # ... of which accepted
-        # overlapped decoding: in-flight deferred steps writing each slot's pages, and the
-        # pages of slots released meanwhile (freed when the last such step lands)
+        # overlapped decoding (``OverlappedDecoding``: ``can_defer``, ``schedule_ahead``,
+        # ``late_masks``, ``launched``, ``landed``): in-flight deferred steps writing each
+        # slot's pages, and the pages of slots released meanwhile (freed when the last lands)
         self._writing: collections.Counter[int] = collections.Counter()
         self._parked: dict[int, list[int]] = {}
 
@@ -332,76 +336,6 @@ class BatchScheduler:
         seq.hashes = []
         seq.draft_computed = 0
         seq.prev_hidden = b""
-
-    # ---------------------------------------------------------------- overlapped decoding
-
-    def can_defer(self, batch: Batch) -> bool:
-        """``batch`` may run deferred, its successor launched before its tokens are back
-        (``schedule_ahead``): decode-only, no speculative decoding, every running sequence in
-        it and none waiting."""
-        return (not (self.spec_tokens or self.mtp or self.waiting)
-                and batch.num_decodes == len(batch.chunks) == len(self.running))
-
-    def schedule_ahead(self, batch: Batch) -> Batch | None:
-        """The step after ``batch``, which is in flight with its tokens not back yet, when it
-        needs none of them: every sequence ``batch``'s token cannot finish by length gets one
-        follow chunk at its next position (its token: the one ``batch`` samples, which the
-        executor fills in on the device), with a page reserved for it. A stop sampled in flight
-        wastes that row (``update`` skips a finished sequence). None when ``can_defer`` no
-        longer holds (new work: the caller steps normally) or a page is missing (no
-        preemption ahead).
-
-        A constrained sequence (``Sequence.grammar``) gets its follow chunk too; its mask needs
-        the token in flight, so the chunk is sent ``late_mask`` and its mask follows once that
-        token is back (``late_masks``; docs/ARCHITECTURE.md, grammar-constrained decoding)."""
-        live = [c for c in batch.chunks if c.seq.status is Status.RUNNING]
-        flying = {c.seq.slot for c in live}
-        if (batch.num_decodes != len(batch.chunks) or self.spec_tokens or self.mtp
-                or self.waiting or any(s.slot not in flying for s in self.running)):
-            return None
-        chunks: list[ScheduledChunk] = []
-        for c in live:
-            seq = c.seq
-            if seq.num_computed != c.start or seq.num_tokens != c.start + 1:
-                return None
-            if (len(seq.output_ids) + 1 >= seq.params.max_tokens
-                    or seq.num_tokens + 1 >= self.max_model_len):
-                continue  # the token in flight is its last
-            need = pages_needed(c.start + 2, self.page_size) - len(seq.block_table)
-            if need > 0:
-                pages = self.pool.allocate(need, seq.block_table[-1])
-                if pages is None:
-                    return None
-                seq.block_table.extend(pages)
-            chunks.append(ScheduledChunk(seq, c.start + 1, 1, True, follow=True))
-        return Batch(chunks, len(chunks)) if chunks else None
-
-    def late_masks(self, batch: Batch) -> dict[int, bytes] | None:
-        """The grammar masks of ``batch``'s constrained follow chunks (sent ``late_mask``), by
-        slot, now that the tokens before them have been applied; a sequence that ended
-        meanwhile (its grammar complete, aborted) has none. None when ``batch`` has no such
-        chunk."""
-        late = [c.seq for c in batch.chunks if c.follow and c.seq.grammar is not None]
-        if not late:
-            return None
-        live = [s for s in late if s.status is Status.RUNNING and not s.grammar.terminated]
-        return dict(zip((s.slot for s in live), fill_masks([s.grammar for s in live]),
-                        strict=True))
-
-    def launched(self, batch: Batch) -> None:
-        """``batch`` went to the executors deferred: pages its sequences release before it
-        lands stay out of the pool until then."""
-        self._writing.update(c.seq.slot for c in batch.chunks)
-
-    def landed(self, batch: Batch) -> None:
-        """A deferred ``batch`` is done on the device (its result came back, or failed)."""
-        for c in batch.chunks:
-            slot = c.seq.slot
-            self._writing[slot] -= 1
-            if self._writing[slot] <= 0:
-                del self._writing[slot]
-                if pages := self._parked.pop(slot, None):
-                    self.pool.free(pages)
 
     # ---------------------------------------------------------------- results
 
