@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import msgspec
@@ -32,6 +33,7 @@ from disagg.protocol import (
     TokenChunk,
 )
 from disagg.serving import security
+from disagg.serving.fanout import choice_sampling, merged
 from disagg.serving.security import CurveKeys
 
 
@@ -162,7 +164,7 @@ class AsyncClient:
         cache_salt: str | None = None,
         tenant: str | None = None,
         traceparent: str | None = None,
-    ) -> AsyncIterator[TokenChunk | Finished]:
+    ) -> AsyncGenerator[TokenChunk | Finished, None]:
         """Stream ``TokenChunk``s, then the ``Finished``. Raises ``RequestError`` on ``Error``.
         ``cache_salt``: share cached prompt prefixes only with requests of the same salt;
         ``tenant``: the unit of fairness it counts under on the node (``GenerateRequest``);
@@ -195,6 +197,52 @@ class AsyncClient:
             if not finished:
                 with contextlib.suppress(zmq.ZMQError):  # Again: no connection to tell
                     await self.sock.send(self._enc.encode(Abort(req.request_id)), zmq.NOBLOCK)
+
+    async def choices(
+        self,
+        n: int,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        timeout: float = 600.0,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        traceparent: str | None = None,
+    ) -> AsyncGenerator[tuple[int, TokenChunk | Finished], None]:
+        """``n`` choices of one prompt (``disagg.serving.fanout``, as the HTTP gateway serves
+        ``n``): choice ``j`` is request ``<request_id>-<j>``, seeded ``choice_seed(seed, j)``
+        when ``sampling.seed`` is set; choice 0 goes first and the others once it has its
+        first token (one prefill: they take its pages from the prefix cache). Yields
+        ``(j, TokenChunk | Finished)`` as they come, until every choice finished; a choice's
+        ``Error`` raises ``RequestError`` and aborts the others, as leaving early does."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        rid = request_id or uuid.uuid4().hex
+        base = sampling or SamplingParams()
+        relays = [functools.partial(self.generate, prompt, prompt_token_ids,
+                                    choice_sampling(base, j), f"{rid}-{j}", timeout, cache_salt,
+                                    tenant, traceparent) for j in range(n)]
+        async with contextlib.aclosing(merged(relays, n)) as items:
+            async for item in items:
+                yield item
+
+    async def complete_choices(self, n: int, **kw: Any
+                               ) -> list[tuple[list[int], str, Finished]]:
+        """Run ``n`` choices to the end (``choices``): (token ids, text, Finished) of each, in
+        choice order."""
+        ids: list[list[int]] = [[] for _ in range(n)]
+        texts: list[list[str]] = [[] for _ in range(n)]
+        ends: dict[int, Finished] = {}
+        async for j, msg in self.choices(n, **kw):
+            if isinstance(msg, TokenChunk):
+                ids[j].extend(msg.token_ids)
+                texts[j].append(msg.text)
+            else:
+                ends[j] = msg
+        if len(ends) != n:
+            raise RuntimeError("a choice's stream ended without Finished")
+        return [(ids[j], "".join(texts[j]), ends[j]) for j in range(n)]
 
     async def complete(self, **kw: Any) -> tuple[list[int], str, Finished]:
         """Run a request to the end: (token ids, text, the Finished message)."""
@@ -320,6 +368,48 @@ class Client:
             if not done:
                 with contextlib.suppress(zmq.ZMQError):  # Again: no connection to tell
                     self.sock.send(self._enc.encode(Abort(req.request_id)), zmq.NOBLOCK)
+
+    def choices(
+        self,
+        n: int,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        timeout: float = 600.0,
+        cache_salt: str | None = None,
+    ) -> Iterator[tuple[int, TokenChunk | Finished]]:
+        """``n`` choices of one prompt, as ``AsyncClient.choices`` sends them (choice 0 first,
+        the others once it has its first reply): ``(j, TokenChunk | Finished)`` until every
+        choice finished; an ``Error`` raises ``RequestError`` and aborts the others."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        rid = request_id or uuid.uuid4().hex
+        base = sampling or SamplingParams()
+        reqs = [_request(prompt, prompt_token_ids, choice_sampling(base, j), f"{rid}-{j}",
+                         cache_salt) for j in range(n)]
+        index = {r.request_id: j for j, r in enumerate(reqs)}
+        self._send(self._enc.encode(reqs[0]), timeout)
+        live, held = {reqs[0].request_id}, reqs[1:]  # held: sent once choice 0 replies
+        try:
+            while live:
+                msg = self._recv(timeout)
+                if isinstance(msg, Error) and (msg.request_id is None or msg.request_id in live):
+                    live.discard(msg.request_id or "")
+                    raise RequestError(msg)
+                if not isinstance(msg, (TokenChunk, Finished)) or msg.request_id not in live:
+                    continue
+                if isinstance(msg, Finished):
+                    live.discard(msg.request_id)
+                for r in held:
+                    self._send(self._enc.encode(r), timeout)
+                    live.add(r.request_id)
+                held = []
+                yield index[msg.request_id], msg
+        finally:
+            for request_id in live:
+                with contextlib.suppress(zmq.ZMQError):  # Again: no connection to tell
+                    self.sock.send(self._enc.encode(Abort(request_id)), zmq.NOBLOCK)
 
     def stats(self, timeout: float = 10.0) -> Stats:
         self._send(self._enc.encode(StatsRequest()), timeout)

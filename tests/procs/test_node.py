@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
@@ -13,9 +14,10 @@ import zmq
 
 import nodes
 from disagg.actors.executor.executor import cpu_threads
-from disagg.client import Client, RequestError
+from disagg.client import AsyncClient, Client, RequestError
 from disagg.config import ConfigError, check_devices
 from disagg.protocol import Error, Finished, SamplingParams, Stats, TokenChunk
+from disagg.serving.openai_logprobs import choice_seed
 from tinymodels import NodeProcess, add_word_tokenizer, free_port, hf_greedy, make_tiny_model
 
 PAGES = 48
@@ -201,6 +203,54 @@ def test_client_error_raises(node):
     with pytest.raises(RequestError, match="max_tokens"):
         list(client.generate(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=0)))
     client.close()
+
+
+def test_client_choices_one_prefill_each_seeded_like_its_own_request(node):
+    """``n`` through the Python clients: choice j draws what one request seeded
+    ``choice_seed(seed, j)`` draws; choice 0 goes first, the others take its prompt's pages
+    from the prefix cache; the sync client fans out the same; a refusal raises."""
+    prompt = list(range(3, 43))  # 40 tokens: whole pages for the later choices to reuse
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=77, ignore_eos=True)
+
+    async def run():
+        client = AsyncClient(node[0])
+        try:
+            firsts = [j async for j, _ in client.choices(3, prompt_token_ids=prompt,
+                                                          sampling=sp, cache_salt="async")]
+            got = await client.complete_choices(3, prompt_token_ids=prompt, sampling=sp,
+                                                cache_salt="async-2")
+            singles = [await client.complete(
+                prompt_token_ids=prompt, cache_salt=f"single-{j}",
+                sampling=msgspec.structs.replace(sp, seed=choice_seed(77, j)))
+                for j in range(3)]
+            with pytest.raises(RequestError, match="outside the vocabulary"):
+                await client.complete_choices(2, prompt_token_ids=[10**6], sampling=sp)
+            return firsts, got, singles
+        finally:
+            await client.close()
+
+    firsts, got, singles = asyncio.run(run())
+    assert firsts[0] == 0 and sorted(set(firsts)) == [0, 1, 2]
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in singles]
+    assert len({tuple(ids) for ids, _, _ in got}) > 1  # the choices differ
+    usage = [fin.usage for _, _, fin in got]
+    assert usage[0].cached_tokens == 0 and all(u.cached_tokens >= 32 for u in usage[1:])
+    client = Client(node[0])
+    try:
+        ids: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        ends = {}
+        for j, msg in client.choices(3, prompt_token_ids=prompt, sampling=sp):
+            if isinstance(msg, TokenChunk):
+                ids[j] += msg.token_ids
+            else:
+                ends[j] = msg.reason
+        assert [ids[j] for j in range(3)] == [i for i, _, _ in got]
+        assert ends == {0: "length", 1: "length", 2: "length"}
+        with pytest.raises(RequestError, match="max_tokens"):
+            list(client.choices(2, prompt_token_ids=[1], sampling=SamplingParams(max_tokens=0)))
+    finally:
+        client.close()
+    assert nodes.stats(node[0]).running == 0
 
 
 def test_sigint_stops_every_child(model_dir, tmp_path):

@@ -3,25 +3,20 @@ request of several choices (``n > 1``, batched prompts in ``/v1/completions``) a
 protocol request per choice (``serve_many``).
 
 Choice ``k = prompt index * n + j`` is its own ``GenerateRequest`` (id ``<rid>-<k>``), seeded
-``choice_seed(seed, j)`` when the request has a seed. Choice 0 of each prompt starts first; its
-other choices start once it has produced its first token, so its prompt's full pages are in the
-node's prefix cache by then and they compute only the last partial page (one prefill per
-prompt; without the prefix cache, --no-prefix-caching, each choice prefills the whole prompt).
-A choice's failure fails the request (its other choices are aborted). Usage: prompt tokens
-once per prompt, completion tokens of every choice, cached tokens the most any choice of a
-prompt took from the cache, summed over the prompts. Chat with tools: each choice's output is
+and started as ``disagg.serving.fanout`` does for both front doors (one prefill per prompt
+through the prefix cache). A choice's failure fails the request (its other choices are
+aborted). Usage: ``fanout.total_usage``. Chat with tools: each choice's output is
 parsed for its own calls (whole: ``message.tool_calls``; streamed: a ``ToolStream`` per choice,
 its deltas under the choice's index) and has its own ``finish_reason``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -29,6 +24,7 @@ from aiohttp import web
 
 from disagg.actors.http.http_guard import send
 from disagg.protocol import TokenLogprobs, Usage
+from disagg.serving.fanout import choice_sampling, merged, total_usage
 from disagg.serving.openai_api import (
     SSE_DONE,
     ApiError,
@@ -40,12 +36,7 @@ from disagg.serving.openai_api import (
     sse,
     usage_chunk,
 )
-from disagg.serving.openai_logprobs import (
-    TokenText,
-    chat_logprobs,
-    choice_seed,
-    completion_logprobs,
-)
+from disagg.serving.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from disagg.serving.tool_calls import apply_tool_calls
 from disagg.serving.tool_calls import finish_reason as tool_finish_reason
 
@@ -114,62 +105,10 @@ def choice_preps(prep: Prepared) -> list[Prepared]:
     texts = prep.prompt_texts or [None] * len(prep.all_prompts)
     for ids, text in zip(prep.all_prompts, texts, strict=True):
         for j in range(prep.n):
-            seed = prep.sampling.seed
-            sampling = (prep.sampling if seed is None else
-                        msgspec.structs.replace(prep.sampling, seed=choice_seed(seed, j)))
+            sampling = choice_sampling(prep.sampling, j)
             out.append(dataclasses.replace(prep, prompt_token_ids=ids, sampling=sampling,
                                            prompts=[], prompt_texts=[text], n=1))
     return out
-
-
-async def merged(relays: Sequence[Callable[[], AsyncGenerator[Event, None]]], n: int
-                 ) -> AsyncGenerator[tuple[int, Event], None]:
-    """Every choice's events as they come, tagged by choice index; choice ``j > 0`` of a
-    prompt starts once choice 0 of it has an event (or ended). Closing it aborts the choices
-    still running (each relay is closed in its task); a choice's error is raised here."""
-    queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
-    leaders = [asyncio.Event() for _ in range(0, len(relays), n)]
-
-    async def pump(k: int) -> None:
-        lead = leaders[k // n]
-        try:
-            if k % n:
-                await lead.wait()  # set by the leader's first event or its end, whatever it is
-            async with contextlib.aclosing(relays[k]()) as events:
-                async for ev in events:
-                    await queue.put((k, ev))
-                    if k % n == 0:
-                        lead.set()
-            await queue.put((k, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put((k, e))
-        finally:
-            if k % n == 0:
-                lead.set()
-
-    tasks = [asyncio.create_task(pump(k)) for k in range(len(relays))]
-    running = len(tasks)
-    try:
-        while running:
-            k, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield k, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def total_usage(usages: list[Usage], n: int) -> Usage:
-    """Usage of a request of ``len(usages) // n`` prompts, ``n`` choices each (module doc)."""
-    groups = [usages[i:i + n] for i in range(0, len(usages), n)]
-    return Usage(sum(g[0].prompt_tokens for g in groups),
-                 sum(u.completion_tokens for u in usages),
-                 sum(max(u.cached_tokens for u in g) for g in groups))
 
 
 async def serve_many(gw: Gateway, request: web.Request, prep: Prepared, rid: str, chat: bool,
