@@ -10,6 +10,8 @@ import random
 import jsonschema
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from disagg.serving.openai_api import ApiError, ChatBody, prepare_chat
 from disagg.serving.structured import StructuredError, structured_output
@@ -313,3 +315,35 @@ def test_prepare_chat_maps_constraints_tools_and_history():
         prepare_chat(body_of(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}],
                              max_tokens=8, tools=[WEATHER]), FakeTok(), "m", 4096)
     assert e.value.param == "messages"
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**20, 10**20)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                 max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(args=st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=4),
+       ascii_only=st.booleans(), indent=st.sampled_from([None, 0, 2]),
+       family=st.sampled_from(["hermes", "llama3_json", "deepseek_v3"]),
+       cuts=st.lists(st.integers(1, 9), min_size=1, max_size=40))
+def test_any_json_arguments_stream_to_the_whole_calls(args, ascii_only, indent, family, cuts):
+    """Whatever JSON the model writes (escaped or not, any layout), split anywhere, the pieces
+    join to the non-streamed call's arguments."""
+    text = json.dumps(args, ensure_ascii=ascii_only, indent=indent)
+    out = {"hermes": f'<tool_call>{{"name": "get_time", "arguments": {text}}}</tool_call>',
+           "llama3_json": f'{{"name": "get_time", "parameters": {text}}}',
+           "deepseek_v3": f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}get_time{DS_SEP}{text}"
+                          f"{DS_CALL_END}{DS_CALLS_END}"}[family]
+    p = plan(family)
+    want = [(c.name, c.arguments) for c in p.parse(out)[1]]
+    assert want == [("get_time", json.dumps(args, ensure_ascii=False))]
+    pieces, i = [], 0
+    for n in cuts * (len(out) // sum(cuts) + 1):
+        pieces.append(out[i:i + n])
+        i += n
+    _, deltas = streamed(p, [x for x in pieces if x])
+    assert [(c["name"], c["args"]) for c in joined(deltas)[1]] == want
