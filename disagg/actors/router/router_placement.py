@@ -146,12 +146,12 @@ class RouterPlacement:
         why = ""
         frame = self._enc.encode(f.req)
         while True:
-            trace.event(f.span, "sent", peer=peer)
             f.peer = peer
             f.tried.add(peer)
             self.balancer.on_start(peer)
             try:
                 await self.peers[peer].send(frame, zmq.NOBLOCK)
+                trace.event(f.span, "sent", peer=peer)
                 return
             except zmq.ZMQError as e:
                 self.balancer.on_end(peer)
