@@ -26,6 +26,7 @@ from disagg.serving.tool_calls import (
     family_of,
     plan_tools,
 )
+from disagg.serving.tool_stream import ToolStream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -69,7 +70,7 @@ def joined(deltas):
 
 
 def streamed(p, pieces):
-    s = p.stream()
+    s = ToolStream(p)
     deltas = [d for piece in pieces for d in s.push(piece)] + s.finish()
     return s, deltas
 
@@ -118,7 +119,7 @@ def test_arguments_stream_in_pieces_as_they_are_written():
     arguments come in several pieces, each sent as soon as it is known."""
     p = plan("hermes")
     out = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    s = p.stream()
+    s = ToolStream(p)
     head = out.index('{"city"')
     assert s.push(out[:head - 2]) == []
     first = s.push(out[head - 2:head + 1])
@@ -176,7 +177,7 @@ def test_streams_without_parallel_calls_and_around_text():
 def test_plain_text_stays_content_and_one_call_without_parallel():
     p = plan("hermes")
     assert p.parse("no call <tool_ here") == ("no call <tool_ here", [])
-    s = p.stream()
+    s = ToolStream(p)
     deltas = s.push("no call <tool_") + s.push(" here") + s.finish()
     assert "".join(d["content"] for d in deltas) == "no call <tool_ here" and not s.called
     assert p.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])

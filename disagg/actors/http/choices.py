@@ -39,6 +39,7 @@ from disagg.serving.openai_api import (
 from disagg.serving.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from disagg.serving.tool_calls import apply_tool_calls
 from disagg.serving.tool_calls import finish_reason as tool_finish_reason
+from disagg.serving.tool_stream import ToolStream
 
 if TYPE_CHECKING:
     from disagg.actors.http.http import Event, Gateway
@@ -183,7 +184,7 @@ async def _stream(gw: Gateway, request: web.Request, events: AsyncIterator[tuple
     reasons: dict[int, str] = {}
     started: set[int] = set()
     # chat with tools: each choice's output as content and delta.tool_calls of its own
-    tools = [p.tools.stream() if chat and p.tools is not None else None for p in preps]
+    tools = [ToolStream(p.tools) if chat and p.tools is not None else None for p in preps]
 
     async def tool_deltas(k: int, deltas: list[dict[str, Any]]) -> None:
         for delta in deltas:

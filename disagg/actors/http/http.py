@@ -71,6 +71,7 @@ from disagg.serving.openai_logprobs import token_text_of
 from disagg.serving.tenants import http_tenant
 from disagg.serving.tool_calls import apply_tool_calls
 from disagg.serving.tool_calls import finish_reason as tool_finish_reason
+from disagg.serving.tool_stream import ToolStream
 from disagg.trace import trace_header
 
 log = logging.getLogger(__name__)
@@ -354,7 +355,7 @@ class Gateway:
             await send(request, resp, data, self.limits.write_timeout_s)
 
         shaper = Shaper(prep, chat, self.text_of, self.tokenizer)  # echo, logprobs
-        tools = prep.tools.stream() if chat and prep.tools is not None else None
+        tools = ToolStream(prep.tools) if chat and prep.tools is not None else None
 
         async def tool_deltas(deltas: list[dict[str, Any]]) -> None:
             for delta in deltas:

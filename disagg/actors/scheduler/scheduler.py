@@ -402,9 +402,15 @@ class SchedulerActor:
 
     def stats(self) -> Stats:
         c, n = self.counters, self.side.transfers_in_flight()
+        # typed Any: Stats has list fields, so mypy would check these ints against them
+        counts: dict[str, Any] = self.sched.counters()
+        tiers: dict[str, Any] = self.tiers.stats() if self.tiers is not None else {}
+        messenger: dict[str, Any] = msgspec.structs.asdict(self.messenger_stats)
+        if n is not None:
+            messenger["transfers_in_flight"] = n
         return Stats(
             role=self.role, pages_total=self.pool.num_pages, pages_free=self.pool.num_free,
-            pages_cached=self.pool.num_cached, **self.sched.counters(),
+            pages_cached=self.pool.num_cached, **counts,
             page_size=self.page_size, running=len(self.sched.running),
             waiting=len(self.sched.waiting) + self.intake.waiting(),
             started=c.started, finished=c.finished,
@@ -413,9 +419,7 @@ class SchedulerActor:
             max_model_len=self.max_model_len, steps_overlapped=self.core.steps_ahead,
             draining=int(self.intake.draining is not None),
             dp_ranks=rank_stats(self.pool, self.sched.running, self.executors.all_to_all_s),
-            **(self.tiers.stats() if self.tiers is not None else {}),
-            **msgspec.structs.asdict(self.messenger_stats)
-            | ({} if n is None else {"transfers_in_flight": n}),
+            **tiers, **messenger,
         )
 
     def usage(self, seq: Sequence) -> Usage:
