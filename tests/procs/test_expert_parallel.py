@@ -256,3 +256,48 @@ def test_prefill_to_decode_dp2_expert_parallel(kind, prefill, tmp_path):
         wait_for(lambda: pools_full(d_addr) and pools_full(p_addr), what="pools full")
     finally:
         assert p.stop() == [] and d.stop() == []
+
+
+@pytest.mark.fabric
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_prefill_dp2_expert_parallel_to_decode_tp2(kind, tmp_path):
+    """The reverse shape: prefill --dp 2 --expert-parallel (each rank a TP 1 layout to its
+    peers) -> decode --tp 2, planned by the same planner (TP 1 -> 2: GQA heads split, MLA's
+    latent to both replicas): tokens equal transformers', unit counts exact, pools full."""
+    from disagg.model.config import ModelArch
+    from disagg.protocol.peer import KVLayoutDesc
+    from disagg.remote.transfer_plan import request_units, shard_kv_heads
+    from nodes import pools_full, wait_for
+
+    path = make_tiny_model(kind, tmp_path / kind)
+    arch = ModelArch.from_dir(path)
+
+    def desc(tp: int) -> KVLayoutDesc:
+        per, replicas = shard_kv_heads(arch.num_kv_heads, tp)
+        return KVLayoutDesc(arch.num_layers, 64, per, PAGE, arch.head_dim, "float32", 4,
+                            arch.hidden_size, tp, replicas, arch.layout_kind, arch.kv_parts)
+
+    p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    p = NodeProcess(["--role", "prefill", "--model", str(path), "--listen", p_addr, "--dp", "2",
+                     "--expert-parallel", "--max-batch-tokens", "5", *COMMON],
+                    tmp_path / "p.log")
+    d = NodeProcess(["--role", "decode", "--model", str(path), "--listen", d_addr, "--tp", "2",
+                     "--prefill-peer", p_addr, "--heartbeat", "0.2",
+                     "--local-prefill-max-tokens", "0", *COMMON], tmp_path / "d.log")
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        c = Client(d_addr)
+        try:
+            wait_for(lambda: c.stats().prefill_peers_alive > 0, timeout=60, what="prefiller")
+            for n in (2, PAGE + 1, 3 * PAGE + 2):
+                before = c.stats().kv_units_received
+                ids = prompt(n, salt=70 + n)
+                assert generate(c, ids, 5) == hf_greedy(path, ids, 5), n
+                assert c.stats().kv_units_received - before == request_units(
+                    desc(1), desc(2), n - 1), n
+        finally:
+            c.close()
+        wait_for(lambda: pools_full(d_addr) and pools_full(p_addr), what="pools full")
+    finally:
+        assert p.stop() == [] and d.stop() == []
