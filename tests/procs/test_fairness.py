@@ -142,7 +142,9 @@ def test_five_connections_of_one_key_do_not_lock_another_key_out(keyed):
         for i in range(4):
             mine.send(gen(f"mine-{i}", 4))
         got = replies_until(mine, 4)
-    assert flood.gave_way > 0  # the queue was full: the flood made room, not the newcomer
+    # when the queue was full as they came, the flood's newest gave way, never the newcomer
+    # (whether it still was depends on the machine's speed; that rule's own test is in
+    # tests/serving/test_intake.py)
     assert sorted(got) == [f"mine-{i}" for i in range(4)]
     assert all(isinstance(m, Finished) and m.reason == "length" for m in got.values()), got
 
