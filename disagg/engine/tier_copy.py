@@ -220,7 +220,7 @@ class ThreadMover:
         self._cond = threading.Condition()  # guards the queues, _completed, _running
         self._completed: list[tuple[int, bool]] = []  # done, not reported yet
         self._done_ops: set[int] = set()
-        self._running: int | None = None
+        self._running: Copy | None = None
         self._closing = False
         self._in_flight = 0
         self._stream = torch.cuda.Stream(kv[0].device) if kv[0].is_cuda else None
@@ -237,7 +237,7 @@ class ThreadMover:
                 if self._closing:
                     return
                 copy = (self._urgent or self._later).popleft()
-                self._running = copy.op
+                self._running = copy
             t0 = time.perf_counter()
             try:
                 ok = run_copy(copy, self.kv, self.host.tensors, self.disk, self._stream)
@@ -275,12 +275,21 @@ class ThreadMover:
     def expedite(self, op: int, page: int) -> bool:
         """Copy ``page`` of copy out ``op`` now, in the caller's thread, if that copy has not
         started (it goes on without the page): True once the bytes are in its slot; False
-        when the copy runs or ran (``wait`` for it)."""
+        when the copy runs or ran, or when a spill ahead of it still has to read the slot
+        (the slot's old entry on its way to disk: writing the slot now would put this page's
+        bytes on disk under the old page's hash); ``wait`` for it then."""
         with self._cond:
+            spilling: set[int] = set()
+            if self._running is not None and self._running.kind == "spill":
+                spilling.update(self._running.slots)
             for i, c in enumerate(self._later):
+                if c.kind == "spill":
+                    spilling.update(c.slots)
                 if c.op == op and c.kind == "out" and page in c.pages:
                     j = c.pages.index(page)
                     slot = c.slots[j]
+                    if slot in spilling:
+                        return False
                     self._later[i] = Copy(op, "out", c.pages[:j] + c.pages[j + 1:],
                                           c.slots[:j] + c.slots[j + 1:])
                     break

@@ -436,3 +436,56 @@ def test_promote_brings_a_prefix_back_into_the_device_cache_for_a_remote_prefill
     s.tiers.count_held(q, 4, PAGE)
     assert s.tiers.tiers.counters.hit_tokens["host"] == 4 * PAGE
     assert not s.has_work()
+
+
+def test_a_page_is_not_copied_at_once_into_a_slot_whose_old_entry_is_still_to_spill(
+        monkeypatch, tmp_path):
+    """A host slot's old entry goes to disk before a copy out reuses the slot (the spill is
+    queued first). Copying the new page at once (``expedite``) would overwrite the slot
+    before the spill read it: the disk would hold the new page's bytes under the old page's
+    hash, checksummed, and serve them as that page (wrong KV). The page waits instead."""
+    import threading
+
+    from disagg.engine import tier_copy
+    from disagg.engine.kv_disk import DiskStore
+    from disagg.engine.tier_copy import HostPool, ThreadMover, page_views
+
+    gate, started = threading.Event(), threading.Event()
+    real = tier_copy.run_copy
+
+    def gated(copy, *args):
+        if copy.op == 1:
+            started.set()
+            gate.wait(10)
+        return real(copy, *args)
+
+    monkeypatch.setattr(tier_copy, "run_copy", gated)
+    kv = torch.arange(2 * 8 * 4, dtype=torch.uint8).view(2, 8, 4).clone()
+    host = HostPool(1, 2, 8, 4, pin=False)
+    host.tensors[0].fill_(200)  # slot 0: the old entry's bytes
+    old = host.tensors[0][0].clone()
+    store = DiskStore(tmp_path, b"i" * 32, 2 * 4)
+    store.open()
+    mover = ThreadMover(page_views([kv], 2, 8, 4), host, store)
+    try:
+        mover.submit(Copy(1, "out", (5,), (5,)))  # holds the worker
+        assert started.wait(10)
+        mover.submit(Copy(2, "spill", (), (0,), (h(9),)))  # the old entry of slot 0
+        mover.submit(Copy(3, "out", (2,), (0,)))  # the new page into slot 0
+        assert not mover.expedite(3, 2)  # its slot is still to spill
+        gate.set()
+        mover.wait(3)
+        assert store.read(h(9)) == old.numpy().tobytes()
+        assert torch.equal(host.tensors[0][0], kv[:, 2])
+        # with no spill ahead of it, a page of a queued copy is copied at once
+        gate.clear()
+        started.clear()
+        mover.submit(Copy(1, "out", (5,), (5,)))
+        assert started.wait(10)
+        mover.submit(Copy(4, "out", (3,), (1,)))
+        assert mover.expedite(4, 3) and torch.equal(host.tensors[0][1], kv[:, 3])
+        gate.set()
+        mover.wait(4)
+    finally:
+        gate.set()
+        mover.close()
