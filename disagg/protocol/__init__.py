@@ -386,8 +386,9 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):
-    """The answer to ``Ping``: the node's event loop runs. ``draining``: it admits no new
-    request (``--drain``: they get ``unavailable``) and finishes its streams, then exits."""
+    """The answer to ``Ping``: the node's event loop runs. ``draining``: it drains (SIGTERM,
+    ``POST /drain`` on ``--metrics-listen``, ``disagg-node drain``): it admits no new request
+    (they get ``unavailable``) and finishes its streams, then exits."""
 
     draining: bool = False
     v: int = PROTOCOL_VERSION
