@@ -271,3 +271,18 @@ def test_disagg_engine_matches_transformers_gguf(model_dir: Path, gguf_path: Pat
     out = llm.generate([ids[0].tolist()], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     assert out[0].token_ids == expected
 
+
+
+def test_tp_that_splits_the_heads_is_refused_in_one_line() -> None:
+    """README's first multi-executor try, ``--devices cpu --tp 2`` with the embedded model (9
+    attention heads): refused before any executor starts or a weight loads, exit code 1, the
+    reason in one line on stderr and no traceback."""
+    dm.default_model_dir(progress=False)  # converted here first: no progress bar below
+    out = subprocess.run([sys.executable, "-m", "disagg", "--devices", "cpu", "--tp", "2",
+                          "--listen", "tcp://127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].endswith("could not start: --tp 2 does not divide the 9 attention heads")
