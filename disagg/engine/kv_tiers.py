@@ -164,8 +164,9 @@ class Mover(Protocol):
         """Copies submitted and not reported yet."""
         ...
 
-    def wait(self, op: int) -> None:
-        """Until copy ``op`` is done (``done`` still reports it)."""
+    def wait(self, op: int) -> bool:
+        """Until copy ``op`` is done (``done`` still reports it), within a bound: False when
+        the bound passed first (the copy still runs)."""
         ...
 
     def expedite(self, op: int, page: int) -> bool:
@@ -197,6 +198,7 @@ class TierCounters:
     copies_waited: int = 0  # evictions that waited for their page's copy out
     copies_expedited: int = 0  # ... that copied their page at once (its copy not started)
     copies_skipped: int = 0  # not kept: no host slot free of pins, or evicted unsent
+    copies_voided: int = 0  # evictions that outwaited their page's copy (its entry dropped)
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ class KVTiers:
         self._slots_of: dict[int, tuple[int, ...]] = {}  # reload op -> the host slots it reads
         self._spilling: dict[int, tuple[bytes, ...]] = {}  # spill op -> its hashes
         self._queued: dict[int, bytes] = {}  # evictable pages noticed, not copied yet
+        self._void: set[tuple[int, bytes]] = set()  # (op, hash): copies out never committed
 
     # ---------------------------------------------------------------- device -> host
 
@@ -259,8 +262,12 @@ class KVTiers:
             self.counters.bytes_out += self.mover.page_bytes
             self.counters.copies_expedited += 1
         else:  # the copy must have read it before it is written again
-            self.mover.wait(op)
             self.counters.copies_waited += 1
+            if not self.mover.wait(op):
+                # the copy outlived its bound: the page is written again while the copy may
+                # still read it, so that slot may hold a torn page: never found (voided).
+                self._void.add((op, h))
+                self.counters.copies_voided += 1
 
     def copying(self, page: int) -> bool:
         """A copy out of ``page`` is queued or in flight (the pool evicts others first)."""
@@ -391,10 +398,11 @@ class KVTiers:
                 for page, h, _slot in rows:
                     if self._out_page.get(page) == (op, h):
                         del self._out_page[page]
-                    if ok:
+                    if ok and (op, h) not in self._void:
                         self.host.commit(h)
                         self.counters.bytes_out += pb
                     else:
+                        self._void.discard((op, h))
                         self.host.abort(h)
                 continue
             spilled = self._spilling.pop(op, None)

@@ -75,9 +75,10 @@ class Recorder:
     def busy(self) -> bool:
         return bool(self.copies)
 
-    def wait(self, op: int) -> None:
+    def wait(self, op: int) -> bool:
         self.waited.append(op)
         self.land()
+        return True
 
     def expedite(self, op: int, page: int) -> bool:
         return False  # as if every copy had started
@@ -123,6 +124,25 @@ def test_evicting_a_page_whose_copy_is_in_flight_waits_for_that_copy():
     assert mover.waited == [copy.op] and tiers.counters.copies_waited == 1
     tiers.poll()
     assert tiers.host.get(h(1)) is not None
+
+
+def test_an_eviction_that_outwaits_its_pages_copy_never_finds_that_entry():
+    """The copy outlives the wait's bound: the page is written again while the copy may
+    still read it, so its host entry may be torn; when the copy ends it is dropped, not
+    found, and its slot is free again (the scheduler goes on, never stuck or failing)."""
+    pool, tiers, mover = pool_with_tiers(1, 4)
+    mover.wait = lambda op: mover.waited.append(op) or False  # type: ignore[method-assign]
+    [a] = pool.allocate(1)
+    pool.cache_page(a, h(1))
+    pool.free([a])
+    tiers.flush()
+    [copy] = mover.copies
+    pool.allocate(1)
+    assert mover.waited == [copy.op] and tiers.counters.copies_voided == 1
+    mover.land()  # the copy ends after all, ok
+    tiers.poll()
+    assert tiers.host.get(h(1)) is None and tiers.host.num_used == 0
+    assert tiers.counters.bytes_out == 0 and not tiers.busy()
 
 
 def test_a_page_evicted_before_its_copy_was_sent_is_not_kept():
