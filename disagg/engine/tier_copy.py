@@ -21,6 +21,7 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -48,15 +49,42 @@ def page_views(kv: Sequence[torch.Tensor], num_layers: int, num_pages: int,
     return out
 
 
+def pin_host(t: torch.Tensor) -> None:
+    """Page-lock ``t``'s memory for CUDA (``cudaHostRegister``), exactly its size: torch's
+    ``pin_memory=True`` allocator rounds every allocation up to a power of two (a 40 GiB
+    pool would pin 64 GiB). RuntimeError if CUDA refuses."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes "
+                           f"failed (cudaError {int(err)})")
+
+
+def _unpin_host(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 class HostPool:
-    """``num_slots`` host slots of one page (every layer) per rank."""
+    """``num_slots`` host slots of one page (every layer) per rank; with ``pin``, page-locked
+    for CUDA (``pin_host``) until the pool is collected."""
 
     def __init__(self, ranks: int, num_layers: int, num_slots: int, page_bytes: int,
                  pin: bool):
         self.num_slots = num_slots
-        self.tensors = [torch.empty((num_slots, num_layers, page_bytes), dtype=torch.uint8,
-                                    pin_memory=pin) for _ in range(ranks)]
+        self.tensors = [torch.empty((num_slots, num_layers, page_bytes), dtype=torch.uint8)
+                        for _ in range(ranks)]
         self.pinned = pin
+        if pin:
+            done: list[int] = []
+            try:
+                for t in self.tensors:
+                    pin_host(t)
+                    done.append(t.data_ptr())
+            except RuntimeError:
+                _unpin_host(done)
+                raise
+            # unregistered when the pool goes, before its tensors can be freed (it holds them)
+            weakref.finalize(self, _unpin_host, done)
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +109,7 @@ class HostPool:
                              f"({ranks * num_layers * page_bytes} bytes each)")
         try:
             return cls(ranks, num_layers, slots, page_bytes, pin)
-        except RuntimeError as e:  # cudaHostAlloc refused it
+        except RuntimeError as e:  # cudaHostRegister refused it
             raise ValueError(f"{flag} {budget_mb} MiB could not be pinned: {e}") from e
 
 

@@ -509,3 +509,24 @@ def test_a_page_is_not_copied_at_once_into_a_slot_whose_old_entry_is_still_to_sp
     finally:
         gate.set()
         mover.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_pinned_host_pool_is_page_locked_at_its_own_size_and_unlocked_when_it_goes():
+    """Registered, not allocated by torch's pinned allocator (which would round 40 GiB up to
+    64): exactly its slots' bytes, pinned, copies in and out of the device round-trip."""
+    import gc
+
+    from disagg.engine.tier_copy import HostPool
+
+    pool = HostPool(2, 3, 5, 1000, pin=True)
+    assert pool.nbytes == 2 * 3 * 5 * 1000 and all(t.is_pinned() for t in pool.tensors)
+    dev = torch.arange(3 * 1000, device="cuda").to(torch.uint8).view(3, 1000)
+    pool.tensors[1][4].copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(pool.tensors[1][4].cuda(), dev)
+    t = pool.tensors[0]
+    del pool
+    gc.collect()
+    assert not t.is_pinned()
