@@ -5,6 +5,7 @@ the right parent, and a traceparent the client sent honoured."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,10 +33,12 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 
 class Collector:
     """An OTLP/HTTP trace receiver: every span posted, as (service, trace id, span id,
-    parent span id, name, event names), ids in hex."""
+    parent span id, name, event names), ids in hex; and each span's events with their
+    attributes (``events``, by span id)."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, str, str, str, str, tuple[str, ...]]] = []
+        self.events: dict[str, list[tuple[str, dict[str, object]]]] = {}
         self.lock = threading.Lock()
         collector = self
 
@@ -53,6 +56,9 @@ class Collector:
                                     service, s.trace_id.hex(), s.span_id.hex(),
                                     s.parent_span_id.hex(), s.name,
                                     tuple(e.name for e in s.events)))
+                                collector.events[s.span_id.hex()] = [(e.name, {
+                                    a.key: getattr(a.value, a.value.WhichOneof("value"))
+                                    for a in e.attributes}) for e in s.events]
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
@@ -125,11 +131,14 @@ def check_trace(spans, tid: str, root_parent: str = "") -> None:
     assert "p.accepted" in prefill[5]
     for name in ("prefill_queue", "prefill_compute", "kv_settle"):
         assert by[("disagg-prefill", name)][3] == prefill[2], (name, mine)
+    # the layers pushed: a step's first and last layer posted, no event per layer
+    assert {"kv_first_layer_posted", "kv_last_layer_posted"} <= set(
+        by[("disagg-prefill", "prefill_compute")][5]), mine
     ids = [s[2] for s in mine]
     assert len(ids) == len(set(ids))
 
 
-def test_one_trace_per_request_across_router_decoder_and_prefiller(traced):
+def test_one_trace_per_request_across_router_decoder_and_prefiller(traced, chat_llama):
     r, _, memory, collector = traced
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     c = Client(r.address)
@@ -153,12 +162,22 @@ def test_one_trace_per_request_across_router_decoder_and_prefiller(traced):
         spans = router_spans(memory) + list(collector.spans)
     for tid in tids:
         check_trace(spans, tid)
+    layers = json.loads((chat_llama / "config.json").read_text())["num_hidden_layers"]
+    with collector.lock:
+        computes = [collector.events[s[2]] for s in collector.spans
+                    if s[1] in tids and s[4] == "prefill_compute"]
+    assert len(computes) == 3
+    for events in computes:  # 9 prompt tokens: one step, each layer a write of its own
+        assert [name for name, _ in events] == ["kv_first_layer_posted", "kv_last_layer_posted"]
+        first, last = (attrs for _, attrs in events)
+        assert first["layers"] == 1 and first["num_layers"] == layers
+        assert 0 < first["tokens"] == last["tokens"] <= 9  # the decoder may compute the last
+        assert last["layers"] == layers and last["writes"] >= layers and last["bytes"] > 0
 
 
 def test_a_traceparent_header_joins_the_callers_trace(traced):
     """The OpenAI gateway takes the W3C ``traceparent`` header: the request's spans in all
     three processes belong to the caller's trace, the router's span a child of its span."""
-    import json
     import urllib.request
 
     _, gw, memory, collector = traced

@@ -117,6 +117,9 @@ class JobWrites:
         self.host: tuple[list[Any], KVLayoutDesc] | None = None
         self.host_pages_sent = 0  # pages shipped straight from the host tier
         self.units_by_rank = [0] * len(kv_regions)  # KV units posted from each executor's pages
+        # job -> its spans (the messenger's, shared; empty while traces are off): a step's
+        # first and last layer posted become events of its prefill_compute phase
+        self.traces: dict[int, trace.Phases] = {}
 
     # ------------------------------------------------------------------ what it owns
 
@@ -234,6 +237,8 @@ class JobWrites:
                 for sr, dr in plan.by_pair:  # every source rank sends in parallel
                     self.post(w, self.kv_regions[base + sr], w.job.dst_kv[dr],
                               plan.layers((sr, dr), lo, hi), base + sr)
+                if self.traces and (lo == 0 or hi == num_layers):
+                    self._layer_events(step_id, chunk, w, lo, hi)
                 if lo == 0 and self.layout.spec_method == "draft":  # computed before it
                     self.ship_spec(w, self.spec_plan(w, chunk))
         if step.next_layer < num_layers <= layers_done:  # last layer out: markers
@@ -242,6 +247,22 @@ class JobWrites:
                 if c.start + c.count == c.total:
                     self.post_context(c.job)
         step.next_layer = max(step.next_layer, layers_done)
+
+    def _layer_events(self, step_id: int, chunk: ChunkInfo, w: Posted, lo: int, hi: int) -> None:
+        """The layers pushed, as events of the job's ``prefill_compute`` span: one when a
+        step's first layer's writes are posted (``layers``: how many went with it, all of them
+        for a short step), one when its last layer's are (``writes`` and ``bytes``: the job's
+        so far); two per step and job, none per layer."""
+        phases = self.traces.get(chunk.job)
+        if phases is None or phases.name != "prefill_compute":
+            return
+        n = self.layout.num_layers
+        if lo == 0:
+            trace.event(phases.phase, "kv_first_layer_posted", step=step_id, tokens=chunk.count,
+                        layers=hi, num_layers=n)
+        if hi == n:
+            trace.event(phases.phase, "kv_last_layer_posted", step=step_id, tokens=chunk.count,
+                        layers=n, writes=w.writes, bytes=w.bytes)
 
     def ship_spec(self, w: Posted, plan: ChunkPlan | None) -> None:
         """Every layer of a chunk's pages in the speculative region (a draft model's KV,

@@ -154,7 +154,8 @@ class PrefillMessenger(MessengerBase):
             self.writes.host = ([transfer.register(t, access="source") for t in host_kv],
                                 msgspec.structs.replace(layout, num_pages=1))
         self.poller: LayerPoller | None = None
-        self.traces: dict[int, trace.Phases] = {}  # job -> its spans (traces exported)
+        # job -> its spans (traces exported); shared with the writes (layers-pushed events)
+        self.traces: dict[int, trace.Phases] = self.writes.traces
 
     # ------------------------------------------------------------------ loop
 
