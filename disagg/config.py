@@ -112,6 +112,9 @@ class CacheConfig(msgspec.Struct, frozen=True):
         if self.kv_host_cache_mb and (self.kv_host_cache_mb << 20) > (free := memory_available()):
             raise ConfigError(f"--kv-host-cache-mb {self.kv_host_cache_mb} MiB is more than this "
                               f"machine can pin: {free >> 20} MiB available")
+        if self.kv_host_cache_mb and not self.prefix_caching:
+            raise ConfigError("--kv-host-cache-mb keeps pages the prefix cache lets go: it "
+                              "needs the prefix cache (drop --no-prefix-caching)")
         if self.kv_disk_cache_dir and not self.kv_host_cache_mb:
             raise ConfigError("--kv-disk-cache-dir needs a host tier above it "
                               "(--kv-host-cache-mb > 0)")

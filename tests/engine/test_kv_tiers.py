@@ -340,6 +340,8 @@ def test_a_host_tier_larger_than_the_machine_is_refused_with_the_numbers():
     with pytest.raises(ConfigError, match="needs a host tier"):
         CacheConfig(kv_disk_cache_dir="/tmp/kv").validate()
     CacheConfig(kv_host_cache_mb=1, kv_disk_cache_dir="/tmp/kv").validate()
+    with pytest.raises(ConfigError, match="--kv-host-cache-mb .* needs the prefix cache"):
+        CacheConfig(kv_host_cache_mb=1, prefix_caching=False).validate()
 
 
 def test_slot_runs_and_the_host_layout_of_one_page():
