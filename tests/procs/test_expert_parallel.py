@@ -103,6 +103,51 @@ def test_dp2_matches_transformers(kind, ep, tmp_path):
         assert node.stop() == []
 
 
+def test_dp2_tp2_expert_parallel_matches_transformers(tmp_path):
+    """--dp 2 --tp 2 --expert-parallel: four executors, a TP subgroup of two per DP rank for
+    the attention and dense all-reduces, the whole world of four the EP group (2 experts a
+    rank); concurrent requests run on both DP ranks, tokens equal transformers', pools full."""
+    import threading
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "m")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    node = NodeProcess(["--model", str(path), "--listen", addr, "--devices", "cpu", "--dp", "2",
+                        "--tp", "2", "--expert-parallel", "--max-batch-tokens", "8", *COMMON],
+                       tmp_path / "node.log")
+    try:
+        node.wait_ready()
+        assert len(node.children()) == 4
+        c = Client(addr)
+        try:
+            lengths = [2, PAGE + 3, 2 * PAGE + 1]
+            got: dict[int, list[int]] = {}
+
+            def run(n: int) -> None:
+                cc = Client(addr)
+                try:
+                    got[n] = generate(cc, prompt(n, salt=n), 4)
+                finally:
+                    cc.close()
+
+            threads = [threading.Thread(target=run, args=(n,)) for n in lengths]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            for n in lengths:
+                assert got.get(n) == hf_greedy(path, prompt(n, salt=n), 4), n
+            s = c.stats()
+            assert s.pages_free == s.pages_total == 128  # two DP ranks' pools of 64
+            assert [(r.rank, r.pages_free, r.running) for r in s.dp_ranks] == [
+                (0, 64, 0), (1, 64, 0)]
+            assert all(r.started > 0 for r in s.dp_ranks)  # both DP ranks ran
+            assert all(r.all_to_all_s > 0 for r in s.dp_ranks)
+        finally:
+            c.close()
+    finally:
+        assert node.stop() == []
+
+
 def test_a_killed_rank_ends_its_requests_and_the_node_restarts(tmp_path):
     """SIGKILL of DP rank 1's executor while both ranks decode (rank 0 waiting in an
     all-to-all with it): every live request ends with an internal error naming the executor,
@@ -192,7 +237,9 @@ def test_prefill_to_decode_dp2_expert_parallel(kind, prefill, tmp_path):
     prefiller); a --dp prefiller runs each job on any of its ranks and writes from that rank's
     executor once every rank computed the layer; the planner maps the layouts (TP 2 -> 1: GQA
     heads rebuilt, MLA's pages shared between both source replicas; TP 1 -> 1 one-to-one), the unit counts exact;
-    tokens equal transformers' and both decoder ranks take requests; every pool full after."""
+    tokens equal transformers' and both decoder ranks take requests; a second turn extending
+    the first takes its pages from the decoder rank's prefix cache (usage.cached_tokens) and
+    only the pages after them are written; every pool full after."""
     import threading
 
     from disagg.model.config import ModelArch
@@ -225,9 +272,24 @@ def test_prefill_to_decode_dp2_expert_parallel(kind, prefill, tmp_path):
             for n in (2, PAGE + 1, 3 * PAGE + 2):  # no shared prefix: every page is sent
                 before = c.stats().kv_units_received
                 ids = prompt(n, salt=50 + n)
-                assert generate(c, ids, 5) == hf_greedy(path, ids, 5), n
+                out = generate(c, ids, 5)
+                assert out == hf_greedy(path, ids, 5), n
                 assert c.stats().kv_units_received - before == request_units(
                     desc(p_tp), desc(1), n - 1), n
+            # a second turn extends the first (its prompt and answer): the decoder rank holding
+            # them in its prefix cache reserves the new pages after them and the prefiller
+            # writes only those; 4 full pages cached, more than the prefiller ever saw (the
+            # prompt but its last token: 3 full pages), so the hit is the decoder's
+            turn = ids + out + prompt(PAGE + 1, salt=90)
+            before = c.stats().kv_units_received
+            msgs = list(c.generate(prompt_token_ids=turn, sampling=SamplingParams(
+                max_tokens=5, ignore_eos=True)))
+            assert [t for m in msgs for t in getattr(m, "token_ids", [])] == hf_greedy(
+                path, turn, 5)
+            held = msgs[-1].usage.cached_tokens
+            assert held == 4 * PAGE, held
+            assert c.stats().kv_units_received - before == request_units(
+                desc(p_tp), desc(1), len(turn) - 1, skip_pages=held // PAGE)
             got: dict[int, list[int]] = {}
 
             def run(n: int) -> None:
