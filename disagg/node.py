@@ -194,6 +194,7 @@ class Node:
             hidden_size=arch.hidden_size, tp_size=tp, kv_replicas=replicas,
             kind=arch.layout_kind, kv_parts=arch.kv_parts, kv_scales=info.kv_scales,
             context_element_size=model_size if model_size != size else 0,
+            moe=arch.moe_shape,
             spec_method=(self.cfg.scheduler.speculative_method or "") if spec is not None else "",
             spec=spec)
 

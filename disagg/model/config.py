@@ -101,6 +101,27 @@ class ModelArch:
         return "mla" if self.mla is not None else "gqa"
 
     @property
+    def moe_shape(self) -> str:
+        """The MoE as peers compare it (``KVLayoutDesc.moe``; "" for a dense model): experts,
+        top-k and routing, the experts' and shared experts' widths, which layers are sparse.
+        Global sizes only, never where the experts lie: each side of a pair places them as its
+        own ``--tp`` / ``--dp`` / ``--expert-parallel`` say (placement never crosses the pair)."""
+        m = self.moe
+        if m is None:
+            return ""
+        routing = m.scoring + (", normalized" if m.norm_topk_prob else "")
+        if m.n_group > 1:
+            routing += f", {m.topk_group} of {m.n_group} groups by {m.group_score}"
+        if m.correction_bias:
+            routing += ", corrected"
+        if m.routed_scaling_factor != 1.0:
+            routing += f", scaled {m.routed_scaling_factor:g}"
+        sparse = [i for i, s in enumerate(m.sparse_layers) if s]
+        return (f"{m.num_experts} experts top {m.top_k} ({routing}), {m.intermediate_size} wide"
+                f", shared {m.shared_intermediate_size}{' gated' if m.shared_gate else ''}"
+                f", sparse layers {_spans(sparse)}")
+
+    @property
     def rope_dim(self) -> int:
         """Dimensions that RoPE rotates per head."""
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
@@ -189,6 +210,17 @@ def _replace(arch: ModelArch, **changes: Any) -> ModelArch:
     from dataclasses import replace
 
     return replace(arch, **changes)
+
+
+def _spans(ids: list[int]) -> str:
+    """Ascending ints as ranges: [0, 1, 2, 5] -> "0-2,5"; [] -> "none"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "none"
 
 
 def _arch_from_model_type(model_type: str) -> str:

@@ -56,6 +56,10 @@ class KVLayoutDesc(msgspec.Struct, frozen=True):
     # bytes per element of the context row (the model's hidden state; its dtype, not the
     # pages', with FP8 pages); 0 = element_size
     context_element_size: int = 0
+    # the model's MoE (ModelArch.moe_shape: experts, top-k, widths, sparse layers; "" dense).
+    # Expert placement never crosses a pair (only pages and hidden rows do), so each side
+    # places its experts as it likes, but both must serve the same MoE
+    moe: str = ""
 
     @property
     def page_bytes(self) -> int:

@@ -113,8 +113,9 @@ def spec_problem(layout: KVLayoutDesc) -> str | None:
 
 def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
     """Why pages of ``src`` (the prefiller) cannot be written into ``dst`` (the decoder), or
-    None. Sharding (tp_size, kv heads per rank, kv_replicas) may differ; the model may not,
-    nor what a page holds (``kind``: GQA's K/V heads or MLA's latent)."""
+    None. Sharding (tp_size, kv heads per rank, kv_replicas) and expert placement may differ;
+    the model may not (its KV shape, its MoE: ``moe``), nor what a page holds (``kind``:
+    GQA's K/V heads or MLA's latent)."""
     for side, lay in (("prefiller", src), ("decoder", dst)):
         why = layout_problem(lay)
         if why:
@@ -131,6 +132,10 @@ def incompatibility(src: KVLayoutDesc, dst: KVLayoutDesc) -> str | None:
         a, b = getattr(src, field), getattr(dst, field)
         if a != b:
             return f"layout mismatch: prefiller {field}={a}, decoder {field}={b}"
+    if src.moe != dst.moe:  # the pages' shape agrees, the models that made them may not
+        return (f"MoE mismatch: the prefiller serves {src.moe or 'a dense model'} and the "
+                f"decoder {dst.moe or 'a dense model'} (only KV pages and hidden rows cross the "
+                "pair, never experts: both sides must serve the same model)")
     if src.spec_method != dst.spec_method:
         return (f"speculative set-up mismatch: the decoder ({dst.spec_method or 'none'}) needs "
                 f"{SPEC_REGIONS[dst.spec_method]} and the prefiller "
