@@ -72,8 +72,8 @@ def pick(logits: torch.Tensor, chunks: list[SeqChunk], sampled: list[SeqChunk],
                                follow_tokens(chunks, sampled, fill, logits.device))
     if processed is not logits:
         argmax = None  # a processed greedy row's token is its processed argmax
-    tokens = sample_device(processed, sampled, argmax)
-    return tokens, token_logprobs(processed, sampled, tokens)
+    tokens = sample_device(processed, sampled, argmax)  # masks the constrained rows in place
+    return tokens, token_logprobs(processed, sampled, tokens)  # so: the masked distribution
 
 
 def verify_rows(logits: torch.Tensor, sampled: list[SeqChunk]

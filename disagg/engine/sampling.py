@@ -17,13 +17,18 @@ logits and its argmax, the processors run after it and the argmax is taken again
 rows only when some row was processed.
 
 Logprobs (``token_logprobs``) are the log-softmax of the logits the token was picked from:
-after the processors and divided by the temperature (greedy rows: by 1), before top-k/top-p
-(which only cut the support). Prompt logprobs (``prompt_logprobs``) are the model's raw
-log-softmax (no processor, no temperature), as vLLM's default.
+after the processors and the grammar mask (a constrained row's distribution is over what its
+grammar admits) and divided by the temperature (greedy rows: by 1), before top-k/top-p (which
+only cut the support). Prompt logprobs (``prompt_logprobs``) are the model's raw log-softmax
+(no processor, no temperature), as vLLM's default. No logprob leaves as -inf or NaN
+(``LogprobRows.host``): alternatives without probability (a token the grammar masked) are not
+listed, so a row may have fewer than it asked, and a token's own logprob that is not finite (a
+row with nothing left to draw from, sampled greedily) is ``LOGPROB_FLOOR``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +38,7 @@ from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import SeqChunk
 
 _MASK64 = (1 << 64) - 1
+LOGPROB_FLOOR = -9999.0  # a token's logprob that is not finite (vLLM's floor for its API)
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -211,6 +217,20 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
             top.indices if top is not None else empty.long())
 
 
+def finite_logprobs(token: int, logprob: float, top_ids: list[int], top_lps: list[float]
+                    ) -> TokenLogprobs:
+    """One row's logprobs with no -inf or NaN (which JSON cannot carry: msgspec writes null):
+    the alternatives that are not finite (without probability, e.g. masked by a grammar) left
+    out, the token's own logprob ``LOGPROB_FLOOR`` if it is not finite."""
+    isfinite = math.isfinite
+    if not isfinite(logprob):
+        logprob = LOGPROB_FLOOR
+    if all(map(isfinite, top_lps)):
+        return TokenLogprobs(token, logprob, top_ids, top_lps)
+    kept = [j for j, v in enumerate(top_lps) if isfinite(v)]
+    return TokenLogprobs(token, logprob, [top_ids[j] for j in kept], [top_lps[j] for j in kept])
+
+
 class LogprobRows:
     """Logprobs computed on the device for some rows, read on the host once it is done."""
 
@@ -234,9 +254,9 @@ class LogprobRows:
 
     def host(self) -> list[tuple[int, TokenLogprobs]]:
         """(key, logprobs) per row, in order (one copy per tensor; none once ``stage``d and
-        the step's event passed)."""
+        the step's event passed), every value finite (``finite_logprobs``)."""
         chosen, lp, top_lp, top_ids = (t.tolist() for t in self.tensors)
-        return [(key, TokenLogprobs(chosen[i], lp[i], top_ids[i][:k], top_lp[i][:k]))
+        return [(key, finite_logprobs(chosen[i], lp[i], top_ids[i][:k], top_lp[i][:k]))
                 for i, (key, k) in enumerate(zip(self.keys, self.ks, strict=True))]
 
     def grouped(self) -> dict[int, list[TokenLogprobs]]:
@@ -251,7 +271,9 @@ def token_logprobs(logits: torch.Tensor, chunks: Sequence[SeqChunk], tokens: tor
                    ) -> LogprobRows | None:
     """The sampled ``tokens [N]``' logprobs for the rows of processed ``logits [N, V]`` whose
     chunk asked (``SeqChunk.logprobs >= 0``), keyed by slot: log-softmax of the logits divided
-    by the row's temperature (1 for greedy rows). None when no row asked."""
+    by the row's temperature (1 for greedy rows). ``logits`` are the ones the tokens were picked
+    from, grammar masks included (what a row's grammar does not admit is -inf: never listed,
+    ``LogprobRows.host``). None when no row asked."""
     rows = [i for i, c in enumerate(chunks) if c.logprobs >= 0]
     if not rows:
         return None

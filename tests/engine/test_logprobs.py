@@ -244,3 +244,51 @@ def test_processed_rows_beside_drafted_ones_with_speculation(hf, model):
     for token, entry in zip(outs[2].token_ids, outs[2].logprobs, strict=True):
         check_entry(entry, torch.log_softmax(hf_logits(hf, seq)[-1], -1), token, 2)
         seq.append(token)
+
+
+def test_constrained_rows_logprobs_are_of_the_masked_distribution_and_finite():
+    """A grammar mask is part of the distribution a token is picked from: the logprobs of a
+    constrained row are the log-softmax over what it admits (after the processors and the
+    temperature), alternatives it does not admit are not listed (fewer than asked), and no
+    value is -inf or NaN, even for a row whose mask admits nothing (sampled greedily)."""
+    from disagg.engine.picking import pick
+    from disagg.engine.sampling import LOGPROB_FLOOR
+    from disagg.protocol.executor import SeqChunk
+
+    vocab = 64
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+
+    def mask(ids: list[int]) -> bytes:
+        words = [0] * (vocab // 32)
+        for t in ids:
+            words[t // 32] |= 1 << (t % 32)
+        return torch.tensor(words, dtype=torch.int64).to(torch.int32).numpy().tobytes()
+
+    admitted = [5, 40, 41]
+    chunks = [SeqChunk(0, [1], 0, [0], True, allowed=mask(admitted), logprobs=5),
+              SeqChunk(1, [1], 0, [0], True, temperature=0.7, seed=9, allowed=mask(admitted),
+                       logit_bias=[(40, 2.0)], logprobs=5),
+              SeqChunk(2, [1], 0, [0], True, allowed=mask([]), logprobs=5),
+              SeqChunk(3, [1], 0, [0], True, logprobs=5)]  # unconstrained beside them
+    raw = logits.clone()
+    tokens, rows = pick(logits, chunks, chunks, None, None)
+    assert rows is not None
+    got = dict(rows.host())
+    for slot, temp, bias in ((0, 1.0, {}), (1, 0.7, {40: 2.0})):
+        e = got[slot]
+        assert e.token_id in admitted and tokens[slot] == e.token_id
+        row = raw[slot].clone()
+        for t, b in bias.items():
+            row[t] += b
+        ref = torch.log_softmax(row[admitted] / temp, -1)  # over what the grammar admits
+        want = dict(zip(admitted, ref.tolist(), strict=True))
+        assert sorted(e.top_ids) == admitted and len(e.top_logprobs) == 3  # not 5
+        assert all(abs(want[t] - lp) < TOL for t, lp in zip(e.top_ids, e.top_logprobs,
+                                                            strict=True))
+        assert abs(e.logprob - want[e.token_id]) < TOL
+        assert abs(sum(math.exp(v) for v in e.top_logprobs) - 1.0) < TOL
+    nothing = got[2]  # a mask admitting nothing: nothing to list, a finite logprob
+    assert nothing.top_ids == nothing.top_logprobs == [] and nothing.logprob == LOGPROB_FLOOR
+    free = got[3]
+    assert len(free.top_ids) == 5 and all(math.isfinite(v) for v in free.top_logprobs)
+    check_entry(free, torch.log_softmax(raw[3], -1), int(raw[3].argmax()), 5)

@@ -7,6 +7,7 @@ input refused with a 400 naming the parameter while the node keeps serving."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Literal
 
@@ -147,6 +148,32 @@ def test_guided_keys_in_extra_body(oai):
     r = oai.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=1.0,
                                extra_body={"guided_regex": "[0-9]{2,4}"})
     assert re.fullmatch("[0-9]{2,4}", r.choices[0].text)
+
+
+def test_constrained_logprobs_list_only_admitted_tokens(oai):
+    """Logprobs of a constrained request are of the masked distribution: alternatives the
+    grammar does not admit are left out (fewer than asked), and no value is null (-inf)."""
+    r = oai.completions.create(model="tiny", prompt="pick", max_tokens=20, logprobs=5,
+                               extra_body={"guided_choice": ["alpha", "beta"]})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text in ("alpha", "beta") and lp.tokens
+    assert all(isinstance(v, float) and math.isfinite(v) for v in lp.token_logprobs)
+    for top in lp.top_logprobs:
+        assert 1 <= len(top) <= 5 and all(isinstance(v, float) and math.isfinite(v)
+                                           for v in top.values())
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-4
+    assert min(len(top) for top in lp.top_logprobs) < 5  # the text's end admits only EOS
+    chat = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "pick"}], max_tokens=20,
+        logprobs=True, top_logprobs=20, extra_body={"guided_choice": ["alpha", "beta"]})
+    content = chat.choices[0].logprobs.content
+    assert "".join(e.token for e in content).startswith(chat.choices[0].message.content)
+    assert [t.token for t in content[-1].top_logprobs] == [content[-1].token]  # EOS alone
+    for e in content:
+        assert isinstance(e.logprob, float) and math.isfinite(e.logprob)
+        assert 1 <= len(e.top_logprobs) < 20
+        assert all(isinstance(t.logprob, float) and math.isfinite(t.logprob)
+                   for t in e.top_logprobs)
 
 
 def test_constrained_steps_overlap_with_their_masks_sent_late(served, oai):
