@@ -33,7 +33,7 @@ from disagg.protocol import (
     TokenChunk,
 )
 from disagg.serving import security
-from disagg.serving.fanout import choice_sampling, merged
+from disagg.serving.fanout import SharedPromptLogprobs, choice_sampling, merged
 from disagg.serving.security import CurveKeys
 
 
@@ -213,7 +213,8 @@ class AsyncClient:
         """``n`` choices of one prompt (``disagg.serving.fanout``, as the HTTP gateway serves
         ``n``): choice ``j`` is request ``<request_id>-<j>``, seeded ``choice_seed(seed, j)``
         when ``sampling.seed`` is set; choice 0 goes first and the others once it has its
-        first token (one prefill: they take its pages from the prefix cache). Yields
+        first token (one prefill: they take its pages from the prefix cache; only choice 0
+        asks ``prompt_logprobs``, the others' first chunk carries a copy). Yields
         ``(j, TokenChunk | Finished)`` as they come, until every choice finished; a choice's
         ``Error`` raises ``RequestError`` and aborts the others, as leaving early does."""
         if n < 1:
@@ -389,6 +390,7 @@ class Client:
         reqs = [_request(prompt, prompt_token_ids, choice_sampling(base, j), f"{rid}-{j}",
                          cache_salt) for j in range(n)]
         index = {r.request_id: j for j, r in enumerate(reqs)}
+        shared = SharedPromptLogprobs(n)  # choice 0's prompt logprobs for the others
         self._send(self._enc.encode(reqs[0]), timeout)
         live, held = {reqs[0].request_id}, reqs[1:]  # held: sent once choice 0 replies
         try:
@@ -405,7 +407,8 @@ class Client:
                     self._send(self._enc.encode(r), timeout)
                     live.add(r.request_id)
                 held = []
-                yield index[msg.request_id], msg
+                j = index[msg.request_id]
+                yield j, shared.share(j, msg)
         finally:
             for request_id in live:
                 with contextlib.suppress(zmq.ZMQError):  # Again: no connection to tell

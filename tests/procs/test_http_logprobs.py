@@ -96,6 +96,37 @@ def test_n_choices_one_prefill_distinct_seeds(oai, shared_node):
     assert r.usage.prompt_tokens_details.cached_tokens >= full
 
 
+def test_echo_logprobs_with_n_choices_prefill_the_prompt_once(oai, shared_node):
+    """echo + logprobs with n > 1: only choice 0 asks the prompt's logprobs (which take
+    nothing from the prefix cache); the others get a copy and take the prompt's pages from the
+    cache, whole and streamed."""
+    ids = nodes.prompt(23, salt=35)
+    full = (23 - 1) // PAGE * PAGE  # the prompt's full pages (its last token always computed)
+    kw = dict(model=MODEL, prompt=ids, max_tokens=3, n=3, echo=True, logprobs=2,
+              temperature=1.0, seed=8, extra_body={"ignore_eos": True})
+    before = nodes.stats(shared_node)
+    r = oai.completions.create(**kw)
+    after = nodes.stats(shared_node)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens >= 2 * full
+    assert r.usage.prompt_tokens_details.cached_tokens >= full
+    prompt_parts = [(c.logprobs.tokens[:23], c.logprobs.token_logprobs[:23],
+                     c.logprobs.top_logprobs[:23], c.logprobs.text_offset[:23])
+                    for c in r.choices]
+    assert prompt_parts[0][1][0] is None and all(v is not None for v in prompt_parts[0][1][1:])
+    assert prompt_parts[1] == prompt_parts[0] and prompt_parts[2] == prompt_parts[0]
+    assert all(len(c.logprobs.tokens) == 23 + 3 for c in r.choices)
+    before = nodes.stats(shared_node)
+    streamed: dict[int, list] = {0: [], 1: [], 2: []}
+    for chunk in oai.completions.create(stream=True, **{**kw, "seed": 9}):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed[c.index] += c.logprobs.token_logprobs
+    after = nodes.stats(shared_node)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens >= 2 * full
+    assert all(len(v) == 23 + 3 for v in streamed.values())
+    assert streamed[0][:23] == streamed[1][:23] == streamed[2][:23] == prompt_parts[0][1]
+
+
 def test_n_streaming_chat(oai):
     chunks = list(oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "w50 w51"}], max_tokens=4, n=2,

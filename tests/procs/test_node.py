@@ -253,6 +253,40 @@ def test_client_choices_one_prefill_each_seeded_like_its_own_request(node):
     assert nodes.stats(node[0]).running == 0
 
 
+def test_client_choices_ask_prompt_logprobs_once(node):
+    """``prompt_logprobs`` with n choices through the Python clients: only choice 0 asks them
+    (it computes the whole prompt), the others take the prompt from the prefix cache and their
+    first chunk carries choice 0's prompt logprobs."""
+    prompt = list(range(50, 90))  # 40 tokens: whole pages for the later choices to reuse
+    sp = SamplingParams(max_tokens=3, temperature=1.0, seed=5, ignore_eos=True,
+                        prompt_logprobs=2)
+
+    def check(replies, salt):
+        firsts = {j: msg.prompt_logprobs for j, msg in reversed(replies)
+                  if isinstance(msg, TokenChunk)}  # each choice's first chunk
+        assert len(firsts[0]) == len(prompt) - 1, salt
+        assert firsts[1] == firsts[2] == firsts[0], salt
+        usage = {j: msg.usage for j, msg in replies if isinstance(msg, Finished)}
+        assert usage[0].cached_tokens == 0 and usage[1].cached_tokens >= 32, salt
+        assert usage[2].cached_tokens >= 32, salt
+
+    async def run():
+        client = AsyncClient(node[0])
+        try:
+            return [item async for item in client.choices(3, prompt_token_ids=prompt,
+                                                           sampling=sp, cache_salt="lp-async")]
+        finally:
+            await client.close()
+
+    check(asyncio.run(run()), "async")
+    client = Client(node[0])
+    try:
+        check(list(client.choices(3, prompt_token_ids=prompt, sampling=sp,
+                                  cache_salt="lp-sync")), "sync")
+    finally:
+        client.close()
+
+
 def test_sigint_stops_every_child(model_dir, tmp_path):
     addr = f"tcp://127.0.0.1:{free_port()}"
     proc = NodeProcess(["--model", str(model_dir), "--listen", addr, "--num-pages", "8",
