@@ -164,6 +164,11 @@ def test_a_batch_of_constrained_rows_only_overlaps_with_late_masks(model, tok):
     (StructuredOutput("grammar", "root ::= foo", param="guided_grammar"),
      "guided_grammar: invalid grammar"),
     (StructuredOutput("choice", choices=[], param="guided_choice"), "guided_choice"),
+    # valid, but admitting no output at all: refused, not run to max_tokens
+    (StructuredOutput("regex", r"[^\s\S]", param="guided_regex"),
+     "guided_regex: the regex constraint admits no output"),
+    (StructuredOutput("grammar", r"root ::= [^\x00-\U0010FFFF]", param="guided_grammar"),
+     "guided_grammar: the grammar constraint admits no output"),
     (StructuredOutput("xml", "x", param="structured_outputs"), "structured_outputs"),
 ])
 def test_bad_constraints_are_refused_by_name(tok, so, needle):

@@ -191,6 +191,9 @@ def test_constrained_steps_overlap_with_their_masks_sent_late(served, oai):
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
     ({"extra_body": {"guided_grammar": "root ::= undefined_rule"}}, "guided_grammar"),
     ({"extra_body": {"guided_regex": "((("}}, "guided_regex"),
+    # valid, but admitting no output at all (the node's matcher admits no first token)
+    ({"extra_body": {"guided_regex": r"[^\s\S]"}}, "guided_regex"),
+    ({"extra_body": {"guided_grammar": r"root ::= [^\x00-\U0010FFFF]"}}, "guided_grammar"),
     ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
 ])
 def test_bad_constraints_are_400_and_the_node_keeps_serving(oai, kw, needle):
