@@ -18,8 +18,9 @@ import pytest
 import zmq
 
 from disagg.actors.router.router import Router, start_router
-from disagg.client import AsyncClient
+from disagg.client import AsyncClient, RequestError
 from disagg.protocol import (
+    Error,
     Finished,
     GenerateRequest,
     NodeReply,
@@ -307,6 +308,86 @@ def test_http_choices_with_stop_strings_and_logprobs_survive_a_restart(cluster):
     assert got == reference
     assert moved(r, "moved") > before
     restarted(r, decoders, victim, ready)
+
+
+def stream_outcomes(addr: str, prompts: list[list[int]]) -> list[tuple[list[int], Finished | Error]]:
+    """Every prompt at once through ``addr``: each stream's tokens and its end, a Finished or
+    the Error it ended with."""
+
+    async def run() -> list[tuple[list[int], Finished | Error]]:
+        client = AsyncClient(addr)
+
+        async def one(ids: list[int]) -> tuple[list[int], Finished | Error]:
+            out: list[int] = []
+            try:
+                async for m in client.generate(prompt_token_ids=ids, timeout=180,
+                                               sampling=SamplingParams(max_tokens=NEW,
+                                                                       ignore_eos=True)):
+                    if isinstance(m, TokenChunk):
+                        out += m.token_ids
+                    else:
+                        return out, m
+            except RequestError as e:
+                return out, e.error
+            raise AssertionError("no Finished")
+
+        try:
+            return list(await asyncio.gather(*[one(ids) for ids in prompts]))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+async def streamed_on(r: Router, peer: str) -> int:
+    """Requests on ``peer`` that streamed a token (read on the router's loop)."""
+    return sum(f.peer == peer and f.streamed for f in r.flights.values())
+
+
+def test_a_stream_past_the_migration_limit_ends_unavailable_and_is_counted(cluster):
+    """A router with ``--migration-limit 0`` over the same decoders: a decoder's executor is
+    killed mid-stream; every request that decoder held ends ``unavailable`` naming the bound
+    (not the node's ``internal``), each counted ``refused``, none moved; the others finish."""
+    import threading
+
+    lt, main, decoders, _ = cluster
+    r, _ = lt.run(start_router(f"tcp://127.0.0.1:{free_port()}", list(decoders),
+                               poll_interval=0.2, dead_after=1.5, wait_for_peer=30,
+                               migration=MigrationPolicy(limit=0)))
+    try:
+        wait_for(lambda: len(r.balancer.alive()) == 2, what="both decoders live")
+        prompts = workload(8)
+        result: list[tuple[list[int], Finished | Error]] = []
+        t = threading.Thread(target=lambda: result.extend(stream_outcomes(r.address, prompts)))
+        t.start()
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None:
+            assert time.monotonic() < deadline and t.is_alive(), "no decoder ever streamed"
+            for peer in r.balancer.order:  # Progress counts nothing while migration is off
+                if lt.run(streamed_on(r, peer)) >= 2:
+                    victim = peer
+                    break
+            time.sleep(0.02)
+        ready = starts(decoders[victim])
+        kill_executor_of(decoders)(victim)
+        t.join(240)
+        assert not t.is_alive() and len(result) == len(prompts)
+        refused = [end for _, end in result if isinstance(end, Error)]
+        assert len(refused) >= 2, result
+        for end in refused:
+            assert end.code == "unavailable", end
+            assert end.message.startswith(f"decode node {victim} ended it"), end.message
+            assert end.message.endswith("the request was not moved: migration is off "
+                                        "(--migration-limit 0)"), end.message
+        for out, end in result:
+            if isinstance(end, Finished):
+                assert end.reason == "length" and len(out) == NEW, end
+        assert moved(r, "refused") == len(refused) and moved(r, "moved") == 0
+        assert lt.run(in_flight(r)) == {a: 0 for a in r.balancer.peers}
+    finally:
+        lt.run(r.stop())
+    restarted(main, decoders, victim, ready)
 
 
 def test_streams_of_a_killed_decoder_finish_on_the_other_exactly(cluster):

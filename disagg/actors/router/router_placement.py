@@ -50,10 +50,12 @@ class RouterPlacement:
         ``unavailable`` goes to a peer it has not tried; one ended because its node stops or
         restarts (``shutting_down``, ``internal``: its executor died; ``unavailable`` after a
         token) migrates, counted against ``--migration-limit`` (a request that kills every
-        executor it runs on stops there). False (the client gets ``err``) otherwise."""
+        executor it runs on stops there; with ``--migration-limit 0`` it ends ``unavailable``
+        saying migration is off, counted ``refused``, as when its node dies). False (the
+        client gets ``err``) otherwise."""
         if not f.streamed and err.code == "unavailable":
             return await self._elsewhere(f, addr)
-        if err.code not in MIGRATE_ON or not self.migration.enabled:
+        if err.code not in MIGRATE_ON:
             return False
         self.balancer.on_end(addr)
         f.peer = None
