@@ -2,13 +2,14 @@
 (``disagg.protocol.structured.StructuredOutput``) and one matcher per constrained request.
 
 Only the node that samples (mixed or decode) holds these: the scheduler process compiles a
-request's constraint when it admits it (``Grammars.compile``, off the event loop with a time
-bound: ``disagg.actors.scheduler.intake``), keeps the request's ``GrammarState`` on its
-``Sequence`` and, each step the sequence samples in, sends the packed bitmask of the tokens
-its grammar admits next (``GrammarState.mask``, ``SeqChunk.allowed``); the executor applies it
-to the row's logits on the device (``disagg.engine.constraints``) and the sampled token advances
-the matcher when the step's result comes back (``BatchScheduler.update``). The first output
-token is constrained like the others (its mask is the initial state's), on either node.
+request's constraint when it admits it (``Grammars.compile_bounded``, off the event loop with
+a time bound, fairly between tenants: ``disagg.actors.scheduler.intake``), keeps the request's
+``GrammarState`` on its ``Sequence`` and, each step the sequence samples in, sends the packed
+bitmask of the tokens its grammar admits next (``GrammarState.mask``, ``SeqChunk.allowed``);
+the executor applies it to the row's logits on the device (``disagg.engine.constraints``) and
+the sampled token advances the matcher when the step's result comes back
+(``BatchScheduler.update``). The first output token is constrained like the others (its mask
+is the initial state's), on either node.
 
 xgrammar is an optional dependency (the ``structured`` extra): without it ``Grammars`` refuses
 every constrained request by name, never serving one unconstrained.
@@ -16,6 +17,7 @@ every constrained request by name, never serving one unconstrained.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import functools
@@ -29,13 +31,20 @@ if TYPE_CHECKING:
     from disagg.model.tokenizer import Tokenizer
 
 COMPILE_TIMEOUT_S = 10.0  # a constraint whose compilation takes longer is refused
-COMPILE_THREADS = 2  # threads compiling constraints (a slow one delays only the next ones)
+# compiles within their time at once, a tenant's at most one fewer (so one tenant's slow ones
+# never hold them all); one past its time gives its slot up and goes on in the background
+COMPILE_THREADS = 2
+MAX_STUCK = 2  # compiles past their time still running; at this many, new ones are refused
 CACHE_ENTRIES = 256  # compiled grammars kept, by constraint (least recently used dropped)
 EXTRA = "structured"  # the pip extra that installs xgrammar
 
 
 class GrammarError(ValueError):
     """A constraint that cannot be served; the message names the request parameter."""
+
+
+class GrammarBusy(GrammarError):
+    """A constraint not compiled because the node is busy compiling others (retry later)."""
 
 
 def xgrammar_available() -> bool:
@@ -79,6 +88,9 @@ def _ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)  # EBNF string literals escape as JSON's
 
 
+Key = tuple[str, str, tuple[str, ...]]  # a constraint's (StructuredOutput.key)
+
+
 class Grammars:
     """Compiles constraints for one tokenizer and vocabulary, caching them by constraint.
     ``compile`` may run on worker threads (xgrammar releases the GIL); it raises
@@ -92,14 +104,21 @@ class Grammars:
         self.refuse = refuse
         self._compiler: Any = None
         self._info: Any = None
-        self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[tuple[str, str, tuple[str, ...]], Any] = (
-            collections.OrderedDict())
+        self._lock = threading.Lock()  # the cache's (held briefly: the event loop takes it)
+        self._ensuring = threading.Lock()  # building the compiler (slow: a thread's)
+        self._cache: collections.OrderedDict[Key, Any] = collections.OrderedDict()
+        # the event loop's (compile_bounded): compiles running by constraint, those within
+        # their time by tenant, the constraints of those past it, requests awaiting a slot
+        self._running: dict[Key, asyncio.Future[Any]] = {}
+        self._within: collections.Counter[bytes] = collections.Counter()
+        self._past: set[Key] = set()
+        self._waiting: list[tuple[bytes, asyncio.Future[None]]] = []
 
     @functools.cached_property
     def threads(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The threads ``compile`` runs on (off the event loop)."""
-        return concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
+        """The threads compiles run on (off the event loop): one each, as ``compile_bounded``
+        starts none past ``COMPILE_THREADS`` within their time and ``MAX_STUCK`` past it."""
+        return concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS + MAX_STUCK,
                                                      thread_name_prefix="grammar")
 
     def unavailable(self, param: str) -> str | None:
@@ -114,7 +133,7 @@ class Grammars:
         return None
 
     def _ensure(self) -> Any:
-        with self._lock:
+        with self._ensuring:
             if self._compiler is None:
                 import xgrammar as xgr
 
@@ -129,21 +148,125 @@ class Grammars:
         why = self.unavailable(so.param) or so.validate()
         if why is not None:
             raise GrammarError(why)
-        key = so.key()
+        compiled = self._cached(so.key())
+        return GrammarState(self._compiled(so) if compiled is None else compiled,
+                            self._info.vocab_size)
+
+    async def compile_bounded(self, so: StructuredOutput, tenant: bytes) -> GrammarState:
+        """``compile`` for a request of ``tenant``, on the event loop: cached, or waiting on the
+        same constraint's compile under way, or compiled on a thread of its own within
+        ``COMPILE_TIMEOUT_S`` (a slot waited for included). Fair: a tenant's compiles within
+        their time hold at most ``COMPILE_THREADS - 1`` slots (at least one), so its slow ones
+        never hold every slot. One past its time goes on (cached when it ends) without its
+        slot; while ``MAX_STUCK`` do, an uncached constraint is refused at once
+        (``GrammarBusy``, as is one that got no slot in time)."""
+        why = self.unavailable(so.param) or so.validate()
+        if why is not None:
+            raise GrammarError(why)
+        key, waited = so.key(), False
+        try:
+            async with asyncio.timeout(COMPILE_TIMEOUT_S):
+                while (compiled := self._cached(key)) is None:
+                    if key in self._past:  # this one's compile already took too long
+                        raise TimeoutError
+                    running = self._running.get(key)
+                    if running is None:
+                        if len(self._past) >= MAX_STUCK:
+                            raise GrammarBusy(
+                                f"{so.param}: not compiled: the node is busy compiling slow "
+                                f"constraints ({len(self._past)} past {COMPILE_TIMEOUT_S:g} s);"
+                                " try again later")
+                        waited = True
+                        await self._slot(tenant)
+                        waited = False
+                        if (key in self._running or self._cached(key) is not None
+                                or len(self._past) >= MAX_STUCK):
+                            self._release(tenant)  # done, started or refused meanwhile
+                            continue
+                        running = self._start(so, key, tenant)
+                    compiled = await asyncio.shield(running)  # a waiter's timeout leaves it
+        except TimeoutError:
+            if waited:
+                raise GrammarBusy(f"{so.param}: no compile slot came free within "
+                                  f"{COMPILE_TIMEOUT_S:g} s: the node is busy compiling other "
+                                  "constraints; try again later") from None
+            raise GrammarError(f"{so.param}: compiling the {so.kind} constraint took longer "
+                               f"than {COMPILE_TIMEOUT_S:g} s; simplify it") from None
+        return GrammarState(compiled, self._info.vocab_size)
+
+    async def _slot(self, tenant: bytes) -> None:
+        """Wait for a compile slot of ``tenant`` (given in order of asking, to a tenant below
+        its share)."""
+        got: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((tenant, got))
+        self._grant()
+        try:
+            await got
+        except BaseException:  # timed out: the slot, if given meanwhile, goes to the next
+            if got.done() and not got.cancelled():
+                self._release(tenant)
+            else:
+                self._waiting.remove((tenant, got))
+            raise
+
+    def _grant(self) -> None:
+        share = max(1, COMPILE_THREADS - 1)
+        for tenant, got in list(self._waiting):
+            if sum(self._within.values()) >= COMPILE_THREADS:
+                return
+            if self._within[tenant] < share:
+                self._waiting.remove((tenant, got))
+                self._within[tenant] += 1
+                got.set_result(None)
+
+    def _release(self, tenant: bytes) -> None:
+        self._within[tenant] -= 1
+        if self._within[tenant] <= 0:
+            del self._within[tenant]
+        self._grant()
+
+    def _start(self, so: StructuredOutput, key: Key, tenant: bytes) -> asyncio.Future[Any]:
+        """Compile ``so`` on a thread, holding ``tenant``'s slot until it ends or its time is
+        past (then it counts in ``_past`` until it ends)."""
+        loop = asyncio.get_running_loop()
+        running = self._running[key] = loop.run_in_executor(self.threads, self._compiled, so)
+
+        def past() -> None:
+            self._past.add(key)
+            self._release(tenant)
+
+        timer = loop.call_later(COMPILE_TIMEOUT_S, past)
+
+        def ended(_: asyncio.Future[Any]) -> None:
+            timer.cancel()
+            del self._running[key]
+            if key in self._past:
+                self._past.discard(key)
+            else:
+                self._release(tenant)
+            if not running.cancelled():
+                running.exception()  # retrieved: its waiters may all have timed out
+
+        running.add_done_callback(ended)
+        return running
+
+    def _cached(self, key: Key) -> Any:
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-        if compiled is None:
-            compiled = self._compile(self._ensure(), so)
-            with self._lock:
-                self._cache[key] = compiled
-                while len(self._cache) > CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
-        state = GrammarState(compiled, self._info.vocab_size)
-        if not state.satisfiable():
+            return compiled
+
+    def _compiled(self, so: StructuredOutput) -> Any:
+        """``so`` compiled now and cached (checked: one admitting no output is refused)."""
+        compiled = self._compile(self._ensure(), so)
+        if not GrammarState(compiled, self._info.vocab_size).satisfiable():
             raise GrammarError(f"{so.param}: the {so.kind} constraint admits no output")
-        return state
+        with self._lock:
+            self._cache[so.key()] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
 
     def _compile(self, compiler: Any, so: StructuredOutput) -> Any:
         try:

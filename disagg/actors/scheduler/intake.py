@@ -27,7 +27,7 @@ from typing import Annotated, Any, Protocol
 import msgspec
 
 from disagg import trace
-from disagg.engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars, GrammarState
+from disagg.engine.grammar import GrammarBusy, GrammarError, Grammars, GrammarState
 from disagg.engine.scheduling import Sequence
 from disagg.model.tokenizer import Tokenizer
 from disagg.protocol import (
@@ -291,25 +291,23 @@ class ClientIntake:
 
     async def _compile_then_accept(self, identity: bytes, req: GenerateRequest, ids: list[int],
                                    encoded: memoryview | None = None) -> None:
-        """Compile ``req``'s constraint on the grammar threads within ``COMPILE_TIMEOUT_S``,
-        then accept it with its matcher; a constraint that fails (invalid, admits nothing,
-        too slow to compile) ends it ``bad_request`` naming its parameter."""
+        """Compile ``req``'s constraint on the grammar threads within ``COMPILE_TIMEOUT_S``
+        (fairly among tenants: ``Grammars.compile_bounded``), then accept it with its matcher;
+        a constraint that fails (invalid, admits nothing, too slow to compile) ends it
+        ``bad_request`` naming its parameter, one the node is too busy to compile now
+        ``overloaded``."""
         key = (identity, req.request_id)
         so, grammars = req.sampling.structured, self.grammars
         assert so is not None and grammars is not None
         try:
-            fut = asyncio.get_running_loop().run_in_executor(grammars.threads, grammars.compile,
-                                                             so)
-            try:
-                grammar = await asyncio.wait_for(fut, COMPILE_TIMEOUT_S)
-            except TimeoutError:
-                raise GrammarError(f"{so.param}: compiling the {so.kind} constraint took "
-                                   f"longer than {COMPILE_TIMEOUT_S:g} s; simplify it") from None
+            grammar = await grammars.compile_bounded(
+                so, self.unit_of.get(key) or self._tenant(identity, req))
         except GrammarError as e:
             if self.tokenizing.pop(key, None) is not None:
                 self._forget_client(identity, req.request_id)
                 self.counters.errored += 1
-                await self.host.send(identity, Error("bad_request", str(e), req.request_id))
+                code: ErrorCode = "overloaded" if isinstance(e, GrammarBusy) else "bad_request"
+                await self.host.send(identity, Error(code, str(e), req.request_id))
             return
         if self.tokenizing.pop(key, None) is None:
             return  # aborted (or its client left) meanwhile
