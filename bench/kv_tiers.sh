@@ -7,12 +7,14 @@
 # distinct tokens, ~24 GB), with CONC=8 conversations in flight. Run twice, one node at a
 # time: device-only (the prefix cache alone) and with a host tier of HOST_MB MiB (default 32768,
 # pinned: it holds every conversation). Then, on the host-tier node, a 4k-token prefix hit from
-# the device against one from the host tier (bench/kv_tiers_hit.py).
+# the device against one from the host tier (bench/kv_tiers_hit.py); and the TPOT of STEADY
+# other requests while the tiers copy (bench/kv_tiers_tpot.py: reloads of host hits against
+# device hits on the host-tier node, copies out of fresh prompts against the device-only node).
 #   bash bench/kv_tiers.sh [WORK]      (default WORK=/tmp/kv_tiers; results WORK/*.json, logs)
 # Prints: TTFT p50 of the later turns (turns 1..7) device-only vs host tier and their ratio
-# (issue: <= 0.4), TPOT p50 of both runs (<= 1.05x), and the 4k host hit over the device hit
-# (<= 1.3x). Env: DEVICE, DTYPE, PAGES, HOST_MB, CONVS, TURNS, SYSTEM, USER_LEN, OUTLEN, CONC,
-# PREFIX, MODEL_DIR (a real model directory instead of random weights), EXTRA (node flags).
+# (issue: <= 0.4), TPOT p50 of both runs, the 4k host hit over the device hit (<= 1.3x), and
+# the steady requests' TPOT while reloading / copying out over without (<= 1.05x). Env: DEVICE, DTYPE, PAGES, HOST_MB, CONVS, TURNS, SYSTEM, USER_LEN, OUTLEN, CONC,
+# PREFIX, STEADY, STEADY_OUT, TPOT_PREFIXES, MODEL_DIR (a real model directory instead of random weights), EXTRA (node flags).
 # On a lent H200 (no package registry): carry [".whl"] (msgspec, pyzmq wheels; docs GPU.md);
 # they are installed into /tmp/site when missing. A CPU dry run of the whole script:
 #   DEVICE=cpu DTYPE=float32 MODEL_DIR=<tiny model> VOCAB=300 PAGES=64 HOST_MB=64 CONVS=6
@@ -32,6 +34,7 @@ DEVICE=${DEVICE:-cuda:0}; DTYPE=${DTYPE:-bfloat16}; VOCAB=${VOCAB:-150000}
 PAGES=${PAGES:-2560}; HOST_MB=${HOST_MB:-32768}
 CONVS=${CONVS:-64}; TURNS=${TURNS:-8}; SYSTEM=${SYSTEM:-1024}; USER_LEN=${USER_LEN:-256}
 OUTLEN=${OUTLEN:-64}; CONC=${CONC:-8}; PREFIX=${PREFIX:-4096}
+STEADY=${STEADY:-16}; STEADY_OUT=${STEADY_OUT:-2048}; TPOT_PREFIXES=${TPOT_PREFIXES:-8}
 PORT=${PORT:-7791}
 mkdir -p "$WORK"
 if [ -z "${MODEL_DIR:-}" ]; then
@@ -59,6 +62,11 @@ for mode in device host; do
     --max-concurrency "$CONC" --request-rate inf --vocab-size "$VOCAB" --seed 0 --warmup 2 \
     --timeout 600 --wait 60 --label "multiturn $CONVS x $TURNS, $mode" \
     --json "$WORK/multiturn_$mode.json" || echo "bench ($mode) failed"
+  windows=fresh; [ $mode = host ] && windows=device,host,fresh
+  timeout 900 python3 bench/kv_tiers_tpot.py --connect "tcp://127.0.0.1:$PORT" \
+    --windows "$windows" --steady "$STEADY" --steady-out "$STEADY_OUT" --prefix "$PREFIX" \
+    --prefixes "$TPOT_PREFIXES" --flood $((PAGES * 16 * 2)) --vocab "$VOCAB" \
+    --json "$WORK/tpot_$mode.json" || echo "tpot bench ($mode) failed"
   if [ $mode = host ]; then
     timeout 900 python3 bench/kv_tiers_hit.py --connect "tcp://127.0.0.1:$PORT" \
       --prefix "$PREFIX" --flood $((PAGES * 16 * 2)) --vocab "$VOCAB" \
@@ -83,6 +91,19 @@ for mode, (ttft, tpot, tiers, hit) in runs.items():
 if len(runs) == 2 and runs["device"][0]:
     print(f"later turns TTFT p50, host tier / device only: {runs['host'][0] / runs['device'][0]:.3f}"
           f" (issue: <= 0.4); TPOT p50 ratio {runs['host'][1] / runs['device'][1]:.3f}")
+tpot = {m: json.loads((work / f"tpot_{m}.json").read_text())
+        for m in ("device", "host") if (work / f"tpot_{m}.json").exists()}
+if "host" in tpot:
+    h = tpot["host"]
+    d, r = h.get("device", {}).get("tpot_ms_p50"), h.get("host", {}).get("tpot_ms_p50")
+    if d and r:
+        print(f"steady TPOT p50 while host hits reload {r:.2f} ms vs device hits {d:.2f} ms: "
+              f"{r / d:.3f} (issue: <= 1.05)")
+    f_host = h.get("fresh", {}).get("tpot_ms_p50")
+    f_dev = tpot.get("device", {}).get("fresh", {}).get("tpot_ms_p50")
+    if f_host and f_dev:
+        print(f"steady TPOT p50 beside fresh prompts, host tier copying out {f_host:.2f} ms vs "
+              f"no host tier {f_dev:.2f} ms: {f_host / f_dev:.3f} (issue: <= 1.05)")
 hit = work / "hit.json"
 if hit.exists():
     h = json.loads(hit.read_text())
