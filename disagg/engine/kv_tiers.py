@@ -441,7 +441,9 @@ class KVTiers:
         out |= {"kv_bytes_to_host": c.bytes_out, "kv_bytes_from_host": c.bytes_in,
                 "kv_bytes_to_disk": c.bytes_to_disk, "kv_bytes_from_disk": c.bytes_from_disk,
                 "host_cache_pages_total": self.host.num_slots,
-                "host_cache_pages_used": self.host.num_used}
+                "host_cache_pages_used": self.host.num_used,
+                "tier_copies_waited": c.copies_waited, "tier_copies_expedited": c.copies_expedited,
+                "tier_copies_skipped": c.copies_skipped, "tier_copies_voided": c.copies_voided}
         if self.disk is not None:
             fb = self.mover.page_bytes  # and a header per file: ~100 bytes, not counted
             out |= {"disk_cache_bytes_total": self.disk.num_slots * fb,

@@ -378,6 +378,14 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     disk_cache_bytes_total: int = 0  # the disk tier's bound (0: no disk tier)
     disk_cache_bytes_used: int = 0  # its page files' bytes
     kv_pages_from_host: int = 0  # prefill: pages shipped to decoders from the host tier
+    # evictions of a page whose copy to the host tier was still on its way: waited for it (the
+    # scheduler blocked), copied it at once (not started yet), voided it (the wait's bound
+    # passed: the host entry dropped); and pages the host tier never got (evicted before
+    # their copy was sent, or no slot free of pins)
+    tier_copies_waited: int = 0
+    tier_copies_expedited: int = 0
+    tier_copies_voided: int = 0
+    tier_copies_skipped: int = 0
     # prefill: KV units (a page's run of one layer, as kv_units_received counts them; context
     # writes not included) posted from each executor's pages, in executor order (--dp ranks
     # rank-major, each its --tp ranks): every source replica sends a share of an MLA transfer

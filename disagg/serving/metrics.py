@@ -102,6 +102,12 @@ _NODE_EXTRA = (
      "disk_cache_bytes_used", "gauge"),
     ("disagg_node_kv_pages_from_host", "Prefill: pages shipped straight from the host KV "
      "tier.", "kv_pages_from_host", "counter"),
+    *((f"disagg_node_kv_tier_copies_{k}", f"Host KV tier copies {what}.", f"tier_copies_{k}",
+       "counter") for k, what in (
+        ("waited", "an eviction waited for (the scheduler blocked)"),
+        ("expedited", "an eviction made at once (not started yet)"),
+        ("voided", "an eviction outwaited (their host entry dropped)"),
+        ("skipped", "never made (evicted before sent, or no slot free of pins)"))),
 )
 
 

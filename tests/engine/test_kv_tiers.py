@@ -139,6 +139,7 @@ def test_an_eviction_that_outwaits_its_pages_copy_never_finds_that_entry():
     [copy] = mover.copies
     pool.allocate(1)
     assert mover.waited == [copy.op] and tiers.counters.copies_voided == 1
+    assert tiers.stats()["tier_copies_voided"] == tiers.stats()["tier_copies_waited"] == 1
     mover.land()  # the copy ends after all, ok
     tiers.poll()
     assert tiers.host.get(h(1)) is None and tiers.host.num_used == 0
