@@ -2,9 +2,10 @@
 
 Not an actor: the messengers hold it and ``await`` it. Owns: the backend engine (built by
 name from ``disagg.fabric.registry``: libfabric endpoint, CQ, AV and progress thread, or
-cuda-ipc), the registrations of every executor's KV memory (mapped into this process) and of the context
-buffer. Turns planned writes into batches with immediate data and counts what lands here.
-Callers only ``await``; the engine's progress thread enters asyncio in one place.
+cuda-ipc; on a prefiller a second one for ownership nonces, ``probes``), the registrations
+of every executor's KV memory (mapped into this process) and of the context buffer. Turns
+planned writes into batches with immediate data and counts what lands here. Callers only
+``await``; the engine's progress thread enters asyncio in one place.
 
 Backends and memory (``--transfer-backend``); the wrapper asks the backend what it can do
 (``device_memory``, ``revocable_windows``), never its name:
@@ -33,6 +34,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,6 +112,10 @@ class TransferEngine:
                  device: torch.device | None = None, lanes: int = 1,
                  stripe_bytes: int = STRIPE_BYTES, mr_per_attempt: str = "auto",
                  address: str = ""):
+        self._options: dict[str, Any] = dict(  # for probes(): an engine like this one
+            backend=backend, provider=provider, timeout_s=timeout_s, device=device, lanes=lanes,
+            stripe_bytes=stripe_bytes, mr_per_attempt=mr_per_attempt, address=address)
+        self._probes: TransferEngine | None = None
         self.device = device if device is not None else torch.device("cpu")
         self.lanes = lanes
         self.stripe_bytes = stripe_bytes
@@ -131,9 +137,24 @@ class TransferEngine:
         return self
 
     async def close(self) -> None:
+        if self._probes is not None:
+            await self._probes.close()
         await self.engine.close()
         for m in self._mirrors:
             m.close()
+
+    def probes(self) -> TransferEngine:
+        """A transfer engine of its own (same backend and options, its own endpoints) for
+        writes whose target a peer names and may have revoked: ownership nonces. A receiver
+        refusing a write (a revoked or unknown key) drops the whole connection it came on
+        (libfabric 1.17 tcp: ``tcpx_op_write`` fails, the endpoint is disabled), and with it
+        every write behind it on that connection, KV of other requests included; on these
+        endpoints none is. Itself where windows cannot be revoked (cuda-ipc)."""
+        if not self.engine.revocable_windows:
+            return self
+        if self._probes is None:
+            self._probes = TransferEngine(**self._options).start()
+        return self._probes
 
     def register(self, tensor: torch.Tensor, fd: int | None = None,
                  access: Access = "both") -> RegionHandle:

@@ -289,9 +289,9 @@ class ProgressThread:
         s = self._slots.slot_of(ctx)
         if s is not None and not flags & int(fl.lib.FI_REMOTE_CQ_DATA):
             b = self._slots.batch[s]
-            self._complete_slots([s], events)
-            if b is not None and not b.finished:
+            if b is not None and not b.finished:  # first: its last write failing fails it
                 self._finish(b, fl.FabricError("write completion", -err, text), events)
+            self._complete_slots([s], events)
         else:
             log.warning("fabric: target-side completion error %d: %s", err, text)
 

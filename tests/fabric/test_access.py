@@ -92,6 +92,53 @@ async def test_a_closed_window_refuses_late_and_forged_writes(pair) -> None:
     assert not buf.any() and victim.stats["arrived"] == arrived
 
 
+async def test_a_write_into_a_closed_window_loses_no_other_write_silently(pair) -> None:
+    """On tcp the receiver drops the connection a write with a revoked key came on, and the
+    writes queued behind it with it: each of those fails at the sender (a failed last write
+    of a batch once completed it as a success, and a prefiller answered done for KV that
+    never landed). A write seen completed has landed; a later one goes through."""
+    victim, sender, _ = pair
+    if victim.provider == "shm":  # libfabric 1.17 shm: docs/NOTES.md
+        pytest.skip("shm never completes the refused write and posts nothing after it")
+    buf = np.zeros(N, dtype=np.uint8)
+    base = victim.register_address(buf.ctypes.data, N, buf, access="source")
+    src = np.arange(N, dtype=np.uint8)
+    src_region = sender.register_address(src.ctypes.data, N, src, access="source")
+    live, dead = victim.window([base]), victim.window([base])
+    dead.close()
+    n = 64
+    exp = victim.expect(0x77, 2 * n, timeout=3)
+
+    def one(desc: Any, imm: int) -> asyncio.Future[None]:  # one write: its batch's last
+        return sender.submit(src_region, desc, [0], [0], [N], (imm << 16) | 1)
+
+    before = [one(live.descriptors[0], 0x77) for _ in range(n)]
+    refused = one(dead.descriptors[0], 0x78)
+    after = [one(live.descriptors[0], 0x77) for _ in range(n)]
+    results = await asyncio.gather(*before, refused, *after, return_exceptions=True)
+    await asyncio.gather(exp, return_exceptions=True)
+    completed = sum(r is None for i, r in enumerate(results) if i != n)
+    assert completed <= victim.stats["arrived"] <= 2 * n
+    exp = victim.expect(0x79, 1, timeout=5)
+    await one(live.descriptors[0], 0x79)
+    await asyncio.wait_for(exp, 10)
+
+
+def test_ownership_nonces_leave_on_endpoints_of_their_own() -> None:
+    from disagg.transfer import TransferEngine
+
+    async def run() -> None:
+        transfer = TransferEngine("fabric", "tcp").start()
+        try:
+            probes = transfer.probes()
+            assert probes is not transfer and transfer.probes() is probes
+            assert probes.engine.address != transfer.engine.address
+        finally:
+            await transfer.close()
+
+    asyncio.run(run())
+
+
 async def test_forged_immediates_on_a_live_window_are_junk(pair) -> None:
     victim, _, attacker = pair
     buf = np.zeros(N, dtype=np.uint8)

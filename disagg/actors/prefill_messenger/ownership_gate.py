@@ -73,9 +73,12 @@ class OwnershipGate:
         self.timeout_s = timeout_s
         self.max_parked = max_parked  # requests of one connection waiting for its check
         self.reply, self.accept, self.spawn = reply, accept, spawn
-        # nonces are written from their own source buffer (never a context row)
-        self.nonce_buf = transfer.context_buffer(NONCE_SOURCE_SLOTS, SLOT_BYTES)
-        self.nonce_region = transfer.register(self.nonce_buf.view(-1), access="source")
+        # nonces are written from their own source buffer (never a context row), on endpoints
+        # of their own: a nonce the receiver refuses (a requester named a revoked window) drops
+        # the connection it came on, and no KV write is on that one (TransferEngine.probes)
+        self.probes = transfer.probes()
+        self.nonce_buf = self.probes.context_buffer(NONCE_SOURCE_SLOTS, SLOT_BYTES)
+        self.nonce_region = self.probes.register(self.nonce_buf.view(-1), access="source")
         self.nonce_slots = NonceSlots(NONCE_SOURCE_SLOTS)
         self.owners = OwnershipBook()
         self.quotas = CheckQuotas(MAX_CHECKS, CHECKS_PER_IDENTITY, CHECKS_PER_ADDRESS)
@@ -228,7 +231,7 @@ class OwnershipGate:
                     w = Write(slot * SLOT_BYTES + i * NONCE_BYTES,
                               nonce_offset(dst_ctx.length, target[0], i), NONCE_BYTES, units)
                     # not KV: Stats.kv_writes_sent / kv_bytes_sent count KV only
-                    futures += self.transfer.write(self.nonce_region, lane, Runs.of([w]),
+                    futures += self.probes.write(self.nonce_region, lane, Runs.of([w]),
                                                    target[1], timeout=self.timeout_s,
                                                    counted=False)
             finally:  # every posted write settles by the timeout
