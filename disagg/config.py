@@ -111,7 +111,7 @@ class CacheConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--kv-host-cache-mb must be >= 0, got {self.kv_host_cache_mb}")
         if self.kv_host_cache_mb and (self.kv_host_cache_mb << 20) > (free := memory_available()):
             raise ConfigError(f"--kv-host-cache-mb {self.kv_host_cache_mb} MiB is more than this "
-                              f"machine can pin: {free >> 20} MiB available")
+                              f"machine can hold: {free >> 20} MiB available")
         if self.kv_host_cache_mb and not self.prefix_caching:
             raise ConfigError("--kv-host-cache-mb keeps pages the prefix cache lets go: it "
                               "needs the prefix cache (drop --no-prefix-caching)")

@@ -153,7 +153,10 @@ class Node:
         freeze_startup_objects(f"{cfg.role} node")
         keep_large_buffers(f"{cfg.role} node")
         self.summary = (f"{cfg.role} node serving {arch.architecture} on {self.address} "
-                        f"({self.executors.num_pages} pages of {cfg.cache.page_size} tokens)")
+                        f"({self.executors.num_pages * self.executors.dp} pages of "
+                        f"{cfg.cache.page_size} tokens"
+                        + (f": {self.executors.dp} DP ranks of {self.executors.num_pages}"
+                           if self.executors.dp > 1 else "") + ")")
         log.info("started: %s", self.summary)
 
     def _pair(self, name: str) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:

@@ -336,7 +336,7 @@ def test_conversations_larger_than_the_device_pool_are_token_exact_through_the_h
 
 def test_a_host_tier_larger_than_the_machine_is_refused_with_the_numbers():
     with pytest.raises(ConfigError, match=r"--kv-host-cache-mb 1073741824 MiB is more than "
-                                          r"this machine can pin: \d+ MiB available"):
+                                          r"this machine can hold: \d+ MiB available"):
         CacheConfig(kv_host_cache_mb=1 << 30).validate()
     with pytest.raises(ConfigError, match="needs a host tier"):
         CacheConfig(kv_disk_cache_dir="/tmp/kv").validate()
