@@ -10,6 +10,8 @@ Definitions (times in seconds here; the report converts to milliseconds):
 - ITL: gaps between consecutive token *chunks* of one request, as received. A chunk carrying
   k tokens counts once (the gap is what the user waited); with one token per chunk this is the
   classic inter-token latency.
+- Output tokens (totals and throughputs): each completed request's usage as the node reported
+  it (every choice's tokens with ``n > 1``), else the tokens its chunks counted.
 - Goodput: completed requests meeting every SLO given (TTFT <= slo_ttft, TPOT <= slo_tpot; a
   request with no TPOT meets the TPOT SLO) per second of benchmark duration.
 
@@ -115,7 +117,18 @@ class RequestRecord:
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens counted in the chunks received (the timing of TPOT and ITL)."""
         return sum(self.chunk_tokens)
+
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens generated: the node's usage where it reported one, else the chunks'
+        count. Over HTTP they differ: an SSE event counts one token per choice with text,
+        whatever it carried (several tokens; none for a token of empty text), and with
+        ``n > 1`` usage counts every choice's tokens."""
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        return self.num_output_tokens
 
     @property
     def ttft(self) -> float | None:
@@ -149,7 +162,7 @@ def aggregate(records: Sequence[RequestRecord], duration: float,
     tpots = [t for r in done if (t := r.tpot) is not None]
     e2es = [t for r in done if (t := r.e2e) is not None]
     itl_all = [g for r in done for g in itls(r.chunk_times)]
-    out_tokens = sum(r.num_output_tokens for r in done)
+    out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.input_len for r in done)
     errors: dict[str, int] = {}
     for r in records:

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import os
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Coroutine
 from dataclasses import asdict
@@ -30,7 +33,7 @@ import msgspec
 import numpy as np
 
 from disagg.bench.metrics_math import RequestRecord, aggregate, multiturn_summary
-from disagg.bench.transport import Done, Transport, TransportError, make_transport
+from disagg.bench.transport import Done, Transport, TransportError, make_transport, plain
 from disagg.bench.workload import (
     Conversation,
     RequestSpec,
@@ -100,7 +103,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
     ap.add_argument("--label", default=None, help="name of this run in reports and plots")
     ap.add_argument("--json", dest="json_path", default=None, metavar="PATH",
-                    help="write the result (config, summary, per-request records) as JSON")
+                    help="write the result (config, summary, per-request records) as JSON "
+                         "(whole or not at all: a temporary file renamed); - writes it to "
+                         "stdout, and the report to stderr")
     ap.add_argument("--plot", default=None, metavar="PATH.png",
                     help="write CDFs of TTFT/TPOT and ITL over time (needs matplotlib)")
     ap.add_argument("--quiet", action="store_true", help="no report on stdout")
@@ -463,12 +468,50 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"disagg-bench serve: {e}\n")
         return 2
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.json_path)
     if args.plot:
         from disagg.bench.plot import plot_runs
 
         plot_runs([result], args.plot)
-    if not args.quiet:
-        sys.stdout.write(format_report(result) + "\n")
+    if not args.quiet:  # with --json -, stdout holds the JSON alone
+        (sys.stderr if args.json_path == "-" else sys.stdout).write(format_report(result) + "\n")
     return 0
+
+
+def _json_default(obj: Any) -> Any:
+    """What ``json`` can't encode itself: a msgspec Struct (a node's Stats, array_like ones
+    included) as an object of its named fields, numpy scalars as numbers."""
+    if isinstance(obj, msgspec.Struct):
+        return plain(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return msgspec.to_builtins(obj)  # raises TypeError where it can't either
+
+
+def result_json(result: dict[str, Any]) -> str:
+    """The result as ``--json`` writes it."""
+    return json.dumps(result, indent=1, default=_json_default) + "\n"
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    """Write the result to ``path`` (``-``: stdout) whole or not at all: it is encoded first,
+    then written to a temporary file beside ``path`` and renamed over it."""
+    text = result_json(result)
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    target = os.path.abspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target),
+                               prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # as open() would have made it (mkstemp: 0600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

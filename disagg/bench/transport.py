@@ -42,6 +42,19 @@ class Done:
     cached_tokens: int = 0  # prompt tokens the node took from its prefix cache
 
 
+def plain(obj: Any) -> Any:
+    """``obj`` with every msgspec Struct in it (nested in dicts, lists and tuples too) turned
+    into a dict of its fields by name, array_like ones included (``Stats.dp_ranks``'
+    ``DPRankStats``): what a node's Stats look like in ``disagg-bench serve``'s JSON."""
+    if isinstance(obj, msgspec.Struct):
+        return {f: plain(getattr(obj, f)) for f in obj.__struct_fields__}
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
 class TransportError(RuntimeError):
     """The node refused or failed the request; ``code`` is the protocol's error code."""
 
@@ -94,7 +107,8 @@ class ZmqTransport(Transport):
             raise TransportError(e.error.code, e.error.message) from None
 
     async def stats(self, timeout: float) -> dict[str, Any] | None:
-        return dict(msgspec.structs.asdict(await self._client.stats(timeout)))
+        stats: dict[str, Any] = plain(await self._client.stats(timeout))
+        return stats
 
     async def close(self) -> None:
         await self._client.close()
