@@ -26,6 +26,7 @@ from disagg.protocol import (
     Finished,
     GenerateRequest,
     NodeReply,
+    Ping,
     Pong,
     SamplingParams,
     Stats,
@@ -299,7 +300,11 @@ class Client:
         security.client(self.sock, curve_keys or security.keys_from_env())
         self.address = address
         self.monitor = self.sock.get_monitor_socket(_MONITORED)
-        self.sock.connect(address)
+        try:
+            self.sock.connect(address)
+        except zmq.ZMQError:  # not an address zmq takes ("Invalid argument" and the like)
+            self.close()
+            raise
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(NodeReply)
         self.refused: str | None = None  # why the last handshake failed, until one succeeds
@@ -420,6 +425,18 @@ class Client:
             msg = self._recv(timeout)
             if isinstance(msg, Stats):
                 return msg
+
+    def ping(self, timeout: float = 10.0) -> Pong:
+        """One ``Pong`` (answered by the node's frontend at once, however busy it is), or
+        ``RequestError`` where it answers a frame-level ``Error`` instead (a node restarting:
+        ``unavailable``); TimeoutError where nothing answers within ``timeout``."""
+        self._send(self._enc.encode(Ping()), timeout)
+        while True:
+            msg = self._recv(timeout)
+            if isinstance(msg, Pong):
+                return msg
+            if isinstance(msg, Error) and msg.request_id is None:
+                raise RequestError(msg)
 
     def close(self) -> None:
         self.sock.disable_monitor()

@@ -1,4 +1,9 @@
-"""``disagg-client``: stream a completion from a node, or print its Stats."""
+"""``disagg-client``: stream a completion from a node, or print its Stats.
+
+Exit codes (README, "Running a node"): 0 done; 1 the node answered an error (or refused the
+CURVE handshake); 2 a usage error (a bad flag value, unreadable CURVE keys); 3 no reply within
+``--timeout``; 4 no node answered the first ``ping`` within ``--connect-timeout`` (``--wait``
+when given)."""
 
 from __future__ import annotations
 
@@ -6,8 +11,10 @@ import argparse
 import json
 import sys
 import time
+from typing import NoReturn
 
 import msgspec
+import zmq
 
 from disagg.client import Client, HandshakeError, RequestError
 from disagg.protocol import Finished, SamplingParams, TokenChunk, TokenLogprobs
@@ -41,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     ap.add_argument("--stats", action="store_true", help="print the node's Stats as JSON")
     ap.add_argument("--wait", type=float, default=0.0,
-                    help="retry for up to this many seconds until the node answers")
-    ap.add_argument("--timeout", type=float, default=600.0, help="per-message deadline")
+                    help="retry for up to this many seconds until the node answers (and "
+                         "serves: not restarting); replaces --connect-timeout")
+    ap.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                    help="exit 4 when nothing answers the first ping within S seconds")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="the request's per-message deadline (exit 3 past it)")
     ap.add_argument("--curve-keys", default=None, metavar="DIR",
                     help="this client's CURVE keys for nodes started with --curve-keys: "
                          "DIR/client (or DIR/client-NAME) of `disagg-node keygen DIR` "
@@ -50,15 +61,48 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def wait_for_node(client: Client, seconds: float) -> None:
+NO_NODE = 4  # the exit code where nothing answers the first ping
+
+
+def first_contact(client: Client, seconds: float, serving: bool) -> bool:
+    """Ping until the node answers, for up to ``seconds`` (each ping bounded by 2 s: one sent
+    before the node was up may be lost). ``serving``: only a ``Pong`` counts (a restarting
+    node's ``unavailable`` is retried); else any answer does (the request then gets it).
+    False where nothing answered in time; HandshakeError as soon as a handshake fails."""
     deadline = time.monotonic() + seconds
     while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
         try:
-            client.stats(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-            return
+            client.ping(timeout=min(2.0, max(0.05, left)))
+            return True
+        except RequestError:
+            if not serving:
+                return True
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         except TimeoutError:
-            if time.monotonic() >= deadline:
-                raise
+            pass
+
+
+def usage_error(line: str) -> NoReturn:
+    print(f"disagg-client: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        usage_error(f"--prompt-token-ids takes comma-separated integer token ids, got {text!r}")
+
+
+def logit_biases(text: str) -> dict[int, float]:
+    try:
+        bias = dict(pair.split(":") for pair in text.split(",") if pair.strip())
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        usage_error("--logit-bias takes ID:BIAS pairs, comma-separated")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,27 +112,27 @@ def main(argv: list[str] | None = None) -> None:
     try:
         keys = load_client(args.curve_keys) if args.curve_keys else keys_from_env()
     except KeyFileError as e:
-        print(f"disagg-client: CURVE keys: {e}", file=sys.stderr)
-        sys.exit(2)
-    client = Client(args.connect, keys)
+        usage_error(f"CURVE keys: {e}")
+    if not args.stats and args.prompt is None and args.prompt_token_ids is None:
+        usage_error("give --prompt, --prompt-token-ids or --stats")
+    ids = token_ids(args.prompt_token_ids) if args.prompt_token_ids is not None else None
+    logit_bias = logit_biases(args.logit_bias)
+    if "://" not in args.connect:
+        usage_error(f"--connect takes TRANSPORT://ADDRESS (tcp://HOST:PORT, ipc://PATH), "
+                    f"got {args.connect!r}")
     try:
-        if args.wait > 0:
-            wait_for_node(client, args.wait)
+        client = Client(args.connect, keys)
+    except zmq.ZMQError as e:
+        usage_error(f"--connect {args.connect!r}: {e} (give tcp://HOST:PORT or ipc://PATH)")
+    try:
+        connect_s = args.wait if args.wait > 0 else args.connect_timeout
+        if not first_contact(client, connect_s, serving=args.wait > 0):
+            print(f"disagg-client: no node answers at {args.connect} within {connect_s:g} s",
+                  file=sys.stderr)
+            sys.exit(NO_NODE)
         if args.stats:
             print(msgspec.json.encode(client.stats(args.timeout)).decode())
             return
-        if args.prompt is None and args.prompt_token_ids is None:
-            print("disagg-client: give --prompt, --prompt-token-ids or --stats", file=sys.stderr)
-            sys.exit(2)
-        ids = ([int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
-               if args.prompt_token_ids is not None else None)
-        try:
-            bias = dict(pair.split(":") for pair in args.logit_bias.split(",") if pair.strip())
-            logit_bias = {int(k): float(v) for k, v in bias.items()}
-        except ValueError:
-            print("disagg-client: --logit-bias takes ID:BIAS pairs, comma-separated",
-                  file=sys.stderr)
-            sys.exit(2)
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                   ignore_eos=args.ignore_eos,

@@ -20,6 +20,8 @@ from disagg.protocol import (
     Error,
     Finished,
     GenerateRequest,
+    Ping,
+    Pong,
     TokenChunk,
     Usage,
 )
@@ -27,7 +29,8 @@ from disagg.protocol import (
 
 class FakeNode:
     """A ROUTER socket served from a thread: each GenerateRequest is kept in ``got`` and
-    answered with one token and ``Finished``, or ``bad_request`` when it is invalid."""
+    answered with one token and ``Finished``, or ``bad_request`` when it is invalid; a Ping
+    with a Pong."""
 
     def __init__(self) -> None:
         self.ctx = zmq.Context()
@@ -46,6 +49,9 @@ class FakeNode:
                 continue
             ident, frame = self.sock.recv_multipart()
             msg = dec.decode(frame)
+            if isinstance(msg, Ping):  # disagg-client's first contact
+                self.sock.send_multipart([ident, enc.encode(Pong())])
+                continue
             if not isinstance(msg, GenerateRequest):
                 continue
             self.got.append(msg)
