@@ -129,6 +129,36 @@ def test_bad_peer_frames_do_not_stop_the_prefiller(cluster):
     assert msgs[-1].reason == "length"
 
 
+def test_a_prefill_node_answers_a_clients_ping_and_refuses_its_requests(cluster, capsys):
+    """A client pointed at a prefill node gets a Pong to its ping (disagg-client's first
+    contact) and bad_request naming the node's role for a generate or abort, at once; none
+    of them is counted or logged as a decoder's bad frame."""
+    from disagg.cli.client import main
+    from disagg.client import RequestError
+    from disagg.protocol import Abort, Error, NodeReply
+
+    p_addr, _ = cluster
+    bad_frames = stats(p_addr).bad_frames
+    role = "this is a prefill node: send requests to a decode or mixed node"
+    client = Client(p_addr)
+    try:
+        with pytest.raises(RequestError) as e:
+            list(client.generate(prompt="hi", request_id="r1", timeout=10))
+        assert e.value.error == Error("bad_request", role, "r1")
+        assert client.ping(timeout=10).draining is False
+        client.sock.send(msgspec.msgpack.encode(Abort("r1")))
+        assert client.sock.poll(10_000)
+        reply = msgspec.msgpack.decode(client.sock.recv(), type=NodeReply)
+        assert reply == Error("bad_request", f"abort of 'r1' not taken: {role}")
+    finally:
+        client.close()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--connect", p_addr, "--prompt", "hi", "--timeout", "10"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == f"disagg-client: bad_request: {role}\n"
+    assert stats(p_addr).bad_frames == bad_frames
+
+
 def test_short_prompts_prefill_locally_and_no_prefiller_means_local(cluster, model_dir, tmp_path,
                                                                     request):
     p_addr, _ = cluster

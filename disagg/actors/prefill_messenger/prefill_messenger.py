@@ -1,8 +1,9 @@
 """Prefill-side KV messenger.
 
 Receives: ``PrefillRequest`` / ``AbortPrefill`` / ``Ping`` / ``OwnershipOffer`` /
-``ChallengeAnswer`` from decode nodes (ROUTER on the node's ``--listen``); ``StepAnnounce`` /
-``StepDone`` (+ context rows) from the scheduler.
+``ChallengeAnswer`` from decode nodes (ROUTER on the node's ``--listen``), and from clients
+pointed at it ``stats`` / ``ping`` (served) or ``generate`` / ``abort`` (``bad_request``:
+``client_reply``); ``StepAnnounce`` / ``StepDone`` (+ context rows) from the scheduler.
 Sends: ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` / ``MessengerStats`` to the scheduler;
 ``Pong`` / ``PrefillDone`` / ``PrefillFailed`` / ``AbortAck`` / ``Challenge`` to decoders; page
 writes through the transfer engine, layer by layer as the layer counter advances.
@@ -45,7 +46,9 @@ from disagg.actors.sockets import (
     pending_frames,
     source_fd,
 )
-from disagg.protocol import StatsRequest
+from disagg.protocol import Error, StatsRequest
+from disagg.protocol import Ping as ClientPing
+from disagg.protocol import Pong as ClientPong
 from disagg.protocol.inproc import (
     CancelJob,
     JobHostPages,
@@ -102,6 +105,37 @@ from disagg.transfer import TransferEngine
 log = logging.getLogger(__name__)
 
 MAX_STATS_WAITING = 1000  # Stats requests of one peer answered by one query (more: dropped)
+
+NOT_SERVED = "this is a prefill node: send requests to a decode or mixed node"
+
+
+class _ClientGenerate(msgspec.Struct, tag="generate"):
+    """A client's ``generate`` (any fields: only its id is read, to name it in the refusal)."""
+
+    request_id: str | None = None
+
+
+class _ClientAbort(msgspec.Struct, tag="abort"):
+    request_id: str | None = None
+
+
+def client_reply(frame: bytes) -> Error | ClientPong | None:
+    """The answer to a client-protocol frame that is no peer message (a client pointed at this
+    node: ``stats`` is the peers' own and served as theirs): a ``Pong`` to a client's ``ping``,
+    ``bad_request`` naming this node's role to a ``generate`` (its id) or an ``abort``; None
+    for anything else (garbage, logged as a bad frame)."""
+    try:
+        msg = _client_dec.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if isinstance(msg, ClientPing):
+        return ClientPong()
+    if isinstance(msg, _ClientGenerate):
+        return Error("bad_request", NOT_SERVED, msg.request_id)
+    return Error("bad_request", f"abort of {msg.request_id!r} not taken: {NOT_SERVED}")
+
+
+_client_dec = msgspec.msgpack.Decoder(_ClientGenerate | _ClientAbort | ClientPing)
 
 
 class PrefillMessenger(MessengerBase):
@@ -204,6 +238,10 @@ class PrefillMessenger(MessengerBase):
                 except msgspec.ValidationError:  # request_problem names the id (or bad frame)
                     msg = self._peer_dec.decode(frames[1])
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                answer = client_reply(frames[1]) if len(frames) == 2 else None
+                if answer is not None:  # a client's frame: answered, not a decoder's garbage
+                    await self._reply(peer, answer)
+                    continue
                 self.bad_frames += 1
                 log.warning("bad frame from a decoder: %s", e)
                 continue
