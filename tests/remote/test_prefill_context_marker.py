@@ -60,6 +60,9 @@ class RecordingTransfer:
     def context_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
         return torch.zeros(rows, row_bytes, dtype=torch.uint8)
 
+    def probes(self) -> RecordingTransfer:
+        return self  # ownership nonces go out on the same (recording) engine here
+
     def write(self, src: Any, dst: str, runs: Any, key: int, timeout: float | None = None,
               counted: bool = True) -> list[asyncio.Future[None]]:
         self.writes.append((dst, int(runs.units.sum())))
@@ -89,11 +92,12 @@ async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int, min_tokens: int =
     b.connect("inproc://sched")
     transfer = RecordingTransfer()
     kv = torch.zeros(lay.total_bytes, dtype=torch.uint8)
-    m = PrefillMessenger("tcp://127.0.0.1:0", ctx, b, transfer, lay, [kv],  # type: ignore[arg-type]
-                         Counter(), vocab_size=100, max_jobs=4,
-                         layerwise_min_tokens=min_tokens)
-    m.poller = Poller()  # type: ignore[assignment]
-    try:
+    m = None
+    try:  # a failure closes the sockets too (an open one's context hangs the suite in its GC)
+        m = PrefillMessenger("tcp://127.0.0.1:0", ctx, b, transfer, lay, [kv],  # type: ignore[arg-type]
+                             Counter(), vocab_size=100, max_jobs=4,
+                             layerwise_min_tokens=min_tokens)
+        m.poller = Poller()  # type: ignore[assignment]
         n_pages = -(-prompt // PAGE)
         req = PrefillRequest(request_id="r", key=5, prompt_ids=list(range(prompt)),
                              dst_pages=list(range(n_pages)), dst_layout=lay, dst_kv=b"",
@@ -122,9 +126,9 @@ async def one_step(lay: KVLayoutDesc, prompt: int, chunk: int, min_tokens: int =
             seen.append(list(transfer.writes))
         return seen, transfer
     finally:
-        m.close()
-        a.close()
-        b.close()
+        if m is not None:
+            m.close()
+        ctx.destroy(linger=0)
         ctx.term()
 
 
