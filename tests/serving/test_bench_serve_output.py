@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from disagg.bench import serve
+from disagg.bench import report, serve
 from disagg.bench.metrics_math import RequestRecord, aggregate
 from disagg.bench.transport import ZmqTransport
 from disagg.protocol import DPRankStats, Stats
@@ -65,7 +65,7 @@ def test_json_of_a_dp_node_names_rank_fields(tmp_path, monkeypatch):
     # the Stats as the transport used to give them: a shallow asdict, DPRankStats inside
     raw = dict(msgspec.structs.asdict(dp_stats()))
     out = tmp_path / "r.json"
-    serve.write_json(result(raw), str(out))
+    report.write_json(result(raw), str(out))
     got = json.loads(out.read_text())
     assert got["node_stats"]["after"]["tcp://n"]["dp_ranks"] == RANKS
     assert got["summary"]["total_output_tokens"] == 2
@@ -82,11 +82,11 @@ def _umask() -> int:
 def test_json_failure_leaves_no_file_and_keeps_an_old_one(tmp_path):
     out = tmp_path / "r.json"
     with pytest.raises(TypeError):
-        serve.write_json(result(object()), str(out))
+        report.write_json(result(object()), str(out))
     assert list(tmp_path.iterdir()) == []
     out.write_text('{"old": 1}')
     with pytest.raises(TypeError):
-        serve.write_json(result(object()), str(out))
+        report.write_json(result(object()), str(out))
     assert out.read_text() == '{"old": 1}' and list(tmp_path.iterdir()) == [out]
 
 
@@ -160,4 +160,4 @@ async def test_http_n2_output_tokens_are_every_choices_usage():
     assert all(len(q["chunk_times"]) == 4 for q in res["requests"])  # events with text
     assert s["total_output_tokens"] == 32 == sum(q["completion_tokens"] for q in res["requests"])
     assert s["output_throughput"] == pytest.approx(32 / s["duration_s"])
-    json.loads(serve.result_json(res))
+    json.loads(report.result_json(res))
