@@ -238,11 +238,11 @@ class PrefillMessenger(MessengerBase):
                 except msgspec.ValidationError:  # request_problem names the id (or bad frame)
                     msg = self._peer_dec.decode(frames[1])
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.bad_frames += 1  # not a peer's frame (a client's too: counted, answered)
                 answer = client_reply(frames[1]) if len(frames) == 2 else None
-                if answer is not None:  # a client's frame: answered, not a decoder's garbage
+                if answer is not None:  # a client's frame: answered, not logged as garbage
                     await self._reply(peer, answer)
                     continue
-                self.bad_frames += 1
                 log.warning("bad frame from a decoder: %s", e)
                 continue
             match msg:
