@@ -131,8 +131,8 @@ def test_bad_peer_frames_do_not_stop_the_prefiller(cluster):
 
 def test_a_prefill_node_answers_a_clients_ping_and_refuses_its_requests(cluster, capsys):
     """A client pointed at a prefill node gets a Pong to its ping (disagg-client's first
-    contact) and bad_request naming the node's role for a generate or abort, at once; none
-    of them is counted or logged as a decoder's bad frame."""
+    contact) and bad_request naming the node's role for a generate or abort, at once; each is
+    counted in bad_frames (a frame the peer socket does not serve), none logged as garbage."""
     from disagg.cli.client import main
     from disagg.client import RequestError
     from disagg.protocol import Abort, Error, NodeReply
