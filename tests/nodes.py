@@ -196,3 +196,67 @@ def tokens(addr: str, ids: list[int], max_tokens: int, timeout: float = 60.0) ->
                 for t in getattr(m, "token_ids", [])]
     finally:
         c.close()
+
+
+class FakeClientNode:
+    """A ROUTER socket on loopback served from a thread, standing in for a node to a client:
+    every client message it gets is kept in ``got``; with ``pings`` each Ping is answered with
+    a Pong (a client's first contact), with ``generate`` each GenerateRequest with one token
+    and ``Finished``, or ``bad_request`` when it is invalid (as a node's intake would). Neither:
+    a port that takes connections and never speaks."""
+
+    def __init__(self, pings: bool = True, generate: bool = True) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.pings, self.generate = pings, generate
+        self.got: list[Any] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import msgspec
+
+        from disagg.protocol import (
+            ClientMessage,
+            Error,
+            Finished,
+            GenerateRequest,
+            Ping,
+            Pong,
+            Usage,
+        )
+
+        enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ClientMessage)
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, frame = self.sock.recv_multipart()
+            msg = dec.decode(frame)
+            self.got.append(msg)
+            replies: list[Any] = []
+            if isinstance(msg, Ping) and self.pings:
+                replies = [Pong()]
+            elif isinstance(msg, GenerateRequest) and self.generate:
+                rid, bad = msg.request_id, msg.validate()
+                replies = ([Error("bad_request", bad, rid)] if bad is not None else
+                           [TokenChunk(rid, [7], "x"), Finished(rid, "length", Usage(3, 1))])
+            for r in replies:
+                self.sock.send_multipart([ident, enc.encode(r)])
+
+    @property
+    def requests(self) -> list[Any]:
+        """The GenerateRequests among ``got``."""
+        from disagg.protocol import GenerateRequest
+
+        return [m for m in self.got if isinstance(m, GenerateRequest)]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+        self.ctx.term()
