@@ -29,10 +29,11 @@ import random
 import statistics
 import time
 
+from kv_tiers_hit import MIN_ID, tier_tokens  # this directory (run as a script)
+
 from disagg.client import AsyncClient
 from disagg.protocol import SamplingParams, TokenChunk
 
-MIN_ID = 10
 TIERS = ("device", "host", "disk")
 
 
@@ -60,11 +61,6 @@ def tpot_within(stamps: list[tuple[float, int]], lo: float, hi: float) -> float 
     if len(inside) < 2:
         return None
     return (inside[-1][0] - inside[0][0]) / sum(n for _, n in inside[1:])
-
-
-async def tier_tokens(client: AsyncClient) -> dict[str, int]:
-    s = await client.stats()
-    return {t: getattr(s, f"tier_hit_tokens_{t}") for t in TIERS}
 
 
 class Bench:
