@@ -143,24 +143,28 @@ def workload(n: int) -> list[list[int]]:
     return [prompt(3 + (i * 5) % 23, salt=900 + i) for i in range(n)]
 
 
-def stream_all(addr: str, prompts: list[list[int]], started: asyncio.Event | None = None
-               ) -> list[tuple[list[int], str, Finished]]:
-    """Every prompt at once through ``addr``: each stream's tokens, text and Finished."""
+def stream_outcomes(addr: str, prompts: list[list[int]]
+                    ) -> list[tuple[list[int], str, Finished | Error]]:
+    """Every prompt at once through ``addr``: each stream's tokens, text and its end, a
+    Finished or the Error it ended with."""
 
-    async def run() -> list[tuple[list[int], str, Finished]]:
+    async def run() -> list[tuple[list[int], str, Finished | Error]]:
         client = AsyncClient(addr)
 
-        async def one(ids: list[int]) -> tuple[list[int], str, Finished]:
+        async def one(ids: list[int]) -> tuple[list[int], str, Finished | Error]:
             out: list[int] = []
             text = ""
-            async for m in client.generate(prompt_token_ids=ids, timeout=180,
-                                           sampling=SamplingParams(max_tokens=NEW,
-                                                                   ignore_eos=True)):
-                if isinstance(m, TokenChunk):
-                    out += m.token_ids
-                    text += m.text
-                else:
-                    return out, text, m
+            try:
+                async for m in client.generate(prompt_token_ids=ids, timeout=180,
+                                               sampling=SamplingParams(max_tokens=NEW,
+                                                                       ignore_eos=True)):
+                    if isinstance(m, TokenChunk):
+                        out += m.token_ids
+                        text += m.text
+                    else:
+                        return out, text, m
+            except RequestError as e:
+                return out, text, e.error
             raise AssertionError("no Finished")
 
         try:
@@ -169,6 +173,14 @@ def stream_all(addr: str, prompts: list[list[int]], started: asyncio.Event | Non
             await client.close()
 
     return asyncio.run(run())
+
+
+def stream_all(addr: str, prompts: list[list[int]]) -> list[tuple[list[int], str, Finished]]:
+    """Every prompt at once through ``addr``: each stream's tokens, text and Finished."""
+    got = stream_outcomes(addr, prompts)
+    for _, _, end in got:
+        assert isinstance(end, Finished), end
+    return got  # type: ignore[return-value]
 
 
 async def streaming_on(r: Router, peer: str, tokens: int) -> int:
@@ -310,35 +322,6 @@ def test_http_choices_with_stop_strings_and_logprobs_survive_a_restart(cluster):
     restarted(r, decoders, victim, ready)
 
 
-def stream_outcomes(addr: str, prompts: list[list[int]]) -> list[tuple[list[int], Finished | Error]]:
-    """Every prompt at once through ``addr``: each stream's tokens and its end, a Finished or
-    the Error it ended with."""
-
-    async def run() -> list[tuple[list[int], Finished | Error]]:
-        client = AsyncClient(addr)
-
-        async def one(ids: list[int]) -> tuple[list[int], Finished | Error]:
-            out: list[int] = []
-            try:
-                async for m in client.generate(prompt_token_ids=ids, timeout=180,
-                                               sampling=SamplingParams(max_tokens=NEW,
-                                                                       ignore_eos=True)):
-                    if isinstance(m, TokenChunk):
-                        out += m.token_ids
-                    else:
-                        return out, m
-            except RequestError as e:
-                return out, e.error
-            raise AssertionError("no Finished")
-
-        try:
-            return list(await asyncio.gather(*[one(ids) for ids in prompts]))
-        finally:
-            await client.close()
-
-    return asyncio.run(run())
-
-
 async def streamed_on(r: Router, peer: str) -> int:
     """Requests on ``peer`` that streamed a token (read on the router's loop)."""
     return sum(f.peer == peer and f.streamed for f in r.flights.values())
@@ -357,7 +340,7 @@ def test_a_stream_past_the_migration_limit_ends_unavailable_and_is_counted(clust
     try:
         wait_for(lambda: len(r.balancer.alive()) == 2, what="both decoders live")
         prompts = workload(8)
-        result: list[tuple[list[int], Finished | Error]] = []
+        result: list[tuple[list[int], str, Finished | Error]] = []
         t = threading.Thread(target=lambda: result.extend(stream_outcomes(r.address, prompts)))
         t.start()
         deadline = time.monotonic() + 120
@@ -373,14 +356,14 @@ def test_a_stream_past_the_migration_limit_ends_unavailable_and_is_counted(clust
         kill_executor_of(decoders)(victim)
         t.join(240)
         assert not t.is_alive() and len(result) == len(prompts)
-        refused = [end for _, end in result if isinstance(end, Error)]
+        refused = [end for _, _, end in result if isinstance(end, Error)]
         assert len(refused) >= 2, result
         for end in refused:
             assert end.code == "unavailable", end
             assert end.message.startswith(f"decode node {victim} ended it"), end.message
             assert end.message.endswith("the request was not moved: migration is off "
                                         "(--migration-limit 0)"), end.message
-        for out, end in result:
+        for out, _, end in result:
             if isinstance(end, Finished):
                 assert end.reason == "length" and len(out) == NEW, end
         assert moved(r, "refused") == len(refused) and moved(r, "moved") == 0
