@@ -34,6 +34,7 @@ import zmq.asyncio
 
 from disagg import trace
 from disagg.actors.messenger_base import MessengerBase
+from disagg.actors.prefill_messenger.client_frames import client_reply
 from disagg.actors.prefill_messenger.layer_poller import LayerPoller
 from disagg.actors.prefill_messenger.ownership_gate import OwnershipGate
 from disagg.actors.prefill_messenger.prefill_jobs import Job, JobWrites
@@ -46,9 +47,7 @@ from disagg.actors.sockets import (
     pending_frames,
     source_fd,
 )
-from disagg.protocol import Error, StatsRequest
-from disagg.protocol import Ping as ClientPing
-from disagg.protocol import Pong as ClientPong
+from disagg.protocol import StatsRequest
 from disagg.protocol.inproc import (
     CancelJob,
     JobHostPages,
@@ -105,37 +104,6 @@ from disagg.transfer import TransferEngine
 log = logging.getLogger(__name__)
 
 MAX_STATS_WAITING = 1000  # Stats requests of one peer answered by one query (more: dropped)
-
-NOT_SERVED = "this is a prefill node: send requests to a decode or mixed node"
-
-
-class _ClientGenerate(msgspec.Struct, tag="generate"):
-    """A client's ``generate`` (any fields: only its id is read, to name it in the refusal)."""
-
-    request_id: str | None = None
-
-
-class _ClientAbort(msgspec.Struct, tag="abort"):
-    request_id: str | None = None
-
-
-def client_reply(frame: bytes) -> Error | ClientPong | None:
-    """The answer to a client-protocol frame that is no peer message (a client pointed at this
-    node: ``stats`` is the peers' own and served as theirs): a ``Pong`` to a client's ``ping``,
-    ``bad_request`` naming this node's role to a ``generate`` (its id) or an ``abort``; None
-    for anything else (garbage, logged as a bad frame)."""
-    try:
-        msg = _client_dec.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    if isinstance(msg, ClientPing):
-        return ClientPong()
-    if isinstance(msg, _ClientGenerate):
-        return Error("bad_request", NOT_SERVED, msg.request_id)
-    return Error("bad_request", f"abort of {msg.request_id!r} not taken: {NOT_SERVED}")
-
-
-_client_dec = msgspec.msgpack.Decoder(_ClientGenerate | _ClientAbort | ClientPing)
 
 
 class PrefillMessenger(MessengerBase):
