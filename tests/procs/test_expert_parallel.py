@@ -4,6 +4,8 @@ moved to them by all-to-all, greedy token-exact with transformers."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from disagg.client import Client
@@ -21,6 +23,26 @@ def prompt(n: int, salt: int = 0) -> list[int]:
 def generate(c: Client, ids: list[int], n: int) -> list[int]:
     return [t for m in c.generate(prompt_token_ids=ids, sampling=SamplingParams(
         max_tokens=n, ignore_eos=True)) for t in getattr(m, "token_ids", [])]
+
+
+def generate_at_once(addr: str, lengths: list[int], n: int) -> dict[int, list[int]]:
+    """``n`` greedy tokens of ``prompt(k, salt=k)`` for each ``k`` of ``lengths``, all sent at
+    once (a client each), so that they spread over the ranks; by length."""
+    got: dict[int, list[int]] = {}
+
+    def run(k: int) -> None:
+        cc = Client(addr)
+        try:
+            got[k] = generate(cc, prompt(k, salt=k), n)
+        finally:
+            cc.close()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in lengths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
@@ -51,8 +73,6 @@ def test_dp2_matches_transformers(kind, ep, tmp_path):
     """--dp 2 (with --expert-parallel: 4 experts a rank, a rank without requests joining each
     step's all-to-all with no rows): concurrent requests spread over both ranks, each rank's
     pool its own; tokens equal transformers'; pools full after."""
-    import threading
-
     path = make_tiny_model(kind, tmp_path / kind)
     addr = f"tcp://127.0.0.1:{free_port()}"
     node = NodeProcess(["--model", str(path), "--listen", addr, "--dp", "2",
@@ -66,20 +86,7 @@ def test_dp2_matches_transformers(kind, ep, tmp_path):
             # one request alone: the other rank idles through its steps
             assert generate(c, prompt(PAGE + 1), 5) == hf_greedy(path, prompt(PAGE + 1), 5)
             lengths = [1, PAGE + 2, 2 * PAGE + 3, 3 * PAGE + 1]
-            got: dict[int, list[int]] = {}
-
-            def run(n: int) -> None:
-                cc = Client(addr)
-                try:
-                    got[n] = generate(cc, prompt(n, salt=n), 6)
-                finally:
-                    cc.close()
-
-            threads = [threading.Thread(target=run, args=(n,)) for n in lengths]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            got = generate_at_once(addr, lengths, 6)
             for n in lengths:
                 assert got.get(n) == hf_greedy(path, prompt(n, salt=n), 6), n
             s = c.stats()
@@ -107,8 +114,6 @@ def test_dp2_tp2_expert_parallel_matches_transformers(tmp_path):
     """--dp 2 --tp 2 --expert-parallel: four executors, a TP subgroup of two per DP rank for
     the attention and dense all-reduces, the whole world of four the EP group (2 experts a
     rank); concurrent requests run on both DP ranks, tokens equal transformers', pools full."""
-    import threading
-
     path = make_tiny_model("qwen3_moe", tmp_path / "m")
     addr = f"tcp://127.0.0.1:{free_port()}"
     node = NodeProcess(["--model", str(path), "--listen", addr, "--devices", "cpu", "--dp", "2",
@@ -120,20 +125,7 @@ def test_dp2_tp2_expert_parallel_matches_transformers(tmp_path):
         c = Client(addr)
         try:
             lengths = [2, PAGE + 3, 2 * PAGE + 1]
-            got: dict[int, list[int]] = {}
-
-            def run(n: int) -> None:
-                cc = Client(addr)
-                try:
-                    got[n] = generate(cc, prompt(n, salt=n), 4)
-                finally:
-                    cc.close()
-
-            threads = [threading.Thread(target=run, args=(n,)) for n in lengths]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            got = generate_at_once(addr, lengths, 4)
             for n in lengths:
                 assert got.get(n) == hf_greedy(path, prompt(n, salt=n), 4), n
             s = c.stats()
@@ -240,8 +232,6 @@ def test_prefill_to_decode_dp2_expert_parallel(kind, prefill, tmp_path):
     tokens equal transformers' and both decoder ranks take requests; a second turn extending
     the first takes its pages from the decoder rank's prefix cache (usage.cached_tokens) and
     only the pages after them are written; every pool full after."""
-    import threading
-
     from disagg.model.config import ModelArch
     from disagg.protocol.peer import KVLayoutDesc
     from disagg.remote.transfer_plan import request_units, shard_kv_heads
@@ -290,21 +280,8 @@ def test_prefill_to_decode_dp2_expert_parallel(kind, prefill, tmp_path):
             assert held == 4 * PAGE, held
             assert c.stats().kv_units_received - before == request_units(
                 desc(p_tp), desc(1), len(turn) - 1, skip_pages=held // PAGE)
-            got: dict[int, list[int]] = {}
-
-            def run(n: int) -> None:
-                cc = Client(d_addr)
-                try:
-                    got[n] = generate(cc, prompt(n, salt=n), 5)
-                finally:
-                    cc.close()
-
             lengths = [3, PAGE + 3, 2 * PAGE + 1, 3 * PAGE + 3]
-            threads = [threading.Thread(target=run, args=(n,)) for n in lengths]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            got = generate_at_once(d_addr, lengths, 5)
             for n in lengths:
                 assert got.get(n) == hf_greedy(path, prompt(n, salt=n), 5), n
             ranks = c.stats().dp_ranks
