@@ -108,7 +108,10 @@ class LLM:
             store, slots, on_disk = (open_disk(kv_disk_cache_dir, kv_disk_cache_mb << 20, ident,
                                                arch.num_layers * layout.page_bytes)
                                      if kv_disk_cache_dir else (None, 0, []))
-            self.tiers = KVTiers(host.num_slots, SyncMover(views, host, store), slots, on_disk)
+            if pin:  # reloads issued layer by layer; the runner's steps wait per layer
+                self.runner.reload_events = [torch.cuda.Event() for _ in range(arch.num_layers)]
+            mover = SyncMover(views, host, store, [self.runner.reload_events])
+            self.tiers = KVTiers(host.num_slots, mover, slots, on_disk)
             self.scheduler: BatchScheduler = TieredScheduler(*args, tiers=self.tiers, **kwargs)
         else:
             self.scheduler = BatchScheduler(*args, **kwargs)

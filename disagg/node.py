@@ -225,10 +225,14 @@ class Node:
 
         assert self.executors is not None
         info = self.executors.ready[0].kv
+        kv = self._kv_tensors()
+        events = [[torch.cuda.Event.from_ipc_handle(t.device, h) for h in r.reload_events]
+                  for r, t in zip(self.executors.ready, kv, strict=True)]
         try:
             tiers, self.host_pool = node_tiers(
-                self._kv_tensors(), info.shape, info.dtype, c.kv_host_cache_mb,
-                c.kv_disk_cache_dir, c.kv_disk_cache_mb, arch.identity(info.dtype))
+                kv, info.shape, info.dtype, c.kv_host_cache_mb, c.kv_disk_cache_dir,
+                c.kv_disk_cache_mb, arch.identity(info.dtype),
+                events if all(events) else None)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         self.tiers = tiers

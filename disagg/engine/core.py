@@ -112,7 +112,8 @@ class EngineCore:
     def _step(self, batch: Batch, defer: bool) -> Step:
         step_id = next(self._ids)
         return Step(StepPlan(step_id, [c.to_wire() for c in batch.chunks], batch.num_decodes,
-                             counter_base=step_id * self.counter_stride, defer=defer), batch)
+                             counter_base=step_id * self.counter_stride, defer=defer,
+                             reload_wait=self.sched.reload_pending()), batch)
 
     def _defer(self, batch: Batch) -> Step:
         step = self._step(batch, defer=True)

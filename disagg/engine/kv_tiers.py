@@ -173,6 +173,12 @@ class Mover(Protocol):
         """Copy ``page`` of copy out ``op`` now if that copy has not started (True: done)."""
         ...
 
+    def overlap(self, copy: Copy) -> bool:
+        """Issue reload ``copy`` (host slots only) layer by layer now, so a step may start
+        on it at once and wait per layer (``disagg.engine.tier_reload``); ``done`` reports it
+        once every layer landed. False: not issued (submit it instead)."""
+        ...
+
 
 @dataclass
 class Reload:
@@ -183,6 +189,7 @@ class Reload:
     pages: tuple[int, ...]
     hashes: tuple[bytes, ...]
     ok: bool = True
+    overlapped: bool = False  # issued layer by layer: a step may use its pages at once
 
 
 @dataclass
@@ -359,10 +366,12 @@ class KVTiers:
         return len(self.find(hashes, on_device).where)
 
     def reload(self, owner: object, slots: list[int], pages: list[int],
-               hashes: list[bytes], fills: list[bytes] | None = None) -> Reload:
+               hashes: list[bytes], fills: list[bytes] | None = None,
+               overlap: bool = False) -> Reload:
         """Copy host ``slots`` into device ``pages`` (the caller's, just allocated), each
         slot whose ``fills`` entry is a hash first read from the disk tier (``stage``); the
-        slots stay pinned until it lands."""
+        slots stay pinned until it lands. ``overlap``: issued layer by layer now when it
+        reads host slots only and the mover can (``Reload.overlapped``)."""
         self._send_spills()  # the slots ``stage`` took from host entries: theirs go first
         op = next(self._ops)
         fills = fills or [b""] * len(slots)
@@ -375,7 +384,10 @@ class KVTiers:
         r = Reload(op, owner, tuple(pages), tuple(hashes))
         self._reloads[op] = r
         self._slots_of[op] = tuple(slots)
-        self.mover.submit(Copy(op, "in", tuple(pages), tuple(slots), tuple(fills)))
+        copy = Copy(op, "in", tuple(pages), tuple(slots), tuple(fills))
+        r.overlapped = overlap and not any(fills) and self.mover.overlap(copy)
+        if not r.overlapped:
+            self.mover.submit(copy)
         return r
 
     def count_hit(self, tier: str, pages: int, tokens: int) -> None:

@@ -8,6 +8,12 @@ sequence whose reload is in flight is *loading*: out of the waiting queue, holdi
 until ``poll`` sees the copy land, registers the reloaded pages in the device cache again and
 puts it back in the queue (by arrival) to start from its first uncached token. A sequence
 ended while loading keeps its pages out of the pool until the copy into them has landed.
+
+A reload of host slots only is issued layer by layer where the mover can
+(``Reload.overlapped``, ``disagg.engine.tier_reload``): the sequence is not loading but
+scheduled in this very step, whose plan waits per layer on the reload (``reload_pending``:
+``StepPlan.reload_wait``); the copy holds a reference to its pages until it landed, when they
+are registered in the device cache.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ class PrefixTiers:
     def __init__(self, tiers: KVTiers):
         self.tiers = tiers
         self.loading: dict[int, Sequence] = {}  # reload op -> its sequence
+        self.overlap = True  # issue host-only reloads layer by layer when the mover can
+        self.overlapping: set[int] = set()  # such reload ops not landed yet
         self._op_of: dict[int, int] = {}  # slot -> reload op
         self._failed: set[int] = set()  # slots whose reload failed: they compute instead
         self._counted: dict[int, dict[str, int]] = {}  # slot -> pages per tier, while loading
@@ -92,12 +100,17 @@ class PrefixTiers:
                  if tier != "device"]
         hashes_in = [h for tier, h, _ in found.where if tier != "device"]
         r = self.tiers.reload(seq, [s for s, _ in loads], pages, hashes_in,
-                              [f for _, f in loads])
+                              [f for _, f in loads], overlap=self.overlap)
         if seq.prefill_only and self.on_host_pages is not None:
             held = [(i, slot) for i, (tier, _, slot) in enumerate(found.where) if tier == "host"]
             if held:
                 self.hold(seq, [slot for _, slot in held])
                 self.on_host_pages(seq, held)
+        if r.overlapped:  # scheduled now; the step waits per layer; pages the copy's too
+            sched.pool.incref(pages)
+            self.overlapping.add(r.op)
+            self._counted.pop(seq.slot, None)
+            return False
         self.loading[r.op] = seq
         self._op_of[seq.slot] = r.op
         seq.status = Status.LOADING
@@ -150,6 +163,12 @@ class PrefixTiers:
             self.tiers.count_hit(tier, max(0, min(n, pages)), max(0, min(n, pages)) * page_size)
 
     def _landed(self, sched: TieredScheduler, r: Reload) -> None:
+        if r.op in self.overlapping:  # issued at once (a failure there is a CUDA error)
+            self.overlapping.discard(r.op)
+            for page, h in zip(r.pages, r.hashes, strict=True):
+                sched.pool.cache_page(page, h)
+            sched.pool.free(list(r.pages))  # the copy's reference
+            return
         if r.op in self.promoting:
             seq = self.promoting.pop(r.op)
             for page, h in zip(r.pages, r.hashes, strict=True) if r.ok else ():
@@ -209,7 +228,7 @@ class PrefixTiers:
 
     def busy(self) -> bool:
         """Copies in flight, or promoted sequences not taken yet (a driver keeps going)."""
-        return bool(self.loading or self.promoting or self._promoted)
+        return bool(self.loading or self.promoting or self._promoted or self.overlapping)
 
     def hold(self, seq: Sequence, slots: list[int]) -> None:
         for s in slots:
@@ -241,6 +260,10 @@ class TieredScheduler(BatchScheduler):
     def requeue(self, seq: Sequence) -> None:
         """Back in the queue by arrival, keeping its pages (a tier reloaded them)."""
         self._insert_waiting(seq)
+
+    def reload_pending(self) -> bool:
+        """A reload issued layer by layer has not landed: a step waits on it per layer."""
+        return bool(self.tiers.overlapping)
 
     def has_work(self) -> bool:
         """Also while a sequence loads (``schedule`` polls its copy)."""

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import numpy as np
@@ -160,6 +160,7 @@ class ModelRunner:
         # each slot in them, for the next step's follow chunks; None when it sampled none
         self._prev: tuple[torch.Tensor, dict[int, int]] | None = None
         self._pinned: list[torch.Tensor] = []  # two host buffers for sampled tokens, in turn
+        self.reload_events: list[Any] = []  # per layer, a host-tier reload's (tier_reload)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, spec_tokens: int = 0) -> float:
         """Capture decode-only steps for batch buckets up to ``max_batch`` (CUDA only; a no-op
@@ -371,7 +372,12 @@ class ModelRunner:
         if self.counter is not None:
             self.counter.set_base(plan.counter_base)
         graphs_ok = self.mtp_drafter is None  # MTP needs every step's hidden rows
+        waits = self.reload_events if plan.reload_wait else []
+        if waits and graphs_ok and self.spec_graphs is not None:  # (tiers refuse drafts)
+            waits[-1].wait()
         if graphs_ok and self.graphs is not None and self._graphable(plan, host):
+            if waits:
+                waits[-1].wait()  # a replay waits for the whole reload (its last layer)
             logits, greedy = self.graphs.run(host.token_ids, host.positions, host.slots,
                                              host.tables, fill)
             if any(c.late_mask for c in plan.chunks):

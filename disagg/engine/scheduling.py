@@ -253,6 +253,11 @@ class BatchScheduler(OverlappedDecoding):
             known.extend(page_hashes(seq.tokens(n * ps, pages * ps), ps, root, pages - n))
         return known[:pages]
 
+    def reload_pending(self) -> bool:
+        """A lower KV tier's reload that a step must wait on, layer by layer, is in flight
+        (``prefix_tiers``)."""
+        return False
+
     def held_run(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` the cache holds (with KV tiers: any tier)."""
         return self.pool.cached_run(hashes)

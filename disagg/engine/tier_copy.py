@@ -22,13 +22,15 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from disagg.config import memory_available
 from disagg.engine.kv_disk import DiskError, DiskStore, identity
 from disagg.engine.kv_tiers import Copy, KVTiers
+from disagg.engine.tier_reload import LayeredReload, copy_layers, slot_runs
 
 log = logging.getLogger(__name__)
 
@@ -150,17 +152,6 @@ def run_copy(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
     return True
 
 
-def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first index into ``slots``, first slot, length) of the runs of adjacent slots."""
-    out: list[tuple[int, int, int]] = []
-    for i, s in enumerate(slots):
-        if out and (last := out[-1])[1] + last[2] == s:
-            out[-1] = (last[0], last[1], last[2] + 1)
-        else:
-            out.append((i, s, 1))
-    return out
-
-
 def copy_pages(copy: Copy, kv: list[torch.Tensor], host: list[torch.Tensor],
                stream: torch.cuda.Stream | None = None) -> None:
     """Carry out ``copy`` on every rank (synchronously: returns when the bytes are there):
@@ -206,14 +197,32 @@ def host_layout_pages(slots: Sequence[int], num_layers: int) -> list[int]:
     return [s * num_layers for s in slots]
 
 
-class SyncMover:
-    """Copies at ``submit`` (the caller's thread)."""
+def layered(kv: list[torch.Tensor], host: HostPool, events: Sequence[Sequence[Any]] | None
+            ) -> LayeredReload | None:
+    """Reloads issued layer by layer on CUDA when the ranks' layer events are given."""
+    return LayeredReload(kv, host.tensors, events) if kv[0].is_cuda and events else None
 
-    def __init__(self, kv: list[torch.Tensor], host: HostPool, disk: DiskStore | None = None):
+
+class SyncMover:
+    """Copies at ``submit`` (the caller's thread); ``overlap``: on the CPU at once, layer by
+    layer (``on_layer``: tests observe it); on CUDA issued layer by layer over ``events``."""
+
+    def __init__(self, kv: list[torch.Tensor], host: HostPool, disk: DiskStore | None = None,
+                 events: Sequence[Sequence[Any]] | None = None):
         self.kv, self.host, self.disk = kv, host, disk
         self.page_bytes = len(kv) * kv[0].shape[0] * kv[0].shape[2]
         self._done: list[tuple[int, bool]] = []
         self._stream = torch.cuda.Stream(kv[0].device) if kv[0].is_cuda else None
+        self._layered = layered(kv, host, events)
+        self.on_layer: Callable[[int], None] | None = None
+
+    def overlap(self, copy: Copy) -> bool:
+        if self._layered is not None:
+            self._layered.issue(copy)
+        elif self._stream is None:
+            copy_layers(copy, self.kv, self.host.tensors, self.on_layer)
+            self._done.append((copy.op, True))
+        return self._layered is not None or self._stream is None
 
     def submit(self, copy: Copy) -> None:
         self._done.append((copy.op, run_copy(copy, self.kv, self.host.tensors, self.disk,
@@ -221,10 +230,10 @@ class SyncMover:
 
     def done(self) -> list[tuple[int, bool]]:
         out, self._done = self._done, []
-        return out
+        return out + [(op, True) for op in (self._layered.landed() if self._layered else ())]
 
     def busy(self) -> bool:
-        return bool(self._done)
+        return bool(self._done) or (self._layered is not None and self._layered.busy())
 
     def wait(self, op: int) -> bool:
         """Every copy is done at ``submit``."""
@@ -241,9 +250,11 @@ class ThreadMover:
     follow the spills of the slots they fill) in submission order. ``expedite`` copies a page
     of a copy out not started yet at once, in the caller's thread."""
 
-    def __init__(self, kv: list[torch.Tensor], host: HostPool, disk: DiskStore | None = None):
+    def __init__(self, kv: list[torch.Tensor], host: HostPool, disk: DiskStore | None = None,
+                 events: Sequence[Sequence[Any]] | None = None):
         self.kv, self.host, self.disk = kv, host, disk
         self.page_bytes = len(kv) * kv[0].shape[0] * kv[0].shape[2]
+        self._layered = layered(kv, host, events)
         self._urgent: collections.deque[Copy] = collections.deque()
         self._later: collections.deque[Copy] = collections.deque()
         self._cond = threading.Condition()  # guards the queues, _completed, _running
@@ -291,10 +302,27 @@ class ThreadMover:
             (self._urgent if urgent else self._later).append(copy)
             self._cond.notify_all()
 
+    def overlap(self, copy: Copy) -> bool:
+        """A reload issued layer by layer on CUDA (``LayeredReload``), or on the CPU copied
+        at once in the caller's thread (its slots are pinned, its pages just allocated:
+        nothing else touches them)."""
+        if self._layered is not None:
+            self._layered.issue(copy)
+        elif self._stream is None:
+            copy_layers(copy, self.kv, self.host.tensors)
+            with self._cond:
+                self._completed.append((copy.op, True))
+                self._done_ops.add(copy.op)
+        else:
+            return False
+        self._in_flight += 1
+        return True
+
     def done(self) -> list[tuple[int, bool]]:
         with self._cond:
             out, self._completed = self._completed, []
             self._done_ops.difference_update(op for op, _ in out)
+        out += [(op, True) for op in (self._layered.landed() if self._layered else ())]
         self._in_flight -= len(out)
         return out
 
@@ -345,11 +373,12 @@ class ThreadMover:
 
 
 def node_tiers(kv: list[torch.Tensor], shape: list[int], dtype: str, host_mb: int,
-               disk_dir: str = "", disk_mb: int = 0, model_salt: bytes = b""
-               ) -> tuple[KVTiers, HostPool]:
+               disk_dir: str = "", disk_mb: int = 0, model_salt: bytes = b"",
+               events: Sequence[Sequence[Any]] | None = None) -> tuple[KVTiers, HostPool]:
     """A node's host tier over its executors' KV memory mapped into this process (one
-    tensor per rank; ``shape``, ``dtype``: ``KVMemoryInfo``'s), copied by a ``ThreadMover``;
-    with ``disk_dir`` a disk tier of ``disk_mb`` MiB under it (``open_disk``)."""
+    tensor per rank; ``shape``, ``dtype``: ``KVMemoryInfo``'s), copied by a ``ThreadMover``
+    (``events``: each rank's layer events, for reloads issued layer by layer); with
+    ``disk_dir`` a disk tier of ``disk_mb`` MiB under it (``open_disk``)."""
     layers, pages, parts, heads, page, dim = shape
     page_bytes = parts * heads * page * dim * torch.empty((), dtype=getattr(torch, dtype)
                                                           ).element_size()
@@ -361,7 +390,8 @@ def node_tiers(kv: list[torch.Tensor], shape: list[int], dtype: str, host_mb: in
     store, slots, on_disk = (
         open_disk(disk_dir, disk_mb << 20, ident, len(kv) * layers * page_bytes) if disk_dir
         else (None, 0, []))
-    return KVTiers(host.num_slots, ThreadMover(views, host, store), slots, on_disk), host
+    mover = ThreadMover(views, host, store, events)
+    return KVTiers(host.num_slots, mover, slots, on_disk), host
 
 
 def open_disk(root: str, bound: int, ident: bytes, page_bytes: int

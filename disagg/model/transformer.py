@@ -69,16 +69,20 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         layer_hook: Callable[[int], None] | None = None,
+        layer_wait: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run ``input_ids [T]`` at ``positions [T]``; returns final-normed hidden ``[T, H]``.
 
         ``kv`` is the executor's whole cache ``[L, P, 2, Hkv, S, D]`` (MLA: ``[L, P, 1, 1, S,
-        D]``, the latent passed as both K and V)."""
+        D]``, the latent passed as both K and V). ``layer_wait(i)`` runs before layer ``i``
+        (a host-tier reload issued layer by layer: ``disagg.engine.tier_reload``)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         delta = None  # the last MLP's output, added by the next norm's kernel (CUDA)
         for i, layer in enumerate(self.layers):
             hook = None if layer_hook is None else (lambda i=i: layer_hook(i))
+            if layer_wait is not None:
+                layer_wait(i)
             x, delta = layer(x, cos, sin, kv[i, :, 0], kv[i, :, -1], meta, backend, hook, delta)
         return add_norm(x, delta, self.norm, self.arch.rms_norm_eps)[0]
 

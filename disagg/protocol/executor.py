@@ -81,6 +81,9 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=Tru
     # overlapped decoding: reply only when the next command arrives, after launching that one
     # (so its host work overlaps this step's device work)
     defer: bool = False
+    # KV tiers: a reload issued layer by layer is in flight; each layer waits on its event
+    # (ExecutorReady.reload_events) first, a graph replay on the last layer's
+    reload_wait: bool = False
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen=True):
@@ -130,6 +133,9 @@ class ExecutorReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     num_pages: int
     kv: KVMemoryInfo
     counter: str | None = None  # LayerCounter handle (lead rank only), for the main process
+    # CUDA: one interprocess event per layer (their IPC handles), recorded by the main
+    # process's host-tier reloads as each layer lands (disagg.engine.tier_reload)
+    reload_events: list[bytes] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):

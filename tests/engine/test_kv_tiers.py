@@ -83,6 +83,9 @@ class Recorder:
     def expedite(self, op: int, page: int) -> bool:
         return False  # as if every copy had started
 
+    def overlap(self, copy: Copy) -> bool:
+        return False  # reloads go through submit: the sequence loads first
+
 
 def pool_with_tiers(pages: int, slots: int) -> tuple[PagePool, KVTiers, Recorder]:
     pool, mover = PagePool(pages), Recorder()

@@ -179,8 +179,12 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     sock.connect(control)
     enc = msgspec.msgpack.Encoder()
     dec = msgspec.msgpack.Decoder(ExecutorCommand)
+    if device.type == "cuda" and cfg.cache.kv_host_cache_mb:  # the host tier's reloads
+        runner.reload_events = [torch.cuda.Event(interprocess=True)
+                                for _ in range(runner.kv.shape[0])]
     sock.send(enc.encode(ExecutorReady(rank, num_pages, alloc.info,
-                                       None if counter is None else counter.handle())))
+                                       None if counter is None else counter.handle(),
+                                       [e.ipc_handle() for e in runner.reload_events])))
     deferred: tuple[int, Launched | Exception] | None = None  # answered on the next command
     # hop marks (disagg.trace) of the lead rank's steps: x.* / s<id> on a prefill node,
     # dx.* / d<id> on the others
