@@ -5,11 +5,14 @@ Definitions (times in seconds here; the report converts to milliseconds):
 - TTFT: first token chunk received - request sent.
 - E2E: terminal ``finished`` received - request sent.
 - TPOT: ``(e2e - ttft) / (n - 1)`` for a request with ``n >= 2`` output tokens (undefined for
-  ``n < 2``); the mean time per output token after the first, as one user sees it.
+  ``n < 2``); the mean time per output token after the first, as one user sees it. A request
+  of several choices (``--n``) streams each as its own sequence: its TPOT is the mean of its
+  choices' own (each from its first chunk, over its own tokens), not the request's time over
+  every choice's tokens.
 - Tokens/s per user: ``1 / TPOT`` of each request.
 - ITL: gaps between consecutive token *chunks* of one request, as received. A chunk carrying
   k tokens counts once (the gap is what the user waited); with one token per chunk this is the
-  classic inter-token latency.
+  classic inter-token latency. With several choices, gaps within each choice.
 - Output tokens (totals and throughputs): each completed request's usage as the node reported
   it (every choice's tokens with ``n > 1``), else the tokens its chunks counted.
 - Goodput: completed requests meeting every SLO given (TTFT <= slo_ttft, TPOT <= slo_tpot; a
@@ -73,9 +76,33 @@ def tpot(e2e: float, ttft: float, num_output_tokens: int) -> float | None:
     return (e2e - ttft) / (num_output_tokens - 1)
 
 
-def itls(chunk_times: Sequence[float]) -> list[float]:
-    """Gaps between consecutive chunk arrival times (non-decreasing timestamps)."""
-    return [b - a for a, b in pairwise(chunk_times)]
+def itls(chunk_times: Sequence[float], chunk_choices: Sequence[int] = ()) -> list[float]:
+    """Gaps between consecutive chunk arrival times (non-decreasing timestamps) of each
+    choice (``chunk_choices[i]``: chunk i's; empty: one choice), not across choices."""
+    if not chunk_choices:
+        return [b - a for a, b in pairwise(chunk_times)]
+    out: list[float] = []
+    for c in dict.fromkeys(chunk_choices):
+        out += itls([t for t, k in zip(chunk_times, chunk_choices, strict=True) if k == c])
+    return out
+
+
+def request_tpot(send_time: float, finish_time: float, chunk_times: Sequence[float],
+                 chunk_tokens: Sequence[int], chunk_choices: Sequence[int] = ()
+                 ) -> float | None:
+    """A request's TPOT: with several choices (``n > 1``: ``chunk_choices[i]`` is chunk i's;
+    empty: one choice) the mean of each choice's own, ``(finish - its first chunk) / (its
+    tokens - 1)``: the time between one choice's tokens, not the request's time over every
+    choice's tokens. None when no choice has two tokens."""
+    choices = chunk_choices or [0] * len(chunk_times)
+    first: dict[int, float] = {}
+    tokens: dict[int, int] = {}
+    for t, n, c in zip(chunk_times, chunk_tokens, choices, strict=True):
+        first.setdefault(c, t)
+        tokens[c] = tokens.get(c, 0) + n
+    each = [x for c, t in first.items()
+            if (x := tpot(finish_time - send_time, t - send_time, tokens[c])) is not None]
+    return sum(each) / len(each) if each else None
 
 
 def meets_slo(ttft: float, tpot_s: float | None, slo_ttft: float | None,
@@ -99,6 +126,8 @@ class RequestRecord:
     send_time: float | None = None  # when it was sent (later than scheduled under a concurrency cap)
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
+    # the choice (n > 1 over HTTP) each chunk belongs to (its index); empty: one choice
+    chunk_choices: list[int] = field(default_factory=list)
     finish_time: float | None = None  # terminal ``finished`` received
     finish_reason: str | None = None
     prompt_tokens: int | None = None  # the node's usage report
@@ -144,10 +173,11 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        ttft, e2e = self.ttft, self.e2e
-        if ttft is None or e2e is None:
+        """Per choice (``request_tpot``): one choice's time between tokens."""
+        if self.ttft is None or self.finish_time is None or self.send_time is None:
             return None
-        return tpot(e2e, ttft, self.num_output_tokens)
+        return request_tpot(self.send_time, self.finish_time, self.chunk_times,
+                            self.chunk_tokens, self.chunk_choices)
 
 
 def aggregate(records: Sequence[RequestRecord], duration: float,
@@ -161,7 +191,7 @@ def aggregate(records: Sequence[RequestRecord], duration: float,
     ttfts = [t for r in done if (t := r.ttft) is not None]
     tpots = [t for r in done if (t := r.tpot) is not None]
     e2es = [t for r in done if (t := r.e2e) is not None]
-    itl_all = [g for r in done for g in itls(r.chunk_times)]
+    itl_all = [g for r in done for g in itls(r.chunk_times, r.chunk_choices)]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.input_len for r in done)
     errors: dict[str, int] = {}

@@ -15,6 +15,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from disagg.bench.metrics_math import request_tpot
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("results", nargs="+", help="JSON files written by disagg-bench serve --json")
@@ -32,13 +34,14 @@ def _request_series(result: dict[str, Any]) -> tuple[list[float], list[float],
     for r in result["requests"]:
         if r["error"] is not None or r["send_time"] is None or not r["chunk_times"]:
             continue
-        times = r["chunk_times"]
-        ttft = times[0] - r["send_time"]
-        ttfts.append(ttft * 1e3)
-        n = sum(r["chunk_tokens"])
-        if n >= 2 and r["finish_time"] is not None:
-            tpots.append((r["finish_time"] - r["send_time"] - ttft) / (n - 1) * 1e3)
-        itl_pts.extend((b, (b - a) * 1e3) for a, b in pairwise(times))
+        times, choices = r["chunk_times"], r.get("chunk_choices") or []
+        ttfts.append((times[0] - r["send_time"]) * 1e3)
+        if r["finish_time"] is not None and (x := request_tpot(
+                r["send_time"], r["finish_time"], times, r["chunk_tokens"], choices)) is not None:
+            tpots.append(x * 1e3)
+        for c in dict.fromkeys(choices or [0]):
+            own = [t for i, t in enumerate(times) if not choices or choices[i] == c]
+            itl_pts.extend((b, (b - a) * 1e3) for a, b in pairwise(own))
     return ttfts, tpots, itl_pts
 
 

@@ -149,6 +149,7 @@ async def _run_one(transport: Transport, spec: RequestSpec, rec: RequestRecord, 
             else:
                 rec.chunk_times.append(ev.t - t0)
                 rec.chunk_tokens.append(ev.num_tokens)
+                rec.chunk_choices.append(ev.choice)
                 if out_ids is not None:
                     out_ids.extend(ev.token_ids)
 

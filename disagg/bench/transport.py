@@ -28,6 +28,7 @@ class TokenEvent:
     t: float  # time.perf_counter() when the chunk was received
     num_tokens: int  # tokens in the chunk (>= 1)
     token_ids: tuple[int, ...] = ()  # the tokens (client protocol; empty over HTTP)
+    choice: int = 0  # which of the request's choices (n > 1 over HTTP: the event's index)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class HttpTransport(Transport):
         import aiohttp
 
         self.address = url.rstrip("/")
-        self.n = n  # completions per request (each event counts its choices with text)
+        self.n = n  # completions per request (each choice's event with text: a token of it)
         self._session = aiohttp.ClientSession()
         self._model: str | None = None
 
@@ -172,12 +173,10 @@ class HttpTransport(Transport):
                         break
                     event = msgspec.json.decode(data)
                     now = time.perf_counter()
-                    texts = 0
                     for choice in event.get("choices") or []:
-                        texts += bool(choice.get("text"))  # a closing event: only the reason
                         reason = choice.get("finish_reason") or reason
-                    if texts:
-                        yield TokenEvent(now, texts)
+                        if choice.get("text"):  # a closing event: only the reason
+                            yield TokenEvent(now, 1, choice=int(choice.get("index") or 0))
                     usage = event.get("usage")
                     if usage:
                         details = usage.get("prompt_tokens_details") or {}

@@ -19,6 +19,7 @@ from disagg.bench.metrics_math import (
     itls,
     meets_slo,
     percentile,
+    request_tpot,
     summarize,
     tpot,
 )
@@ -70,6 +71,26 @@ def test_tpot_and_itl():
     assert tpot(1.0, 0.1, 1) is None and tpot(1.0, 0.1, 0) is None
     assert itls([1.0, 1.5, 1.5, 2.5]) == [0.5, 0.0, 1.0]
     assert itls([1.0]) == [] and itls([]) == []
+
+
+def test_tpot_and_itl_of_several_choices_are_each_choices_own():
+    """n = 2, each choice 5 tokens 10 ms apart, the choices' events interleaved (choice 1 a
+    millisecond behind): TPOT and ITL are one choice's 10 ms, not the request's time over both
+    choices' 10 tokens (~5 ms) nor the 1 ms between the choices' events."""
+    times = [t for i in range(5) for t in (0.1 + 0.01 * i, 0.101 + 0.01 * i)]
+    rec = RequestRecord(index=0, node="h", input_len=4, output_len=5, scheduled_time=0.0,
+                        send_time=0.0, chunk_times=times, chunk_tokens=[1] * 10,
+                        chunk_choices=[0, 1] * 5, finish_time=0.141)
+    assert rec.tpot == pytest.approx((0.041 / 4 + 0.040 / 4) / 2)
+    assert itls(rec.chunk_times, rec.chunk_choices) == pytest.approx([0.01] * 8)
+    s = aggregate([rec], duration=1.0)
+    assert s["tpot_ms"]["p50"] == pytest.approx(10.125)
+    assert s["itl_ms"]["p50"] == pytest.approx(10.0)
+    one = RequestRecord(index=1, node="h", input_len=4, output_len=5, scheduled_time=0.0,
+                        send_time=0.0, chunk_times=times[::2], chunk_tokens=[1] * 5,
+                        finish_time=0.141)
+    assert one.tpot == pytest.approx(tpot(0.141, 0.1, 5))  # one choice: as before
+    assert request_tpot(0.0, 0.2, [0.1, 0.15], [1, 1], [0, 1]) is None  # one token each
 
 
 def test_slo():

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from disagg.bench import report, serve
-from disagg.bench.metrics_math import RequestRecord, aggregate
+from disagg.bench.metrics_math import RequestRecord, aggregate, request_tpot
 from disagg.bench.transport import ZmqTransport
 from disagg.protocol import DPRankStats, Stats
 
@@ -160,4 +160,9 @@ async def test_http_n2_output_tokens_are_every_choices_usage():
     assert all(len(q["chunk_times"]) == 4 for q in res["requests"])  # events with text
     assert s["total_output_tokens"] == 32 == sum(q["completion_tokens"] for q in res["requests"])
     assert s["output_throughput"] == pytest.approx(32 / s["duration_s"])
+    for q in res["requests"]:  # each event's choice, so TPOT and ITL are per choice
+        assert q["chunk_choices"] == [0, 1, 0, 1]
+    tpots = sorted(request_tpot(q["send_time"], q["finish_time"], q["chunk_times"],
+                                q["chunk_tokens"], q["chunk_choices"]) for q in res["requests"])
+    assert s["tpot_ms"]["p50"] == pytest.approx(1e3 * (tpots[1] + tpots[2]) / 2)
     json.loads(report.result_json(res))
