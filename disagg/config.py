@@ -154,6 +154,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     overlap_schedule: Annotated[AutoOnOff, Flag(
         "launch each decode step while the previous one runs, hiding the host's work behind "
         "the device's (auto: on CUDA devices)")] = "auto"
+    grammar_threads: Annotated[int, Flag(
+        "threads that accept a decode step's tokens and fill the next grammar masks of its "
+        "constrained rows (overlapped decoding); 0: half the CPUs")] = 0
 
     def validate(self) -> None:
         if self.speculative_method is not None:
@@ -165,6 +168,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
             raise ConfigError("--prompt-lookup-min and --prompt-lookup-max must satisfy "
                               "1 <= min <= max")
         _one_of(self.overlap_schedule, AutoOnOff, "--overlap-schedule")
+        if self.grammar_threads < 0:
+            raise ConfigError(f"--grammar-threads must be >= 0, got {self.grammar_threads}")
         if self.max_batch_tokens < 1:
             raise ConfigError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.max_running < 1:

@@ -128,7 +128,7 @@ class Node:
                                overlap=cfg.role != "prefill" and (
                                    s.overlap_schedule == "on" or s.overlap_schedule == "auto"
                                    and all(d.startswith("cuda") for d in cfg.devices)),
-                               tiers=self._tiers(cfg, arch))
+                               tiers=self._tiers(cfg, arch), grammar_threads=s.grammar_threads)
         actors: list[tuple[str, Any]] = [("executor", self.executors.watch)]  # (name, run)
         if cfg.role == "prefill":
             await self._start_prefill(cfg, arch, setup, actors)

@@ -26,9 +26,11 @@ deferred. While it runs, the next step is built without its tokens
 (``BatchScheduler.schedule_ahead``: follow chunks whose token the executor fills in on the
 device from the step before) and sent before the deferred result is taken, so the host work of
 step N+1 (planning, messages, flattening, copies, launch) runs while the device computes step
-N. A constrained row's mask needs the token in flight: its follow chunk goes ``late_mask``
-and the driver sends its mask (``late_masks``) once the step before it has been applied; the
-executor runs the forward pass meanwhile and picks when the masks come. When the next step cannot be known ahead (new work arrived, a page is missing) the core
+N. A constrained row's mask needs the token in flight: its follow chunk goes ``late_mask``;
+once the step before it is back the driver starts ``grammar_pass`` (its tokens accepted and
+the masks filled on threads, ``disagg.engine.grammar_pass``), sends the masks when it ends,
+then applies that step; the executor runs the forward pass meanwhile and picks when the
+masks come. When the next step cannot be known ahead (new work arrived, a page is missing) the core
 answers ``Collect`` and plans normally afterwards. A sequence that stops in flight wastes its
 row of the step after; its pages stay out of the pool until every deferred step that writes
 them has landed (``BatchScheduler.launched`` / ``landed``, called here).
@@ -39,10 +41,13 @@ counter from there (stride: layers + 1); the in-process engine has no counter (s
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from disagg.engine.grammar_pass import PASS_TIMEOUT_S, GrammarPass, MaskBlock
 from disagg.engine.scheduling import Batch, BatchScheduler, SeqUpdate
 from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import StepPlan
@@ -76,10 +81,13 @@ Command = Run | Launch | Collect
 
 
 class EngineCore:
-    def __init__(self, sched: BatchScheduler, overlap: bool = False, counter_stride: int = 0):
+    def __init__(self, sched: BatchScheduler, overlap: bool = False, counter_stride: int = 0,
+                 grammar: GrammarPass | None = None):
         """``overlap``: defer decode-only steps (overlapped decoding); ``counter_stride``: the
-        layer-counter values a step spans (``counter_base``)."""
+        layer-counter values a step spans (``counter_base``); ``grammar``: the late masks'
+        pass (default: half the machine's threads, started on first use)."""
         self.sched = sched
+        self.grammar = grammar if grammar is not None else GrammarPass()
         self.overlap = overlap
         self.counter_stride = counter_stride
         self.in_flight: Step | None = None  # the newest deferred step, its result not asked for
@@ -141,10 +149,14 @@ class EngineCore:
         self.land(step)
         return self.sched.update(step.batch, tokens, counts, drafts, logprobs, prompt_logprobs)
 
-    def late_masks(self, step: Step) -> dict[int, bytes] | None:
-        """The masks ``step``'s constrained follow chunks wait for (``SeqChunk.late_mask``),
-        to send once the step before it has been applied; None when it has none."""
-        return self.sched.late_masks(step.batch)
+    def grammar_pass(self, then: Step, step: Step, tokens: list[int]
+                     ) -> concurrent.futures.Future[MaskBlock] | None:
+        """Start the grammar work of the deferred ``then``, whose ``tokens`` just came back
+        ([]: it failed), before they are applied: its constrained rows accept them and the
+        masks ``step``'s follow chunks wait for (``SeqChunk.late_mask``) are filled, on the
+        pass's threads. None when ``step`` has no late chunk."""
+        rows = self.sched.grammar_rows(then.batch, step.batch, tokens)
+        return None if rows is None else self.grammar.submit(rows)
 
     def abandon(self) -> None:
         """The executors failed: no step is on the device any more."""
@@ -160,7 +172,7 @@ class Pending(Protocol):
     def logprob_maps(self) -> tuple[dict[int, TokenLogprobs] | None,
                                     dict[int, list[TokenLogprobs]] | None]: ...
 
-    def with_masks(self, masks: dict[int, bytes]) -> Pending: ...
+    def with_masks(self, masks: Mapping[int, bytes | memoryview]) -> Pending: ...
 
 
 class Runner(Protocol):
@@ -191,9 +203,11 @@ def drive(core: EngineCore, runner: Runner) -> list[SeqUpdate]:
                 if then is not None:
                     done = launched.pop(then.plan.step_id)
                     tokens, _, counts = done.wait()
+                    if (masks := core.grammar_pass(then, step, tokens)) is not None:
+                        block = masks.result(timeout=PASS_TIMEOUT_S)
+                        sid = step.plan.step_id
+                        launched[sid] = launched[sid].with_masks(block.by_slot())
                     updates += core.apply(then, tokens, counts, None, *done.logprob_maps())
-                if (masks := core.late_masks(step)) is not None:
-                    launched[step.plan.step_id] = launched[step.plan.step_id].with_masks(masks)
             case Collect(step):
                 done = launched.pop(step.plan.step_id)
                 tokens, _, counts = done.wait()

@@ -8,7 +8,8 @@ a time bound, fairly between tenants: ``disagg.actors.scheduler.intake``), keeps
 bitmask of the tokens its grammar admits next (``GrammarState.mask``, ``SeqChunk.allowed``);
 the executor applies it to the row's logits on the device (``disagg.engine.constraints``) and
 the sampled token advances the matcher when the step's result comes back
-(``BatchScheduler.update``). The first output token is constrained like the others (its mask
+(``BatchScheduler.update``; with overlapped decoding ahead of it, on threads, with the next
+masks: ``disagg.engine.grammar_pass``). The first output token is constrained like the others (its mask
 is the initial state's), on either node.
 
 xgrammar is an optional dependency (the ``structured`` extra): without it ``Grammars`` refuses
@@ -308,35 +309,6 @@ def _strip_location(reason: str) -> str:
     return reason
 
 
-def fill_masks(states: list[GrammarState]) -> list[bytes]:
-    """``GrammarState.mask`` of each of ``states``, filled in parallel by xgrammar's batch
-    matcher (its threads: half the machine's; the GIL is released meanwhile) when there are
-    several: a decode step's late masks (``BatchScheduler.late_masks``) are on the step's
-    critical path."""
-    if len(states) < FILL_BATCH_MIN:
-        return [s.mask() for s in states]
-    import xgrammar as xgr
-
-    global _batch_matcher
-    if _batch_matcher is None:
-        _batch_matcher = xgr.BatchGrammarMatcher()
-    words = bitmask_words(states[0].vocab_size)
-    buf = _fill_buffers.get(words)
-    if buf is None or buf.shape[0] < len(states):
-        buf = _fill_buffers[words] = xgr.allocate_token_bitmask(max(len(states), 64),
-                                                                states[0].vocab_size)
-    if any(s.vocab_size != states[0].vocab_size for s in states):
-        raise ValueError("fill_masks: matchers of different vocabularies")
-    _batch_matcher.batch_fill_next_token_bitmask([s._matcher for s in states], buf)
-    host = buf.numpy()
-    return [host[i].tobytes() for i in range(len(states))]
-
-
-FILL_BATCH_MIN = 4  # fewer matchers than this are filled one by one
-_batch_matcher: Any = None
-_fill_buffers: dict[int, Any] = {}
-
-
 class GrammarState:
     """One request's matcher: the bitmask of what it admits next, advanced token by token."""
 
@@ -347,6 +319,9 @@ class GrammarState:
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size
         self.failed = False  # a token the grammar does not admit was fed (not expected)
+        # a token accepted ahead of the scheduler's update (``GrammarPass``), with whether it
+        # was admitted: the update's ``accept`` of that token takes it instead of feeding it
+        self._ahead: tuple[int, bool] | None = None
 
     def mask(self) -> bytes:
         """The packed bitmask (``bitmask_words(vocab_size)`` little-endian int32 words) of the
@@ -361,11 +336,25 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False when the grammar does not admit it (the matcher stays
-        where it was, ``failed`` is set)."""
+        where it was, ``failed`` is set). A token already accepted ahead is taken as it was
+        (another token than that one: RuntimeError, the matcher would be a token ahead)."""
+        if self._ahead is not None:
+            (ahead, ok), self._ahead = self._ahead, None
+            if ahead != token:
+                raise RuntimeError(f"grammar: token {token} applied where {ahead} was "
+                                   "accepted ahead")
+            return ok
         ok = bool(self._matcher.accept_token(token))
         if not ok:
             self.failed = True
         return ok
+
+    def accepted_ahead(self, token: int, ok: bool) -> None:
+        """``token`` was fed to the matcher ahead of the update that applies it (a
+        ``GrammarPass``), which admitted it or not (``ok``)."""
+        if not ok:
+            self.failed = True
+        self._ahead = (token, ok)
 
     @property
     def terminated(self) -> bool:

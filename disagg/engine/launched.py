@@ -3,7 +3,7 @@ waits for its tokens: the executor's reply, the in-process engine's driver."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -23,9 +23,9 @@ class Launched:
         self.prompt: LogprobRows | None = None  # prompt rows' (chunks with prompt_rows)
         # a step with late_mask chunks: its forward pass is queued, its tokens are picked by
         # ``with_masks`` once their masks arrive (until then there is nothing to wait for)
-        self.picker: Callable[[dict[int, bytes]], Launched] | None = None
+        self.picker: Callable[[Mapping[int, bytes | memoryview]], Launched] | None = None
 
-    def with_masks(self, masks: dict[int, bytes]) -> Launched:
+    def with_masks(self, masks: Mapping[int, bytes | memoryview]) -> Launched:
         """The step picked with its late chunks' grammar masks (by slot); a step that had
         none is returned as it is."""
         if self.picker is None:

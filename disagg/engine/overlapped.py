@@ -1,7 +1,7 @@
 """Overlapped decoding's part of batch formation (``OverlappedDecoding``, a base of
 ``disagg.engine.scheduling.BatchScheduler``): whether a decode step may run deferred, the step
 planned after one whose tokens are not back yet (follow chunks the executor fills in on the
-device), the late grammar masks of its constrained rows, and the pages released while a
+device), the constrained rows whose late grammar masks it waits for, and the pages released while a
 deferred step still writes them (kept out of the pool until it lands). Pure logic, as the rest
 of the scheduler."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 
 from disagg.engine.cache import PagePool, pages_needed
-from disagg.engine.grammar import fill_masks
+from disagg.engine.grammar_pass import Row
 from disagg.engine.sequence import Batch, ScheduledChunk, Sequence, Status
 
 
@@ -49,7 +49,7 @@ class OverlappedDecoding:
 
         A constrained sequence (``Sequence.grammar``) gets its follow chunk too; its mask needs
         the token in flight, so the chunk is sent ``late_mask`` and its mask follows once that
-        token is back (``late_masks``; docs/ARCHITECTURE.md, grammar-constrained decoding)."""
+        token is back (``grammar_rows``; docs/ARCHITECTURE.md, grammar-constrained decoding)."""
         live = [c for c in batch.chunks if c.seq.status is Status.RUNNING]
         flying = {c.seq.slot for c in live}
         if (batch.num_decodes != len(batch.chunks) or self.spec_tokens or self.mtp
@@ -72,17 +72,30 @@ class OverlappedDecoding:
             chunks.append(ScheduledChunk(seq, c.start + 1, 1, True, follow=True))
         return Batch(chunks, len(chunks)) if chunks else None
 
-    def late_masks(self, batch: Batch) -> dict[int, bytes] | None:
-        """The grammar masks of ``batch``'s constrained follow chunks (sent ``late_mask``), by
-        slot, now that the tokens before them have been applied; a sequence that ended
-        meanwhile (its grammar complete, aborted) has none. None when ``batch`` has no such
-        chunk."""
-        late = [c.seq for c in batch.chunks if c.follow and c.seq.grammar is not None]
+    def grammar_rows(self, batch: Batch, ahead: Batch, sampled: list[int]) -> list[Row] | None:
+        """The constrained rows of the deferred ``batch``, whose tokens ``sampled`` just came
+        back (none: it failed), for a ``GrammarPass`` to accept and fill the masks of before
+        the update applies them: each running row's token, and whether its follow chunk in
+        ``ahead`` (launched after ``batch``, sent ``late_mask``) waits for its next mask. A
+        sequence that ended meanwhile (aborted, its grammar complete) has no row, so its late
+        chunk gets no mask (picked unconstrained, its token dropped). None when ``ahead`` has
+        no late chunk: nothing waits, the update accepts the tokens."""
+        late = {c.seq.slot for c in ahead.chunks if c.follow and c.seq.grammar is not None}
         if not late:
             return None
-        live = [s for s in late if s.status is Status.RUNNING and not s.grammar.terminated]
-        return dict(zip((s.slot for s in live), fill_masks([s.grammar for s in live]),
-                        strict=True))
+        rows: list[Row] = []
+        pos = 0
+        for c in batch.chunks:
+            seq = c.seq
+            if not c.sample or seq.prefill_only:
+                continue
+            if pos >= len(sampled):
+                break
+            token, pos = sampled[pos], pos + 1
+            if (seq.grammar is not None and seq.status is Status.RUNNING
+                    and not seq.grammar.terminated):
+                rows.append(Row(seq.grammar, token, seq.slot, seq.slot in late))
+        return rows
 
     def launched(self, batch: Batch) -> None:
         """``batch`` went to the executors deferred: pages its sequences release before it

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Protocol
@@ -391,7 +391,8 @@ class ModelRunner:
             at, src, last = fill
             input_ids.index_copy_(0, torch.from_numpy(at).to(self.device),
                                   last.index_select(0, torch.from_numpy(src).to(self.device)))
-        hidden = self.model(input_ids, positions, self.kv, meta, self.backend, self.layer_hook)
+        hidden = self.model(input_ids, positions, self.kv, meta, self.backend, self.layer_hook,
+                            (lambda i: waits[i].wait()) if waits else None)
         rows, hidden_rows = host.sample_rows, host.hidden_rows
         ctx = hidden[hidden_rows] if hidden_rows else None
         prompt = prompt_rows(self.model, plan, host.cu, hidden)
@@ -434,7 +435,7 @@ class ModelRunner:
         Nothing may follow the step before that."""
         self._prev = None
 
-        def picker(masks: dict[int, bytes]) -> Launched:
+        def picker(masks: Mapping[int, bytes | memoryview]) -> Launched:
             new = [msgspec.structs.replace(c, allowed=masks.get(c.slot, b""), late_mask=False)
                    if c.late_mask else c for c in chunks]
             with torch.inference_mode():

@@ -147,13 +147,16 @@ class Collect(msgspec.Struct, tag="collect", array_like=True, frozen=True):
 
 
 class Masks(msgspec.Struct, tag="masks", array_like=True, frozen=True):
-    """The grammar masks of the deferred step ``step_id``'s ``late_mask`` chunks, by slot (as
-    ``SeqChunk.allowed``); a late chunk without one (its request ended meanwhile) is picked
-    unconstrained and its token dropped by the scheduler. Sent once per such step, before any
-    later command."""
+    """The grammar masks of the deferred step ``step_id``'s ``late_mask`` chunks. The masks
+    themselves are the message's next zmq frame (bulk data never rides in a control message):
+    ``len(slots)`` rows of ``row_bytes`` bytes each (as ``SeqChunk.allowed``), row ``i`` slot
+    ``slots[i]``'s; a late chunk without one (its request ended meanwhile) is picked
+    unconstrained and its token dropped by the scheduler. Sent once per such step, before
+    any later command."""
 
     step_id: int
-    masks: dict[int, bytes]
+    slots: list[int]
+    row_bytes: int
 
 
 ExecutorCommand = StepPlan | Collect | Masks | Shutdown

@@ -194,30 +194,56 @@ def test_compiled_grammars_are_cached(tok):
     assert a.mask() == b.mask()
 
 
-def test_batched_mask_fill_equals_one_by_one(tok):
-    """``fill_masks`` (xgrammar's batch matcher, the late masks of a decode step) gives each
-    matcher's own mask, at every point of differing outputs."""
-    from disagg.engine.grammar import fill_masks
+@pytest.mark.parametrize("threads", [1, 3])
+def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
+    """``GrammarPass`` (the late masks of a decode step, on threads): each row's token is
+    accepted as ``accept`` would, the masks asked for are each matcher's own after it, in one
+    block by slot, a row whose grammar ended with its token has none, and the update's
+    ``accept`` of that token then takes it without feeding it again."""
+    from disagg.engine.grammar_pass import GrammarPass, Row
 
     g = Grammars(tok, 300, (2,))
-    states = [g.compile(StructuredOutput("regex", "[a-d]{2,6}(x|yz)")) for _ in range(5)] + [
-        g.compile(StructuredOutput("json_object")) for _ in range(3)]
-    rng = random.Random(4)
-    for _ in range(6):
-        live = [s for s in states if not s.terminated]
-        masks = fill_masks(live)
-        assert masks == [s.mask() for s in live]
-        assert fill_masks(live[:2]) == masks[:2]  # below the batch size: one by one
-        for s, m in zip(live, masks, strict=True):
-            words = torch.frombuffer(bytearray(m), dtype=torch.int32)
-            s.accept(rng.choice(unpack(words[None], 300)[0].nonzero().flatten().tolist()))
+    sos = [StructuredOutput("regex", "[a-d]{2,6}(x|yz)")] * 5 + [StructuredOutput("json_object")] * 3
+    ahead, step = [g.compile(so) for so in sos], [g.compile(so) for so in sos]
+    gp = GrammarPass(threads)
+    rng, ended = random.Random(4), 0
+    for _ in range(12):
+        live = [i for i, s in enumerate(step) if not s.terminated]
+        if not live:
+            break
+        picks = {}
+        for i in live:
+            words = torch.frombuffer(bytearray(step[i].mask()), dtype=torch.int32)
+            admitted = unpack(words[None], 300)[0].nonzero().flatten().tolist()
+            picks[i] = 2 if 2 in admitted and rng.random() < 0.3 else rng.choice(admitted)
+        block = gp.run([Row(ahead[i], picks[i], 10 + i, mask=i % 4 != 1) for i in live])
+        for i in live:  # the reference: one by one
+            assert step[i].accept(picks[i])
+        want = [i for i in live if i % 4 != 1 and not step[i].terminated]
+        ended += sum(i % 4 != 1 and step[i].terminated for i in live)
+        assert block.slots == [10 + i for i in want]
+        masks = block.by_slot()
+        for i in want:
+            assert bytes(masks[10 + i]) == step[i].mask()
+        for i in live:
+            assert ahead[i]._ahead == (picks[i], True)
+            assert ahead[i].accept(picks[i]) and ahead[i]._ahead is None  # taken, not fed
+            assert ahead[i].terminated == step[i].terminated
+    assert ended  # some row asking for a mask ended with its token (EOS)
+    with pytest.raises(RuntimeError, match="accepted ahead"):
+        s = g.compile(sos[-1])
+        s.accepted_ahead(ord("{"), True)
+        s.accept(ord("["))
+    gp.close()
 
 
 def test_late_masks_cover_the_constrained_follow_rows_still_running(tok):
     """The step built ahead gives every row a follow chunk; constrained ones go ``late_mask``
-    and get their mask once the token before is applied, except a row whose request ended in
-    the meantime (aborted here): it has none (picked unconstrained, its token dropped)."""
+    and get their mask once the token before is back (its grammar pass), except a row whose
+    request ended in the meantime (aborted here): it has none (picked unconstrained, its token
+    dropped)."""
     from disagg.engine.cache import PagePool
+    from disagg.engine.grammar_pass import GrammarPass
     from disagg.engine.scheduling import BatchScheduler, Sequence, Status
 
     s = BatchScheduler(PagePool(64), 4, 16, 8, 256, (2,))
@@ -240,9 +266,27 @@ def test_late_masks_cover_the_constrained_follow_rows_still_running(tok):
     wires = {c.seq.slot: c.to_wire() for c in ahead.chunks}
     assert wires[0].late_mask and wires[1].late_mask and not wires[2].late_mask
     assert not any(w.allowed for w in wires.values())
-    assert s.late_masks(batch) is None  # not a step built ahead
+    assert s.grammar_rows(first, batch, [a, a, a]) is None  # not a step built ahead
     seqs[1].status = Status.FINISHED  # its request ended while the step was in flight
-    s.update(batch, [b, b, 50])
-    masks = s.late_masks(ahead)
-    assert masks is not None and set(masks) == {0}
-    assert masks[0] == seqs[0].grammar.mask()  # after "ab": another letter of a-d
+    rows = s.grammar_rows(batch, ahead, [b, b, 50])
+    assert rows is not None and [(r.slot, r.token, r.mask) for r in rows] == [(0, b, True)]
+    block = GrammarPass(2).run(rows)
+    assert block.slots == [0]
+    s.update(batch, [b, b, 50])  # the token accepted ahead is taken, not fed again
+    assert seqs[0].output_ids == [a, b] and not seqs[0].grammar.terminated
+    ref = g.compile(so)
+    assert ref.accept(a) and ref.accept(b)
+    assert bytes(block.by_slot()[0]) == ref.mask() == seqs[0].grammar.mask()
+
+
+def test_grammar_threads_flag_sizes_the_pass():
+    from disagg.cli.node import build_parser, config_from_args
+    from disagg.config import ConfigError
+    from disagg.engine.grammar_pass import GrammarPass, default_threads
+
+    cfg = config_from_args(build_parser().parse_args(["--grammar-threads", "3"]))
+    assert cfg.scheduler.grammar_threads == 3
+    assert GrammarPass(cfg.scheduler.grammar_threads).threads == 3
+    assert GrammarPass(0).threads == default_threads() >= 1
+    with pytest.raises(ConfigError, match="--grammar-threads"):
+        config_from_args(build_parser().parse_args(["--grammar-threads", "-1"]))

@@ -204,7 +204,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                     return
                 continue
             try:
-                command = dec.decode(sock.recv())
+                frames = sock.recv_multipart(copy=False)  # a Masks' rows: its second frame
+                command = dec.decode(frames[0].buffer)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:  # never fatal
                 log.error("ignoring a malformed command: %s", e)
                 continue
@@ -224,9 +225,10 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                         deferred = (plan.step_id, launched)
                     else:
                         answer(plan.step_id, launched)
-                case Masks(step_id, masks):  # the deferred step's late grammar masks
+                case Masks(step_id, slots, row_bytes):  # the deferred step's late masks
                     if deferred is not None and deferred[0] == step_id:
-                        deferred = (step_id, finish(deferred[1], masks))
+                        rows = frames[1].buffer if len(frames) > 1 else memoryview(b"")
+                        deferred = (step_id, finish(deferred[1], slots, row_bytes, rows))
                     else:
                         log.error("ignoring grammar masks for step %d, not in flight", step_id)
                 case Collect():
@@ -253,12 +255,18 @@ def launch(runner: ModelRunner, plan: StepPlan) -> Launched | Exception:
         return e
 
 
-def finish(launched: Launched | Exception, masks: dict[int, bytes]) -> Launched | Exception:
-    """Pick a launched step's tokens with its late grammar masks (``Launched.with_masks``)."""
+def finish(launched: Launched | Exception, slots: list[int], row_bytes: int,
+           rows: memoryview) -> Launched | Exception:
+    """Pick a launched step's tokens with its late grammar masks (``Launched.with_masks``):
+    ``rows``, a ``Masks`` message's frame, holds slot ``slots[i]``'s at row ``i``."""
     if isinstance(launched, Exception):
         return launched
     try:
-        return launched.with_masks(masks)
+        if len(rows) != len(slots) * row_bytes:
+            raise ValueError(f"grammar masks of {len(rows)} bytes for {len(slots)} rows of "
+                             f"{row_bytes}")
+        return launched.with_masks({s: rows[i * row_bytes:(i + 1) * row_bytes]
+                                    for i, s in enumerate(slots)})
     except Exception as e:  # noqa: BLE001
         log.exception("picking a step with its grammar masks failed")
         return e

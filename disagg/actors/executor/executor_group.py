@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from disagg.config import NodeConfig
 from disagg.engine.dp import merge_hidden, merge_results, split_plan
+from disagg.engine.grammar_pass import MaskBlock
 from disagg.protocol.executor import (
     Collect,
     ExecutorReady,
@@ -181,11 +182,13 @@ class ExecutorGroup:
             for ident in self._identities[d * self.tp:(d + 1) * self.tp]:
                 await self.sock.send_multipart([ident, payload])
 
-    async def masks(self, masks: Masks) -> None:
-        """Send every rank the grammar masks its deferred step waits for (``late_mask``)."""
-        payload = self._enc.encode(masks)
+    async def masks(self, step_id: int, block: MaskBlock) -> None:
+        """Send every rank the grammar masks its deferred step ``step_id`` waits for
+        (``late_mask``): a ``Masks`` message, the rows its own frame (not copied: ``block``
+        is not written after)."""
+        payload = self._enc.encode(Masks(step_id, block.slots, block.row_bytes))
         for ident in self._identities:
-            await self.sock.send_multipart([ident, payload])
+            await self.sock.send_multipart([ident, payload, block.words], copy=False)
 
     async def collect(self) -> None:
         """Ask every rank for its deferred step's result."""

@@ -33,6 +33,7 @@ from disagg.actors.sockets import pending
 from disagg.engine.core import EngineCore
 from disagg.engine.dp import make_pool, rank_stats
 from disagg.engine.grammar import Grammars
+from disagg.engine.grammar_pass import GrammarPass
 from disagg.engine.kv_tiers import KVTiers
 from disagg.engine.prefix_tiers import TieredScheduler
 from disagg.engine.scheduling import BatchScheduler, Sequence, SeqUpdate
@@ -87,6 +88,7 @@ class SchedulerSetup:
     speculative: Speculation | None = None  # drafting for speculative decoding
     overlap: bool = False  # overlapped decoding (disagg.engine.core)
     tiers: KVTiers | None = None  # KV tiers behind the prefix cache (disagg.engine.kv_tiers)
+    grammar_threads: int = 0  # the late grammar masks' pass (disagg.engine.grammar_pass); 0: auto
 
 
 class SchedulerActor:
@@ -135,7 +137,8 @@ class SchedulerActor:
         self.intake = ClientIntake(self, self.limits, self.counters, self.tokenizer,
                                    arch.vocab_size, max_model_len, self.raise_hint, grammars)
         # the engine core plans and applies every step (a step spans layers + 1 counter values)
-        self.core = EngineCore(self.sched, setup.overlap, arch.num_layers + 1)
+        self.core = EngineCore(self.sched, setup.overlap, arch.num_layers + 1,
+                               GrammarPass(setup.grammar_threads))
         self.stepper = Stepper(self)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)

@@ -6,20 +6,26 @@ results; the stepper is its driver on the node: it sends each command through
 ``ExecutorGroup`` (``step``; overlapped: ``submit`` a deferred plan, ``collect``, ``result``),
 calls the scheduler side's hooks around each step (``before_step``: a prefill node announces
 its chunks; ``after_step``), logs slow steps, ends or hands to the side the sequences of a
-failed step, and streams every applied step's updates to the scheduler (``emit``).
+failed step, and streams every applied step's updates to the scheduler (``emit``). A
+deferred step's successor with constrained rows waits for their masks: the core's
+``grammar_pass`` starts as soon as the step's tokens are back, runs on its threads while the
+step lands, and its masks go out before the tokens are applied and streamed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from concurrent.futures import Future
 from typing import Protocol
 
 from disagg.actors.executor.executor_group import ExecutorGroup
 from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.engine.core import Collect, Command, EngineCore, Launch, Run, Step
+from disagg.engine.grammar_pass import PASS_TIMEOUT_S, MaskBlock
 from disagg.engine.scheduling import Sequence, SeqUpdate, Status
-from disagg.protocol.executor import Masks, StepResult
+from disagg.protocol.executor import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +66,7 @@ class Stepper:
                 await port.executors.submit(step.plan)
                 self._sent[step.plan.step_id] = time.monotonic()
                 if then is not None:
-                    await self._take(then)
-                if (masks := port.core.late_masks(step)) is not None:
-                    await port.executors.masks(Masks(step.plan.step_id, masks))
+                    await self._take(then, step)
             case Collect(step):
                 await port.executors.collect()
                 await self._take(step)
@@ -72,13 +76,23 @@ class Stepper:
         self.port.core.abandon()
         self._sent.clear()
 
-    async def _take(self, step: Step) -> None:
-        """Wait for a deferred step's result and apply it."""
+    async def _take(self, step: Step, ahead: Step | None = None) -> None:
+        """Wait for a deferred step's result and apply it; ``ahead``: the step launched after
+        it, whose late masks are sent first (``_apply``)."""
         result, hidden = await self.port.executors.result(step.plan.step_id)
-        await self._apply(step, result, hidden, self._sent.pop(step.plan.step_id))
+        masks = None
+        if ahead is not None:  # its grammar work starts at once, on the pass's threads
+            tokens = result.token_ids if result.error is None else []
+            masks = self.port.core.grammar_pass(step, ahead, tokens)
+        late = (ahead, masks) if ahead is not None and masks is not None else None
+        await self._apply(step, result, hidden, self._sent.pop(step.plan.step_id), late)
 
     async def _apply(self, step: Step, result: StepResult, hidden: bytes | None,
-                     started: float) -> None:
+                     started: float, late: tuple[Step, Future[MaskBlock]] | None = None
+                     ) -> None:
+        """Apply ``step``'s result; ``late``: the step launched after it and its grammar pass
+        under way, whose masks go to the executors once the step has landed and before its
+        tokens are applied and streamed (the next step's sampling waits for them)."""
         plan, batch = step.plan, step.batch
         took = time.monotonic() - started
         if took > SLOW_STEP_S:
@@ -88,6 +102,10 @@ class Stepper:
         port = self.port
         port.core.land(step)  # before the side's hook: pages it parked are back
         await port.side.after_step(plan, batch, result, hidden)
+        if late is not None:
+            ahead, masks = late
+            block = await asyncio.wait_for(asyncio.wrap_future(masks), PASS_TIMEOUT_S)
+            await port.executors.masks(ahead.plan.step_id, block)
         if result.error is not None:
             for c in batch.chunks:
                 if c.seq.status is Status.RUNNING:  # not ended by an earlier failed step
