@@ -9,7 +9,10 @@ Modes (``CudaIpcEngine(copy=...)`` or ``DISAGG_CUDA_IPC_COPY``):
   ``ce:S`` spreads the runs round-robin over S streams, joined into the engine's stream;
 - ``loop``: the same from Python (the old path; kept as the last fallback).
 ``auto`` picks ``kernel`` (4 CTAs of 4 warps per SM) when the batch's mean run is under 4 MiB and
-every address and length is 16-byte aligned, else ``ce``. Options for experiments:
+every address and length is 16-byte aligned, else ``ce``; a batch of at most ``CE_MAX_RUNS`` runs
+(a job's context marker, a layer whose pages lie in a few long runs) always goes to ``ce``: its
+few copies cost the copy engines microseconds, the kernel's tile plan, table upload and launch
+from Python ~0.3 ms more, which the last layer's batch pays on the TTFT tail. Options for experiments:
 ``kernel:CTAS:WARPS:BLOCK:HINTS``, ``ce:STREAMS``.
 """
 
@@ -29,6 +32,7 @@ log = logging.getLogger("disagg.fabric")
 
 COPY_MODES = ("auto", "kernel", "ce", "loop")
 KERNEL_MAX_MEAN_RUN = 4 << 20  # auto: kernel for batches whose mean run is shorter
+CE_MAX_RUNS = 16  # auto: batches of this many runs or fewer go to the copy engines
 RING_ENTRIES = 1 << 19  # int64 entries of the tile-table ring (4 MiB pinned + 4 MiB device)
 
 Span = tuple[int, int]  # ring entries [start, end) a batch's tile table uses
@@ -122,8 +126,9 @@ class CopyIssuer:
 
             # measured on 2x H200 (BENCHMARKS.md, Fabric): the kernel wins below ~4 MiB runs,
             # the copy engine above
-            small = int(lens.sum()) < KERNEL_MAX_MEAN_RUN * lens.shape[0]
-            mode = ("kernel" if small and not self._kernel_broken
+            n = lens.shape[0]
+            small = int(lens.sum()) < KERNEL_MAX_MEAN_RUN * n
+            mode = ("kernel" if small and n > CE_MAX_RUNS and not self._kernel_broken
                     and aligned(src, dst, lens) else "ce")
         if mode == "ce" and self._ce_fn is None:
             mode = "loop"

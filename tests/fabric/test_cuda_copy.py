@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import pytest
 
-from disagg.fabric.cuda_copy import RING_ENTRIES, CopyIssuer, _RingFull
+from disagg.fabric.cuda_copy import CE_MAX_RUNS, RING_ENTRIES, CopyIssuer, _RingFull
 
 
 def issuer(copy: str = "auto", ce: bool = True) -> CopyIssuer:
@@ -24,13 +24,23 @@ def runs(n: int, length: int, offset: int = 0) -> tuple[np.ndarray, np.ndarray, 
 
 def test_auto_copies_short_aligned_runs_with_the_kernel_and_the_rest_on_copy_engines():
     c = issuer()
-    assert c._mode(*runs(8, 4096)) == "kernel"
-    assert c._mode(*runs(8, 8 << 20)) == "ce"  # mean run over 4 MiB
-    assert c._mode(*runs(8, 4096, offset=4)) == "ce"  # not 16-byte aligned
+    assert c._mode(*runs(64, 4096)) == "kernel"
+    assert c._mode(*runs(64, 8 << 20)) == "ce"  # mean run over 4 MiB
+    assert c._mode(*runs(64, 4096, offset=4)) == "ce"  # not 16-byte aligned
     c._kernel_broken = True
-    assert c._mode(*runs(8, 4096)) == "ce"
+    assert c._mode(*runs(64, 4096)) == "ce"
     assert issuer(ce=False)._mode(*runs(8, 8 << 20)) == "loop"  # no compiled copy loop
     assert issuer("kernel:64")._mode(*runs(8, 8 << 20)) == "kernel"  # as asked
+
+
+def test_auto_puts_a_batch_of_few_runs_on_the_copy_engines():
+    # a context marker (one run) or a layer in a few long runs: no tile plan, upload, launch
+    c = issuer()
+    assert c._mode(*runs(1, 8192)) == "ce"
+    assert c._mode(*runs(CE_MAX_RUNS, 4096)) == "ce"
+    assert c._mode(*runs(CE_MAX_RUNS + 1, 4096)) == "kernel"
+    assert issuer(ce=False)._mode(*runs(1, 8192)) == "loop"
+    assert issuer("kernel")._mode(*runs(1, 8192)) == "kernel"  # as asked
 
 
 def test_a_bad_copy_mode_is_refused():
