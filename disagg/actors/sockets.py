@@ -9,8 +9,10 @@ connection's fd) and matches them to peers by the fd each received frame reports
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
@@ -129,3 +131,70 @@ async def disconnected_fds(monitor: zmq.asyncio.Socket) -> list[int]:
             security.REFUSALS.note(f"a client's handshake failed ({zmq.Event(event).name}: "
                                    "no CURVE keys, the wrong server key, or not ZeroMQ)")
     return fds
+
+
+class LoopPoller:
+    """``zmq.asyncio.Poller`` for ``POLLIN`` only, waking its waiter in one turn of the loop.
+    pyzmq's poller resolves through several loop turns (a watcher future per socket, its
+    callback, then the poll's future), 0.3-0.4 ms per hand-over between two actors of a node
+    in traces (docs/BENCHMARKS.md); here the loop watches a dup of each socket's ``zmq.FD``
+    (a dup: pyzmq keeps its own reader on the fd itself) and the waiter's future is set in
+    the reader's callback. libzmq's fd only signals a change, so the sockets' ``EVENTS`` are
+    read before waiting and on every wake-up. One ``poll`` at a time; ``close`` when done."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Any, int] = {}  # socket -> our dup of its zmq.FD
+
+    def register(self, sock: Any, flags: int = zmq.POLLIN) -> None:
+        if flags != zmq.POLLIN:
+            raise ValueError("LoopPoller waits for POLLIN only")
+        if sock not in self._fds:
+            self._fds[sock] = os.dup(sock.getsockopt(zmq.FD))
+
+    def unregister(self, sock: Any) -> None:
+        fd = self._fds.pop(sock, None)
+        if fd is not None:
+            try:  # a poll in flight stops watching it (its later removal finds nothing)
+                asyncio.get_running_loop().remove_reader(fd)
+            except RuntimeError:  # no loop running
+                pass
+            os.close(fd)
+
+    def close(self) -> None:
+        for sock in list(self._fds):
+            self.unregister(sock)
+
+    def ready(self) -> list[tuple[Any, int]]:
+        """The registered sockets with a message to read now."""
+        return [(s, zmq.POLLIN) for s in self._fds if s.getsockopt(zmq.EVENTS) & zmq.POLLIN]
+
+    async def poll(self, timeout: int | None = None) -> list[tuple[Any, int]]:
+        """The sockets readable now, else the first to become readable within ``timeout``
+        ms (None or negative: no limit; ``[]`` when it passes)."""
+        ready = self.ready()
+        if ready or timeout == 0:
+            return ready
+        loop = asyncio.get_running_loop()
+        woke: asyncio.Future[list[tuple[Any, int]]] = loop.create_future()
+
+        def check() -> None:
+            if not woke.done() and (r := self.ready()):
+                woke.set_result(r)
+
+        fds = list(self._fds.values())
+        for fd in fds:
+            loop.add_reader(fd, check)
+        def expire() -> None:
+            if not woke.done():
+                woke.set_result([])
+
+        timer = None if timeout is None or timeout < 0 else loop.call_later(timeout / 1000,
+                                                                             expire)
+        try:
+            check()  # a message that came between the first look and the readers
+            return await woke
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+            if timer is not None:
+                timer.cancel()

@@ -51,7 +51,13 @@ from disagg.actors.decode_messenger.prefill_peers import (
 )
 from disagg.actors.messenger_base import MessengerBase
 from disagg.actors.peer_discovery import PeerDiscovery
-from disagg.actors.sockets import HANDSHAKE_FAILED, monitor_events, pending, pending_frames
+from disagg.actors.sockets import (
+    HANDSHAKE_FAILED,
+    LoopPoller,
+    monitor_events,
+    pending,
+    pending_frames,
+)
 from disagg.engine.dp import rank_pages
 from disagg.protocol.inproc import (
     AttemptEvent,
@@ -142,29 +148,32 @@ class DecodeMessenger(MessengerBase):
         """Loop: 1. wait for a scheduler or prefiller message (at most one heartbeat);
         2. handle it; 3. every heartbeat: apply peer set changes, ping peers, update
         liveness, expire drains."""
-        poller = zmq.asyncio.Poller()
+        poller = LoopPoller()  # woken in one loop turn (pyzmq's takes several)
         poller.register(self.sched, zmq.POLLIN)
         for p in self.peers:
             self.dialed.register(poller, p)
         if self.discovery.names:
             self._spawn(self.discovery.run())
         next_beat = 0.0
-        while True:
-            now = time.monotonic()
-            if now >= next_beat:
-                self.dialed.apply(poller, lambda p: any(w.peer is p
-                                                        for w in self.wires.values()))
-                await self._heartbeat(now)
-                next_beat = now + self.heartbeat_s
-            events = dict(await poller.poll(max(1, int((next_beat - now) * 1000))))
-            self._woke = time.monotonic()
-            if self.sched in events:
-                await self._from_scheduler()
-            for p in self.peers:
-                if p.monitor in events:  # first: a new process's Pong finds the epoch moved
-                    await self._connection_events(p)
-                if p.sock in events:
-                    await self._from_peer(p)
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.dialed.apply(poller, lambda p: any(w.peer is p
+                                                            for w in self.wires.values()))
+                    await self._heartbeat(now)
+                    next_beat = now + self.heartbeat_s
+                events = dict(await poller.poll(max(1, int((next_beat - now) * 1000))))
+                self._woke = time.monotonic()
+                if self.sched in events:
+                    await self._from_scheduler()
+                for p in self.peers:
+                    if p.monitor in events:  # first: a new process's Pong finds the epoch moved
+                        await self._connection_events(p)
+                    if p.sock in events:
+                        await self._from_peer(p)
+        finally:
+            poller.close()
 
     async def _from_scheduler(self) -> None:
         async for frames in pending_frames(self.sched):  # uncopied: SendPrefill.prompt

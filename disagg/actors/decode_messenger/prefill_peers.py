@@ -19,7 +19,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from disagg.actors.sockets import dialing
+from disagg.actors.sockets import LoopPoller, dialing
 from disagg.fabric.topology import MAX_LANES
 from disagg.protocol.peer import Challenge, ChallengeAnswer, OwnershipOffer
 from disagg.remote.ownership import CHALLENGE_SLOTS, CHALLENGE_UNITS, NONCE_BYTES, nonce_offset
@@ -99,7 +99,7 @@ class DialedPeers:
         self._changes: list[tuple[str, bool]] = []  # (address, appeared) not yet applied
         self._last_slot = len(self.peers) - 1  # challenge slot of the peer dialed last
 
-    def register(self, poller: zmq.asyncio.Poller, peer: Peer) -> None:
+    def register(self, poller: LoopPoller, peer: Peer) -> None:
         poller.register(peer.sock, zmq.POLLIN)
         poller.register(peer.monitor, zmq.POLLIN)
 
@@ -107,7 +107,7 @@ class DialedPeers:
         """Discovery's news, applied by ``apply`` at the messenger's next heartbeat."""
         self._changes += [(a, True) for a in appeared] + [(a, False) for a in vanished]
 
-    def apply(self, poller: zmq.asyncio.Poller, in_use: Callable[[Peer], bool]) -> None:
+    def apply(self, poller: LoopPoller, in_use: Callable[[Peer], bool]) -> None:
         """Dial the peers that appeared (their Pongs are checked like a static peer's); those
         that vanished are dead from now on (the heartbeat reports their attempts
         ``peer_dead``), and are closed once ``in_use`` says no attempt names them."""

@@ -40,6 +40,7 @@ from disagg.actors.prefill_messenger.ownership_gate import OwnershipGate
 from disagg.actors.prefill_messenger.prefill_jobs import Job, JobWrites
 from disagg.actors.sockets import (
     PEER_FRAME_BYTES,
+    LoopPoller,
     disconnected_fds,
     listening,
     peer_address,
@@ -166,7 +167,7 @@ class PrefillMessenger(MessengerBase):
         abort, ping / announce, step done). Layer progress arrives via the poller thread."""
         self.poller = LayerPoller(self.counter, self.layout.num_layers,
                                   asyncio.get_running_loop(), self.writes.on_layers)
-        poller = zmq.asyncio.Poller()
+        poller = LoopPoller()  # woken in one loop turn (pyzmq's takes several)
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.sched, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
@@ -182,6 +183,7 @@ class PrefillMessenger(MessengerBase):
                 self._carry_out(self.life.expire(time.monotonic()))
                 await self.gate.tick(time.monotonic())
         finally:
+            poller.close()
             self.poller.stop()
 
     async def _from_peers(self) -> None:

@@ -29,7 +29,7 @@ from disagg.actors.executor.executor_group import ExecutorError, ExecutorGroup
 from disagg.actors.scheduler.intake import ClientIntake
 from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.actors.scheduler.stepping import Stepper
-from disagg.actors.sockets import pending
+from disagg.actors.sockets import LoopPoller, pending
 from disagg.engine.core import EngineCore
 from disagg.engine.dp import make_pool, rank_stats
 from disagg.engine.grammar import Grammars
@@ -183,11 +183,14 @@ class SchedulerActor:
         (up to ``timeout_ms``, None = forever) for one to arrive."""
         socks = [s for s in (self.inbox, self.mbox) if s is not None]
         if block:
-            poller = zmq.asyncio.Poller()
+            poller = LoopPoller()  # woken in one loop turn (pyzmq's takes several)
             for sock in socks:
                 poller.register(sock, zmq.POLLIN)
-            if not await poller.poll(timeout_ms):
-                return
+            try:
+                if not await poller.poll(timeout_ms):
+                    return
+            finally:
+                poller.close()
         for sock in socks:
             async for data in pending(sock):
                 if sock is self.inbox:

@@ -1,0 +1,81 @@
+"""``LoopPoller`` (disagg.actors.sockets): the actors' wait for a message, woken in one loop
+turn. It must see a message already queued, one sent while it waits (libzmq's fd signals only
+a change), give up at its timeout, and leave pyzmq's own waiting on the same socket intact."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from disagg.actors.sockets import LoopPoller
+
+
+@pytest.fixture
+def pair():
+    ctx = zmq.asyncio.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://loop-poller")
+    b.connect("inproc://loop-poller")
+    yield a, b
+    a.close(linger=0)
+    b.close(linger=0)
+    ctx.term()
+
+
+def test_a_queued_message_a_later_one_and_the_timeout(pair):
+    a, b = pair
+
+    async def go() -> None:
+        p = LoopPoller()
+        p.register(b, zmq.POLLIN)
+        assert await p.poll(20) == []  # nothing: the timeout
+        await a.send(b"1")
+        assert await p.poll(1000) == [(b, zmq.POLLIN)]  # queued before the poll
+        assert await b.recv(zmq.NOBLOCK) == b"1"
+        # the socket was read until empty only after a look at EVENTS: the fd's next signal
+        # is the one a later send gives; the poll must wake on it
+        asyncio.get_running_loop().call_later(0.05, lambda: a.send(b"2"))
+        assert dict(await asyncio.wait_for(p.poll(None), 5)) == {b: zmq.POLLIN}
+        assert await b.recv(zmq.NOBLOCK) == b"2"
+        p.close()
+
+    asyncio.run(go())
+
+
+def test_two_sockets_the_one_with_a_message_is_named(pair):
+    a, b = pair
+
+    async def go() -> None:
+        p = LoopPoller()
+        p.register(a, zmq.POLLIN)
+        p.register(b, zmq.POLLIN)
+        asyncio.get_running_loop().call_later(0.02, lambda: b.send(b"to a"))
+        assert await asyncio.wait_for(p.poll(5000), 5) == [(a, zmq.POLLIN)]
+        p.close()
+
+    asyncio.run(go())
+
+
+def test_pyzmq_waits_on_the_same_socket_still_work_and_unregister_closes_the_dup(pair):
+    a, b = pair
+
+    async def go() -> None:
+        p = LoopPoller()
+        p.register(b, zmq.POLLIN)
+        dup = p._fds[b]
+        waiting = asyncio.ensure_future(b.recv())  # pyzmq's own reader on the socket's fd
+        await asyncio.sleep(0.01)
+        assert await p.poll(20) == []
+        await a.send(b"x")
+        assert await asyncio.wait_for(waiting, 5) == b"x"
+        p.unregister(b)
+        with pytest.raises(OSError):
+            os.fstat(dup)
+        with pytest.raises(ValueError):
+            p.register(b, zmq.POLLOUT)
+
+    asyncio.run(go())
