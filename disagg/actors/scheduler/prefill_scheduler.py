@@ -67,7 +67,8 @@ class PrefillSide(SchedulerSide):
         match msg:
             case PrefillJob(job=job, prompt_ids=ids, cache_salt=salt):
                 slot = self.port.next_slot()
-                seq = Sequence(slot, f"job-{job}", list(ids), SamplingParams(max_tokens=1), 0,
+                # the decoded list is this message's alone: no copy (32k ids: 0.06 ms)
+                seq = Sequence(slot, f"job-{job}", ids, SamplingParams(max_tokens=1), 0,
                                arrival=slot, prefill_only=True, cache_salt=salt)
                 self.jobs[job] = seq
                 self.job_of[slot] = job
