@@ -19,6 +19,7 @@ import functools
 import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,7 @@ class Node:
         self._error: BaseException | None = None
 
     async def start(self) -> None:
+        t0 = time.monotonic()
         cfg = await asyncio.to_thread(resolve_model, self.cfg)
         self.cfg = cfg
         model_dir = cfg.executor.model
@@ -106,15 +108,19 @@ class Node:
         if ex.dp > 1 and cfg.cache.kv_host_cache_mb:
             raise ConfigError(f"--dp {ex.dp} with --kv-host-cache-mb: the KV tiers hold one "
                               "rank's pages, not yet one pool per rank; drop one of them")
-        tokenizer = Tokenizer.from_dir(model_dir)
         security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys else None)
         self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")
         self.executors = ExecutorGroup(cfg, self._run_dir, self.ctx)
+        phases = self.executors.phases
+        phases.add("node_setup", time.monotonic() - t0)
         try:
-            await self.executors.start()
+            self.executors.spawn()  # they load while the tokenizer does
+            tokenizer = await asyncio.to_thread(Tokenizer.from_dir, model_dir)
+            await self.executors.wait_ready()
         except BaseException:
             await self._cleanup()
             raise
+        t1 = time.monotonic()
         s = cfg.scheduler
         setup = SchedulerSetup(self.executors, arch, tokenizer, cfg.cache.page_size,
                                s.max_batch_tokens, s.max_running * ex.dp,  # seats per rank
@@ -152,6 +158,8 @@ class Node:
         self._tasks = {name: asyncio.create_task(self._guard(run(), name)) for name, run in actors}
         freeze_startup_objects(f"{cfg.role} node")
         keep_large_buffers(f"{cfg.role} node")
+        phases.add("node_actors", time.monotonic() - t1)
+        log.info("start phases: %s (%.1f s in all)", phases.line(), time.monotonic() - t0)
         self.summary = (f"{cfg.role} node serving {arch.architecture} on {self.address} "
                         f"({self.executors.num_pages * self.executors.dp} pages of "
                         f"{cfg.cache.page_size} tokens"

@@ -192,43 +192,19 @@ class ModelRunner:
         """Pin the decode split count of eager steps to ``max_model_len`` (as the graphs do),
         so it depends on the batch size only, and compile each distinct launch now rather
         than mid-serving (CUDA, triton backend). Returns the launches compiled."""
-        from disagg.kernels.decode import default_num_splits
+        from disagg.engine.decode_splits import decode_split_launches
 
         if self.device.type != "cuda" or self.backend.name != "triton":
             return 0
         t0 = time.perf_counter()
         self.split_bound = max_model_len
-        arch = self.model.arch
-        if arch.mla is not None:  # its split count is a kernel argument: one launch shape
-            from disagg.kernels import mla
-            from disagg.model.mla import MLAAttention
-
-            layer = next(m for m in self.model.modules() if isinstance(m, MLAAttention))
-            return mla.warm(self.kv[0, :, 0], layer.num_heads, arch.mla.kv_lora_rank,
-                            self.model.dtype)
-        seen: set[int] = set()
-        k, v = self.kv[0, :, 0], self.kv[0, :, -1]
-        width = -(-max_model_len // self.page_size)
-        for b in range(1, min(max_batch, 256) + 1):
-            splits = default_num_splits(b, arch.num_kv_heads, self.split_bound, 64)
-            if splits in seen:
-                continue
-            seen.add(splits)
-            dev, i32 = self.device, torch.int32
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((b,), -1, dtype=torch.int64, device=dev),
-                block_tables=torch.zeros((b, width), dtype=i32, device=dev),
-                seq_lens=torch.ones(b, dtype=i32, device=dev),
-                cu_seqlens_q=torch.arange(b + 1, dtype=i32, device=dev), num_decodes=b,
-                max_q_len=1, max_seq_len=self.split_bound)
-            q = torch.zeros((b, arch.num_heads, arch.head_dim), dtype=self.model.dtype,
-                            device=dev)
-            self.backend.attend(q, k, v, meta, arch.head_dim**-0.5,
-                                getattr(self.model.layers[0], "kv_scales", None))
+        launches = decode_split_launches(self, max_batch, max_model_len)
+        for _, launch in launches:
+            launch()
         torch.cuda.synchronize(self.device)
-        log.info("compiled %d eager decode launch shapes in %.1f s", len(seen),
+        log.info("compiled %d eager decode launch shapes in %.1f s", len(launches),
                  time.perf_counter() - t0)
-        return len(seen)
+        return len(launches)
 
     @torch.inference_mode()
     def warm_prefill(self, max_batch_tokens: int, max_model_len: int) -> list[int]:

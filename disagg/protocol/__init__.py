@@ -390,6 +390,10 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
     # writes not included) posted from each executor's pages, in executor order (--dp ranks
     # rank-major, each its --tp ranks): every source replica sends a share of an MLA transfer
     kv_units_sent_by_rank: list[int] = []
+    # seconds per phase of this node's last start (disagg.engine.start_phases.PHASES: spawn,
+    # imports, weights, triton_warmup, kv_profile, kv_alloc, graph_capture, ...; a restart's
+    # replace the first start's)
+    start_phases_s: dict[str, float] = {}
     v: int = PROTOCOL_VERSION
 
 

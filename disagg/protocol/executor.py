@@ -136,6 +136,9 @@ class ExecutorReady(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     # CUDA: one interprocess event per layer (their IPC handles), recorded by the main
     # process's host-tier reloads as each layer lands (disagg.engine.tier_reload)
     reload_events: list[bytes] = []
+    # seconds per start phase of this executor (disagg.engine.start_phases.PHASES: spawn,
+    # imports, cuda_init, weights, triton_warmup, kv_profile, kv_alloc, graph_capture, ...)
+    phases: dict[str, float] = {}
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):

@@ -77,6 +77,19 @@ def test_greedy_over_the_socket_matches_transformers(node, model_dir):
     assert ids == hf_greedy(model_dir, prompt, 8)
 
 
+def test_the_start_phases_are_logged_before_ready_and_kept_in_stats(node):
+    lines = node[1].log_path.read_text().splitlines()
+    ready = next(i for i, line in enumerate(lines) if "ready:" in line)
+    (line,) = [x for x in lines[:ready] if "start phases:" in x]
+    on_cpu = ["node_setup", "spawn", "imports", "cuda_init", "weights", "kv_alloc",
+              "executor_wait", "node_actors"]  # (triton_warmup, kv_profile, ...: CUDA only)
+    for name in on_cpu:
+        assert f" {name} " in line, line
+    phases = nodes.stats(node[0]).start_phases_s
+    assert list(phases) == on_cpu
+    assert all(s >= 0 for s in phases.values()) and phases["imports"] > 0
+
+
 def test_overlapped_decode_steps_are_token_exact(node, model_dir):
     """Concurrent requests ending at different steps (lengths, a stop token) while the node
     launches each decode step before the previous one's tokens are back (aborts over it:

@@ -29,6 +29,13 @@ import zmq
 from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorError, rendezvous_path
 from disagg.config import NodeConfig, env
+from disagg.engine.start_phases import (
+    StartPhases,
+    boot_clock,
+    process_started_at,
+    spawn_and_imports,
+)
+from disagg.engine.warmup import graphs_refusal
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.ep import ExpertParallel
 from disagg.model.tp import TensorParallel
@@ -57,8 +64,10 @@ STEP_DELAY_S = float(env("TEST_STEP_DELAY_S") or 0)
 # ---------------------------------------------------------------------------- process side
 
 
-def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> None:
+def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
+          phases: StartPhases | None = None) -> None:
     """The executor process: load, hand over the KV memory, then loop over plans.
+    ``phases``: the start's, timed here on (``ExecutorReady.phases``).
 
     Loop: 1. wait (bounded) for a command; 2. run the step; 3. reply. Exits on ``Shutdown``
     or when the parent process is gone."""
@@ -70,18 +79,22 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
 
     parent = os.getppid()
     ecfg = cfg.executor
+    phases = phases or StartPhases()
     torch.set_num_threads(cpu_threads(ecfg.threads, len(cfg.devices), torch.get_num_threads()))
     device = torch.device(cfg.devices[rank])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     if ecfg.model is None:
         raise ExecutorError("executor needs a resolved model directory")
+    with phases.phase("cuda_init"):
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.zeros(1, device=device)  # the CUDA context, now rather than in the weights
+        tp = init_tensor_parallel(cfg, rank, control, device)
     t0 = time.perf_counter()
-    tp = init_tensor_parallel(cfg, rank, control, device)
     mtp = cfg.scheduler.speculative_method == "mtp"  # prefill nodes compute its KV to ship
-    model = build_model(cfg, device, tp, mtp=mtp)
-    draft = (build_model(cfg, device, model_dir=ecfg.draft_model)  # prefill nodes prefill it
-             if ecfg.draft_model is not None else None)
+    with phases.phase("weights"):
+        model = build_model(cfg, device, tp, mtp=mtp)
+        draft = (build_model(cfg, device, model_dir=ecfg.draft_model)  # prefill nodes too
+                 if ecfg.draft_model is not None else None)
     arch = model.arch
     if tp.ep is not None and tp.ep.size > 1 and arch.moe is not None:
         mine = tp.ep.experts(arch.moe.num_experts)
@@ -100,25 +113,39 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     max_model_len = cfg.scheduler.max_model_len or arch.max_position_embeddings
     log.info("model %s on %s in %.1f s (%s weights)", arch.architecture, device,
              time.perf_counter() - t0, "random" if ecfg.random_weights else "loaded")
+    refusal = graphs_refusal(cfg, tp, backend, model)
+    if device.type == "cuda" and backend.name == "triton" and tp.size == 1 and (
+            tp.ep is None or tp.ep.size == 1):  # (ranks' collectives must not interleave)
+        from disagg.engine.warmup import parallel_warmup, warm_threads
+
+        s = cfg.scheduler
+        with phases.phase("triton_warmup"):
+            parallel_warmup(model, backend, cfg.cache.page_size, kv_dtype,
+                            min(s.max_running, s.max_batch_tokens), s.max_batch_tokens,
+                            s.max_running, max_model_len, refusal is None,
+                            warm_threads(len(cfg.devices)))
     if cfg.cache.num_pages:
         num_pages = cfg.cache.num_pages
     elif device.type == "cuda":
-        num_pages = drafting.share_with_draft(
-            pages_from_free_memory(cfg, model, backend, max_model_len, kv_dtype), arch, draft)
+        with phases.phase("kv_profile"):
+            num_pages = drafting.share_with_draft(
+                pages_from_free_memory(cfg, model, backend, max_model_len, kv_dtype), arch,
+                draft)
     else:
         num_pages = drafting.share_with_draft(KVLayout.pages_for_budget(
             cfg.cache.kv_cache_mb << 20, arch.num_layers, arch.num_kv_heads, cfg.cache.page_size,
             arch.head_dim, kv_dtype, kv_parts=arch.kv_parts), arch, draft)
     layout = KVLayout(arch.num_layers, num_pages, arch.num_kv_heads, cfg.cache.page_size,
                       arch.head_dim, kv_dtype, arch.kv_parts)
-    alloc = KVAllocation.create(layout, device,
-                                drafting.spec_layout(layout, draft, model if mtp else None),
-                                kv_scales=model.kv_scales_id if fp8_kv else "",
-                                model_dtype=model.dtype)
-    if alloc.fd is not None:
-        socket.send_fds(fd_sock, [b"kv"], [alloc.fd])
-    else:
-        fd_sock.sendall(b"no")
+    with phases.phase("kv_alloc"):
+        alloc = KVAllocation.create(layout, device,
+                                    drafting.spec_layout(layout, draft, model if mtp else None),
+                                    kv_scales=model.kv_scales_id if fp8_kv else "",
+                                    model_dtype=model.dtype)
+        if alloc.fd is not None:
+            socket.send_fds(fd_sock, [b"kv"], [alloc.fd])
+        else:
+            fd_sock.sendall(b"no")
     counter = None
     # only the lead rank (of each DP rank, --dp) keeps the layer counter
     if rank % tp.size == 0 and cfg.role == "prefill":
@@ -129,17 +156,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
     runner = ModelRunner(model, alloc.tensor, backend, counter)
     log.info("loaded %s on %s: %d pages of %d tokens (%.1f MiB KV)", arch.architecture, device,
              num_pages, cfg.cache.page_size, layout.nbytes / 2**20)
-    if device.type == "cuda" and ecfg.cuda_graphs and cfg.role != "prefill":
-        if tp.size > 1:
-            log.info("CUDA graphs are not used with --tp > 1 yet; running decode eagerly")
-        elif tp.ep is not None and tp.ep.size > 1:
-            log.info("CUDA graphs are not used with --expert-parallel over several ranks (the "
-                     "all-to-all's split sizes go through the host); running decode eagerly")
-        elif backend.name != "triton":
-            log.info("CUDA graphs need the triton attention backend; running decode eagerly")
-        elif arch.moe is not None and model.dtype == torch.float32:
-            log.info("CUDA graphs of MoE models need the fused kernel (bf16/fp16); eager decode")
-        else:
+    if refusal is None:
+        with phases.phase("graph_capture"):
             try:
                 s = cfg.scheduler
                 runner.enable_cuda_graphs(
@@ -148,6 +166,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
             except Exception:  # the node still serves, only slower
                 log.exception("CUDA graph capture failed; running decode eagerly")
                 runner.graphs = None
+    elif refusal:
+        log.info(refusal)
 
     if mtp:
         from disagg.engine.mtp_drafting import MTPDrafter
@@ -165,10 +185,11 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
         from disagg.kernels.compile_watch import arm
 
         t1 = time.perf_counter()
-        if runner.graphs is None:
-            runner.pin_decode_splits(min(cfg.scheduler.max_running,
-                                         cfg.scheduler.max_batch_tokens), max_model_len)
-        lengths = runner.warm_prefill(cfg.scheduler.max_batch_tokens, max_model_len)
+        with phases.phase("warm_eager"):
+            if runner.graphs is None:
+                runner.pin_decode_splits(min(cfg.scheduler.max_running,
+                                             cfg.scheduler.max_batch_tokens), max_model_len)
+            lengths = runner.warm_prefill(cfg.scheduler.max_batch_tokens, max_model_len)
         log.info("warmed prefill steps of %s tokens in %.1f s", lengths, time.perf_counter() - t1)
         arm(f"executor {rank}")
     freeze_startup_objects(f"executor {rank}")
@@ -184,7 +205,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket) -> N
                                 for _ in range(runner.kv.shape[0])]
     sock.send(enc.encode(ExecutorReady(rank, num_pages, alloc.info,
                                        None if counter is None else counter.handle(),
-                                       [e.ipc_handle() for e in runner.reload_events])))
+                                       [e.ipc_handle() for e in runner.reload_events],
+                                       phases.ordered())))
     deferred: tuple[int, Launched | Exception] | None = None  # answered on the next command
     # hop marks (disagg.trace) of the lead rank's steps: x.* / s<id> on a prefill node,
     # dx.* / d<id> on the others
@@ -430,12 +452,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--control", required=True, help="ipc:// address of the main process")
     ap.add_argument("--fd-sock", type=int, required=True, help="inherited unix socket fd")
+    ap.add_argument("--spawned-at", type=float, default=None,
+                    help="when the main process spawned this one (start_phases.boot_clock)")
     args = ap.parse_args(argv)
+    phases = StartPhases()
+    if args.spawned_at is not None:
+        phases.merge([spawn_and_imports(args.spawned_at, process_started_at(), boot_clock())])
     cfg = msgspec.json.decode(args.config, type=NodeConfig)
     setup_logging("executor", args.rank)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when we stop
     fd_sock = socket.socket(fileno=args.fd_sock)
-    serve(cfg, args.rank, args.control, fd_sock)
+    serve(cfg, args.rank, args.control, fd_sock, phases)
 
 
 if __name__ == "__main__":

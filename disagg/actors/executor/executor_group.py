@@ -28,6 +28,7 @@ import zmq.asyncio
 from disagg.config import NodeConfig
 from disagg.engine.dp import merge_hidden, merge_results, split_plan
 from disagg.engine.grammar_pass import MaskBlock
+from disagg.engine.start_phases import StartPhases, boot_clock
 from disagg.protocol.executor import (
     Collect,
     ExecutorReady,
@@ -87,6 +88,8 @@ class ExecutorGroup:
         self.tp = len(cfg.devices) // self.dp
         self._plans: dict[int, StepPlan] = {}  # steps split over DP ranks, until merged
         self.all_to_all_s = [0.0] * self.dp  # each DP rank's lead: MoE all-to-all seconds
+        self.phases = StartPhases()  # the start's, the node's own included (Stats.start_phases_s)
+        self._spawned = time.monotonic()
 
     @property
     def num_pages(self) -> int:
@@ -94,19 +97,31 @@ class ExecutorGroup:
         return min(r.num_pages for r in self.ready)
 
     async def start(self) -> None:
+        """``spawn`` then ``wait_ready``."""
+        self.spawn()
+        await self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start one executor process per device (they load while the caller does its own
+        start-up work; ``wait_ready`` then waits for them)."""
         cfg_json = msgspec.json.encode(self.cfg).decode()
         with contextlib.suppress(FileNotFoundError):  # a dead group's, in a reused --run-dir
             os.unlink(rendezvous_path(self.control))
+        self._spawned = time.monotonic()
         for rank in range(len(self.cfg.devices)):
             parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             cmd = [sys.executable, "-m", "disagg.actors.executor.executor", "--config", cfg_json,
                    "--rank", str(rank), "--control", self.control,
-                   "--fd-sock", str(child_sock.fileno())]
+                   "--fd-sock", str(child_sock.fileno()), "--spawned-at", repr(boot_clock())]
             proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),))
             child_sock.close()
             self.procs.append(proc)
             self._fd_socks.append(parent_sock)
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+
+    async def wait_ready(self) -> None:
+        """Until every executor spawned has handed over its KV memory (bounded by
+        ``--startup-timeout``); their start phases then join ``phases``."""
+        deadline = self._spawned + self.cfg.startup_timeout_s
         by_rank: dict[int, tuple[bytes, ExecutorReady]] = {}
         while len(by_rank) < len(self.procs):
             self._check_alive()
@@ -122,6 +137,8 @@ class ExecutorGroup:
             self._identities.append(ident)
             self.ready.append(ready)
             self.kv_views.append(self._map(rank, ready.kv))
+        self.phases.merge([r.phases for r in self.ready])
+        self.phases.add("executor_wait", time.monotonic() - self._spawned)
 
     def _map(self, rank: int, info: KVMemoryInfo) -> Any:
         from disagg.engine.kv_memory import map_kv
@@ -256,7 +273,7 @@ class ExecutorGroup:
                 await self.sock.send_multipart([ident, payload], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if self._identities else 0.0)  # none asked
         for p in self.procs:
             while p.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -425,6 +425,7 @@ class SchedulerActor:
             max_model_len=self.max_model_len, steps_overlapped=self.core.steps_ahead,
             draining=int(self.intake.draining is not None),
             dp_ranks=rank_stats(self.pool, self.sched.running, self.executors.all_to_all_s),
+            start_phases_s=self.executors.phases.ordered(),
             **tiers, **messenger,
         )
 

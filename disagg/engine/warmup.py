@@ -1,0 +1,103 @@
+"""What an executor warms before ready, listed as independent jobs so their Triton kernels
+compile in parallel (``disagg.kernels.warm_pool.run_parallel``).
+
+``parallel_warmup`` runs, on a scratch KV cache of the real one's dtype and page shape (the KV
+pool is sized after the profiling step, so it does not exist yet), one job per decode CUDA-graph
+bucket (its eager forward, as ``DecodeGraphs.capture_all`` runs before capturing), one per eager
+decode split count (``decode_split_launches``, as ``ModelRunner.pin_decode_splits``), the prefill
+steps (``ModelRunner.warm_prefill``) and the profiling step's shape. Every kernel variant the
+start's sequential warm-ups then launch on the real cache is compiled already (Triton keys a
+variant on dtypes, constexprs and 16-divisibility and alignment, not on the page count); any it
+missed they compile as before, and ``compile_watch`` still reports a compile after ready.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from disagg.config import NodeConfig
+from disagg.engine.decode_splits import decode_split_launches
+from disagg.kernels.interface import AttentionBackend
+from disagg.kernels.warm_pool import WarmReport, run_parallel
+
+if TYPE_CHECKING:
+    from disagg.model.tp import TensorParallel
+    from disagg.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+MAX_THREADS = 16  # compiles at once: about the cores of one lent GPU's host
+
+
+def warm_threads(executors: int, cores: int | None = None) -> int:
+    """Compile threads of one executor: the cores this process may use, shared among the
+    node's executors, at most ``MAX_THREADS``, at least 1."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    return max(1, min(MAX_THREADS, cores // max(1, executors)))
+
+
+def graphs_refusal(cfg: NodeConfig, tp: TensorParallel, backend: Any,
+                   model: Any) -> str | None:
+    """None when this executor captures decode CUDA graphs, else why not (a line to log; empty
+    where they are off by role, device or ``--enforce-eager``)."""
+    if not (cfg.devices[0].startswith("cuda") and cfg.executor.cuda_graphs
+            and cfg.role != "prefill"):
+        return ""
+    if tp.size > 1:
+        return "CUDA graphs are not used with --tp > 1 yet; running decode eagerly"
+    if tp.ep is not None and tp.ep.size > 1:
+        return ("CUDA graphs are not used with --expert-parallel over several ranks (the "
+                "all-to-all's split sizes go through the host); running decode eagerly")
+    if backend.name != "triton":
+        return "CUDA graphs need the triton attention backend; running decode eagerly"
+    if model.arch.moe is not None and model.dtype == torch.float32:
+        return "CUDA graphs of MoE models need the fused kernel (bf16/fp16); eager decode"
+    return None
+
+
+def parallel_warmup(model: Transformer, backend: AttentionBackend, page_size: int,
+                    kv_dtype: torch.dtype, max_batch: int, max_batch_tokens: int,
+                    max_running: int, max_model_len: int, graphs: bool,
+                    threads: int) -> WarmReport:
+    """Compile, ``threads`` at a time, the kernels of the start's warm-ups (see the module
+    docstring) on a scratch cache freed afterwards. ``graphs``: the decode buckets too."""
+    from disagg.engine.cuda_graphs import DecodeGraphs
+    from disagg.engine.kv_memory import KVLayout
+    from disagg.engine.runner import ModelRunner, profile_peak_memory
+
+    arch = model.arch
+    pages = 2 + -(-min(96, max_batch_tokens, max_model_len) // page_size)  # warm_prefill's
+    shape = KVLayout(arch.num_layers, pages, arch.num_kv_heads, page_size, arch.head_dim,
+                     kv_dtype, arch.kv_parts).shape
+    kv = torch.zeros(shape, dtype=kv_dtype, device=model.device)
+    runner = ModelRunner(model, kv, backend)
+    runner.split_bound = max_model_len  # as the real runner's, pinned before serving
+    jobs: list[tuple[str, Callable[[], Any]]] = []
+    if graphs:
+        g = DecodeGraphs(model, kv, backend, max_batch, max_model_len)
+        g._reset_inputs()
+        jobs += [(f"decode bucket {b}", functools.partial(g._forward, b)) for b in g.buckets]
+    jobs += decode_split_launches(runner, max_batch, max_model_len)
+    jobs.append(("prefill steps", functools.partial(runner.warm_prefill, max_batch_tokens,
+                                                    max_model_len)))
+    jobs.append(("largest step", functools.partial(
+        profile_peak_memory, model, backend, page_size, max_batch_tokens, max_running,
+        max_model_len)))
+    try:
+        report = run_parallel(jobs, threads, model.device)
+    finally:
+        del kv, runner
+        torch.cuda.empty_cache()
+    log.info("parallel warm-up: %d jobs on %d threads in %.1f s, %d kernel variants compiled "
+             "or loaded once each (%d launches waited for another's)%s", report.jobs, threads,
+             report.seconds, len(report.compiled), report.waited,
+             f"; failed: {report.failed}" if report.failed else "")
+    return report
