@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from disagg.kernels import checks
+from disagg.kernels.fp8_gemv import fp8_gemv
 from disagg.kernels.fp8_weight import Fp8Weight
 
 GROUP = 128  # activation group and weight block edge (the checkpoint's weight_block_size)
@@ -233,75 +234,12 @@ def fp8_block_matmul(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Te
     return out
 
 
-@triton.jit
-def _fp8_gemv_kernel(w_ptr, s_ptr, x_ptr, out_ptr, N, K, stride_sn, GROUP: tl.constexpr,
-                     BN: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr):
-    # BN divides GROUP, so a program's rows share one row of weight blocks: one scale per
-    # block column. Each step takes SUB blocks of columns, their loads issued together.
-    pid = tl.program_id(0)
-    n = pid * BN + tl.arange(0, BN)
-    k = tl.arange(0, GROUP)
-    rows = w_ptr + (n % N).to(tl.int64)[:, None] * K
-    s_row = s_ptr + ((pid * BN) // GROUP).to(tl.int64) * stride_sn
-    blocks = tl.cdiv(K, GROUP)
-    acc = tl.zeros((BN, GROUP), dtype=tl.float32)
-    for kb in tl.range(0, blocks, SUB, num_stages=STAGES):
-        for j in tl.static_range(SUB):
-            kk = (kb + j) * GROUP + k
-            w = tl.load(rows + kk[None, :], mask=kk[None, :] < K, other=0.0)
-            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            s = tl.load(s_row + kb + j, mask=kb + j < blocks, other=0.0)
-            acc += w.to(tl.float32) * (x * s)[None, :]
-    tl.store(out_ptr + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n < N)
-
-
-# (rows per program, 128-column blocks per step, warps, pipeline stages); bench/fp8_gemm.py
-GemvTile = tuple[int, int, int, int]
-# on an H200 (bench/fp8_gemm.py, 2026-12-04) the best of 14 tiles for Qwen3-8B's qkv,
-# gate_up and down, 4% off the best for o: 2.1-3.6 TB/s of weight reads
-GEMV_TILE: GemvTile = (16, 4, 2, 4)
-INTERP_GEMV_TILE: GemvTile = (16, 2, 1, 1)
-
-
-def gemv_tile(n: int, k: int) -> GemvTile:
-    """The GEMV tile for an ``[n, k]`` weight."""
-    return INTERP_GEMV_TILE if checks.interpreting() else GEMV_TILE
-
-
-def fp8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor,
-             tile: GemvTile | None = None) -> torch.Tensor:
-    """One row ``x [1, K]`` (bf16 / fp16 / float32, unit stride) times a block-FP8 weight,
-    weight-only (W8A16): each weight block is dequantized in registers (``q * s_w``) and
-    multiplied by ``x`` unquantized, float32 sums, one rounding to ``x``'s dtype. A decode
-    step at batch 1 reads each weight once, so what counts is the weight bytes (half bf16's);
-    quantizing one row of activations would add a launch and an error for nothing."""
-    _check_rows("x", x, IN_DTYPES)
-    _check_rows("w_fp8", w_fp8, (FP8,))
-    n, k = w_fp8.shape
-    if x.shape != (1, k):
-        raise ValueError(f"fp8_gemv: x must be [1, {k}], got {tuple(x.shape)}")
-    if tuple(w_scale_inv.shape) != (_groups(n), _groups(k)) or w_scale_inv.stride(1) != 1:
-        raise ValueError(f"w_scale_inv must be [{_groups(n)}, {_groups(k)}] with a unit last "
-                         f"stride, got {tuple(w_scale_inv.shape)}")
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if n == 0:
-        return out
-    bn, sub, warps, stages = tile or gemv_tile(n, k)
-    if GROUP % bn:
-        raise ValueError(f"fp8_gemv: rows per program must divide {GROUP}, got {bn}")
-    launch = {} if checks.interpreting() else dict(num_warps=warps)
-    _fp8_gemv_kernel[(triton.cdiv(n, bn),)](w_fp8, w_scale_inv, x, out, n, k,
-                                            w_scale_inv.stride(0), GROUP=GROUP, BN=bn, SUB=sub,
-                                            STAGES=stages, **launch)
-    return out
-
-
 def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` for a block-FP8 weight on CUDA: one row through ``fp8_gemv``
     (weight-only), more through ``fp8_linear`` (W8A8, per-token-group activation scales)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 1 and x2.stride(1) == 1:
-        out = fp8_gemv(x2, w.q, w.scale_inv)
+        out = fp8_gemv(x2, w.q, w.scale_inv)  # disagg.kernels.fp8_gemv
     else:
         out = fp8_linear(x2, w.q, w.scale_inv)
     if bias is not None:

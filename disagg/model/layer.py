@@ -15,7 +15,7 @@ from disagg.kernels.kv_quant import KVScales, is_fp8
 from disagg.model.config import ModelArch
 from disagg.model.mla import MLAAttention
 from disagg.model.moe import MoEMLP
-from disagg.model.ops import add_norm, fused_on, linear, silu_mul
+from disagg.model.ops import add_norm, fused_on, linear, norm_linear, silu_linear
 from disagg.model.rotary import rms_norm, rotate_half
 from disagg.model.tp import TensorParallel
 
@@ -115,12 +115,12 @@ class DecoderLayer(nn.Module):
         next norm adds it), ``(x + mlp output, None)`` elsewhere."""
         if after_attention is not None:
             after_attention()
-        h, x = add_norm(x, attn, self.post_norm, self.eps)
         if self.moe is not None:
+            h, x = add_norm(x, attn, self.post_norm, self.eps)
             out = self.tp.all_reduce(self.moe(h))
-        else:
-            out = self.tp.all_reduce(linear(silu_mul(linear(h, self.gate_up_weight)),
-                                            self.down_weight))
+        else:  # one row on CUDA: norm + gate_up and SiLU-mul + down, a launch each
+            gate_up, x = norm_linear(x, attn, self.post_norm, self.eps, self.gate_up_weight)
+            out = self.tp.all_reduce(silu_linear(gate_up, self.down_weight))
         return (x, out) if fused_on(x) else (x + out, None)
 
     def _forward_fused(
@@ -140,8 +140,8 @@ class DecoderLayer(nn.Module):
 
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h, x = add_norm(x, delta, self.input_norm, self.eps)
-        qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        qkv, x = norm_linear(x, delta, self.input_norm, self.eps, self.qkv_weight,
+                             self.qkv_bias)  # one launch at one row
         if backend.triton_append and not is_fp8(k_cache):  # norm + rope + append: one kernel
             q = fused.qk_rope_append(qkv, self.q_norm, self.k_norm, cos, sin, self.eps, k_cache,
                                      v_cache, meta.slot_mapping, hq)

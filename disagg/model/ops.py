@@ -70,6 +70,47 @@ def project(x: torch.Tensor, w: torch.Tensor | Fp8Weight,
     return F.linear(x, w, bias)
 
 
+def _one_row(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
+    """Whether ``x @ w.T`` is a one-row projection the fused GEMVs take (CUDA, fused on)."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or not fused_on(x):
+        return False
+    return isinstance(w, Fp8Weight) or w.is_contiguous()
+
+
+def norm_linear(x: torch.Tensor, add: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(h, w, bias), x + add)`` for ``(h, x + add) = add_norm(x, add, norm_w, eps)``:
+    at one row on CUDA the norm is the GEMV's prologue (``disagg.kernels.gemv.norm_gemv``,
+    ``fp8_gemv.fp8_norm_gemv``), one launch for the two."""
+    if _one_row(x, w) and (add is None or (add.shape == x.shape and add.dtype == x.dtype
+                                           and add.stride(1) == 1)):
+        if isinstance(w, Fp8Weight):
+            from disagg.kernels.fp8_gemv import fp8_norm_gemv
+
+            y, r = fp8_norm_gemv(x, add, norm_w, eps, w.q, w.scale_inv)
+            return (y if bias is None else y + bias), r
+        from disagg.kernels.gemv import norm_gemv
+
+        return norm_gemv(x, add, norm_w, eps, w, bias)
+    h, x = add_norm(x, add, norm_w, eps)
+    return linear(h, w, bias), x
+
+
+def silu_linear(gate_up: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """``linear(silu_mul(gate_up), w)``: at one row on CUDA SiLU-mul is the GEMV's prologue
+    (``disagg.kernels.gemv.silu_gemv``, ``fp8_gemv.fp8_silu_gemv``), one launch."""
+    if _one_row(gate_up, w):
+        if isinstance(w, Fp8Weight):
+            from disagg.kernels.fp8_gemv import fp8_silu_gemv
+
+            return fp8_silu_gemv(gate_up, w.q, w.scale_inv)
+        from disagg.kernels.gemv import silu_gemv
+
+        return silu_gemv(gate_up, w)
+    return linear(silu_mul(gate_up), w)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``[T, 2I]`` -> ``silu(gate) * up`` ``[T, I]`` (the gated MLP's activation)."""
     if fused_on(gate_up):

@@ -26,7 +26,7 @@ def all_cases() -> list[str]:
     ids += ["gemm-bfloat16-17x256x256", "gemm-float16-3x200x300", "gemm-tile-40x130x129"]
     # the quantize + GEMM wiring, an x of three dims
     ids += ["linear-bfloat16-3x200x300", "linear-float32-2x5x256x256"]
-    # one row, weight-only (fp8_gemv): N off the programs' rows, K off the blocks
+    # one row, weight-only (disagg.kernels.fp8_gemv): N off the programs' rows, K off the blocks
     ids += ["gemv-float32-1x200x300", "gemv-bfloat16-1x256x384", "gemv-float16-1x130x129"]
     # fp8_matmul with a bias: one row (the GEMV) and more (quantize + GEMM)
     ids += ["matmul-float32-1x200x300", "matmul-float32-3x200x300"]
@@ -84,6 +84,7 @@ def run_case(cid: str, device: str = "cpu") -> float:
     import torch
 
     from disagg.kernels import fp8_gemm, reference
+    from disagg.kernels.fp8_gemv import fp8_gemv
 
     kind, dt, shape = cid.split("-")
     dtype = torch.float32 if dt in ("tile", "colmajor") else getattr(torch, dt)
@@ -112,7 +113,7 @@ def run_case(cid: str, device: str = "cpu") -> float:
         return rel(out.view(m, n), reference.fp8_block_matmul(q, s, wq, ws, torch.float32))
     if kind == "gemv":  # weight-only: x unquantized against the dequantized weight
         x, wq, ws = operands(m, n, k, dtype, device)
-        out = fp8_gemm.fp8_gemv(x, wq, ws)
+        out = fp8_gemv(x, wq, ws)
         if tuple(out.shape) != (1, n) or out.dtype != dtype:
             return float("inf")
         return rel(out, x.float() @ reference.dequantize_weight(wq, ws).T)

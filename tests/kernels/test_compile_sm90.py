@@ -47,14 +47,18 @@ def test_norm_rope_and_rms_norm_compile_for_sm90() -> None:
     compile_sm90(fused._rms_norm_kernel, types, dict(HAS_RES=True, BLOCK=4096))
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_compiles_for_sm90(bias: bool) -> None:
+@pytest.mark.parametrize("bias, pro, delta", [(False, 0, False), (True, 0, False),
+                                               (True, 1, True), (False, 1, False),
+                                               (False, 2, False)])
+def test_gemv_compiles_for_sm90(bias: bool, pro: int, delta: bool) -> None:
     from disagg.kernels import gemv
 
-    types = {p: "*bf16" for p in ("w_ptr", "x_ptr", "b_ptr", "out_ptr")}
-    types.update(N="i32", K="i32")
+    types = {p: "*bf16" for p in ("w_ptr", "x_ptr", "b_ptr", "out_ptr", "d_ptr", "nw_ptr",
+                                  "xo_ptr")}
+    types.update(N="i32", K="i32", eps="fp32")
     bn, bk = gemv.tiles(4096, 12288)
-    compile_sm90(gemv._gemv_kernel, types, dict(HAS_BIAS=bias, BN=bn, BK=bk))
+    compile_sm90(gemv._gemv_kernel, types, dict(HAS_BIAS=bias, BN=bn, BK=bk, PRO=pro,
+                                                HAS_DELTA=delta))
 
 
 @pytest.mark.parametrize("kv_heads, fp8", [(8, False), (3, False), (8, True), (3, True)])
@@ -156,15 +160,20 @@ def test_fp8_quantize_groups_compiles_for_sm90() -> None:
     assert "cubin" in asm and "div.rn.f32" in asm["ptx"]
 
 
-def test_fp8_gemv_compiles_for_sm90() -> None:
-    from disagg.kernels import fp8_gemm
+@pytest.mark.parametrize("pro, delta, split", [(0, False, 1), (1, True, 1), (1, False, 4),
+                                               (2, False, 1), (2, False, 3)])
+def test_fp8_gemv_compiles_for_sm90(pro: int, delta: bool, split: int) -> None:
+    from disagg.kernels import fp8_gemv
 
-    bn, sub, _, stages = fp8_gemm.GEMV_TILE
+    t = fp8_gemv.GEMV_TILE
     types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_ptr": "*bf16", "out_ptr": "*bf16",
-             "N": "i32", "K": "i32", "stride_sn": "i32"}
-    asm = compile_sm90(fp8_gemm._fp8_gemv_kernel, types, dict(
-        GROUP=fp8_gemm.GROUP, BN=bn, SUB=sub, STAGES=stages))
+             "d_ptr": "*bf16", "nw_ptr": "*bf16", "xo_ptr": "*bf16", "ws_ptr": "*fp32",
+             "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_sn": "i32", "eps": "fp32"}
+    asm = compile_sm90(fp8_gemv._fp8_gemv_kernel, types, dict(
+        GROUP=fp8_gemv.GROUP, BN=t.bn, SUB=t.sub, STAGES=t.stages, SPLIT=split,
+        EVEN=split == 1, PRO=pro, HAS_DELTA=delta))
     assert "cubin" in asm
+    assert ("atom.global" in asm["ptx"]) == (split > 1)
 
 
 # FP8 experts in the fused MoE kernel (weight-only): every tile of its table, gate_up and down

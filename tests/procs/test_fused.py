@@ -85,33 +85,37 @@ from disagg.kernels.backends import TritonBackend
 from disagg.kernels.interface import AttentionMetadata
 from disagg.model import layer, ops
 from disagg.model.config import ModelArch
+from disagg.model.fp8 import Fp8Format
 from disagg.model.loader import random_model
 
 cfg = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=64, head_dim=16,
            intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64)
 arch = ModelArch.from_hf_config(cfg)
-model = random_model(arch, "float32", seed=1)
 i32 = torch.int32
 steps = [  # (ids, positions, slots, seq_len, decodes)
     (torch.tensor([3, 9, 27, 1, 40, 8]), torch.arange(6), torch.arange(6), 6, 0),
     (torch.tensor([17]), torch.tensor([6]), torch.tensor([6]), 7, 1),
 ]
-outs = {}
-for fuse in (False, True):
-    ops.fused_on = layer.fused_on = (lambda x: True) if fuse else (lambda x: False)
-    kv = torch.zeros(arch.num_layers, 2, 2, arch.num_kv_heads, 4, arch.head_dim)
-    got = []
-    for ids, pos, slots, n, nd in steps:
-        t = ids.shape[0]
-        meta = AttentionMetadata(slots, torch.tensor([[0, 1]], dtype=i32),
-                                 torch.tensor([n], dtype=i32), torch.tensor([0, t], dtype=i32),
-                                 nd, t, n)
-        got.append(model(ids, pos, kv, meta, TritonBackend()))
-    outs[fuse] = (got, kv)
-for a, b in zip(outs[False][0], outs[True][0]):
-    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
-torch.testing.assert_close(outs[True][1], outs[False][1], atol=1e-5, rtol=1e-5)
+# plain weights, then block-FP8 weights kept FP8 (the decode row through the FP8 GEMVs with
+# their norm / SiLU-mul prologues; more rows and the torch path dequantize)
+for fp8 in (None, Fp8Format("fp8", (128, 128))):
+    model = random_model(arch, "float32", seed=1, fp8=fp8, fp8_gemm=fp8 is not None)
+    outs = {}
+    for fuse in (False, True):
+        ops.fused_on = layer.fused_on = (lambda x: True) if fuse else (lambda x: False)
+        kv = torch.zeros(arch.num_layers, 2, 2, arch.num_kv_heads, 4, arch.head_dim)
+        got = []
+        for ids, pos, slots, n, nd in steps:
+            t = ids.shape[0]
+            meta = AttentionMetadata(slots, torch.tensor([[0, 1]], dtype=i32),
+                                     torch.tensor([n], dtype=i32),
+                                     torch.tensor([0, t], dtype=i32), nd, t, n)
+            got.append(model(ids, pos, kv, meta, TritonBackend()))
+        outs[fuse] = (got, kv)
+    for a, b in zip(outs[False][0], outs[True][0]):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[True][1], outs[False][1], atol=1e-5, rtol=1e-5)
 print("model ok")
 """
 
