@@ -15,8 +15,8 @@ a launch and an error for nothing.
 ``j``-th share of K's blocks, adds its partial sums into a float32 workspace with atomics, and
 the last of the ``SPLIT`` to finish (a counter per output tile) rounds the total, stores it and
 zeroes the workspace and its counter for the next call. The workspace (``_workspace``) is one
-per device and N, allocated outside graph capture; a split GEMV first launched while a graph is
-captured runs unsplit. Calls sharing a workspace must not run concurrently (one stream).
+per device, N and stream, allocated outside graph capture; a split GEMV first launched while a
+graph is captured runs unsplit; graphs replay one at a time on a stream.
 
 The prologues of ``disagg.kernels.gemv`` (the residual add + RMSNorm before qkv and gate_up,
 SiLU-mul before down) run here the same way: ``fp8_norm_gemv``, ``fp8_silu_gemv``.
@@ -108,13 +108,16 @@ def gemv_tile(n: int, k: int) -> GemvTile:
     return INTERP_GEMV_TILE if checks.interpreting() else GEMV_TILES.get((n, k), GEMV_TILE)
 
 
-_workspaces: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_workspaces: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(float32 ``[n]`` partial sums, int32 ``[n]`` counters), zeroed, for split-K over an
-    N of ``n`` (the kernel leaves them zero); None while a graph is captured and none exists."""
-    key = (device, n)
+    N of ``n`` on the current stream (the kernel leaves them zero; streams never share one, so
+    the parallel warm-up's streams do not race); None while a graph is captured and none
+    exists (the engine's capture runs the step eagerly on its stream first)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, n, stream)
     if key not in _workspaces:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
