@@ -1,6 +1,7 @@
 """Block-FP8 linear layers (issue 33) on one GPU: ``fp8_linear`` (the per-token-group
 activation quantizer plus the W8A8 GEMM of ``disagg.kernels.fp8_gemm``) against cuBLAS bf16
-``x @ w.T`` at the Qwen3-8B dense shapes, for M = 1, 16, 64, 256, 8192.
+``x @ w.T`` at the Qwen3-8B dense shapes, for M = 1, 16, 64, 256, 8192 (one row at batch 1
+goes through the weight-only GEMV instead: ``bench/gemv_probe.py``).
 
 Each (shape, M) times a few tiles of its M bucket once (a CUDA graph of 20 launches, replayed,
 timed with CUDA events; the launches cycle over copies of the weights so that they are read
@@ -29,9 +30,6 @@ from disagg.kernels.fp8_gemm import Fp8Tile
 
 SHAPES = {"o": (4096, 4096), "gate_up_half": (12288, 4096), "down": (4096, 12288)}
 MS = (1, 16, 64, 256, 1024, 8192)
-# one row, the decode step at batch 1: every dense projection of Qwen3-8B (gate_up whole)
-GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-               "down": (4096, 12288)}
 REPS = 20  # launches per graph
 L2_SPAN = 256 << 20  # weight bytes each graph cycles over (the H200's L2 is 60 MB)
 TOL = 8e-3  # relative L2 error of the bf16 output against the float32 reference
@@ -157,51 +155,6 @@ def run_shape(name: str, n: int, k: int, deadline: float, dev: torch.device
     return rows
 
 
-GEMV_CANDIDATES = ((16, 1, 2, 8), (16, 2, 2, 6), (16, 4, 4, 4), (8, 4, 2, 6), (32, 2, 4, 4),
-                   (16, 4, 2, 4), (8, 8, 4, 3), (64, 1, 8, 3), (32, 4, 4, 3), (8, 2, 2, 8),
-                   (8, 1, 2, 6), (16, 2, 4, 6), (32, 1, 4, 6), (16, 8, 4, 3))
-
-
-def run_gemv(name: str, n: int, k: int, dev: torch.device) -> dict[str, Any]:
-    """One row, weight-only: ``fp8_gemv`` tiles against the bf16 GEMV the model uses at one
-    row (``disagg.kernels.gemv``) and cuBLAS bf16, weight bytes per second of each."""
-    from disagg.kernels.gemv import gemv
-
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(n, k, generator=gen) * 0.02
-    wq, ws = fp8_quantize(w)
-    copies = max(1, min(8, math.ceil(L2_SPAN / (n * k))))
-    fp8_ws = [(wq.to(dev), ws.to(dev)) for _ in range(copies)]
-    bf16_ws = [w.to(dev, torch.bfloat16) for _ in range(copies)]
-    x = (torch.randn(1, k, generator=gen) * 2).to(dev, torch.bfloat16)
-    truth = x.float() @ reference.dequantize_weight(*fp8_ws[0]).T
-    row: dict[str, Any] = {"shape": name, "N": n, "K": k, "M": 1, "gemv_tiles": {}}
-    row["bf16_cublas_us"] = graph_us(lambda i: x @ bf16_ws[i].T, copies)
-    row["bf16_gemv_us"] = graph_us(lambda i: gemv(x, bf16_ws[i]), copies)
-    best = None
-    for t in GEMV_CANDIDATES:
-        try:
-            err = rel(fp8_gemm.fp8_gemv(x, *fp8_ws[0], t), truth)
-            us = graph_us(lambda i, t=t: fp8_gemm.fp8_gemv(x, *fp8_ws[i], t), copies)
-        except Exception as e:
-            row["gemv_tiles"][str(t)] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            continue
-        row["gemv_tiles"][str(t)] = {"us": us, "err": err}
-        if err <= TOL and (best is None or us < best[0]):
-            best = (us, t)
-    if best is not None:
-        us, t = best
-        row.update(fp8_gemv_us=us, gemv_tile=list(t), fp8_GBps=n * k / us / 1e3,
-                   bf16_gemv_GBps=2 * n * k / row["bf16_gemv_us"] / 1e3,
-                   speedup_vs_bf16_gemv=row["bf16_gemv_us"] / us)
-    print(f"gemv {name:>12} [{n}x{k}] fp8 {row.get('fp8_gemv_us', float('nan')):7.1f} us "
-          f"{row.get('fp8_GBps', 0):6.0f} GB/s tile {row.get('gemv_tile')} | bf16 gemv "
-          f"{row['bf16_gemv_us']:7.1f} us | cuBLAS bf16 {row['bf16_cublas_us']:7.1f} us",
-          flush=True)
-    torch.cuda.empty_cache()
-    return row
-
-
 def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The checkpoint's block format (128 x 128 blocks), as ``disagg-quantize`` writes it."""
     from disagg.model.fp8 import quantize_blocks
@@ -257,7 +210,6 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="after this many seconds only the table's tile is timed")
-    ap.add_argument("--gemv-only", action="store_true", help="only the one-row GEMV table")
     args = ap.parse_args()
     start = time.monotonic()
     dev = torch.device("cuda:0")
@@ -266,9 +218,6 @@ def main() -> None:
           triton.__version__, flush=True)
     print(HEADER, flush=True)
     rows: list[dict[str, Any]] = []
-    gemv_rows = [run_gemv(name, n, k, dev) for name, (n, k) in GEMV_SHAPES.items()]
-    if args.gemv_only:
-        SHAPES.clear()
     for name, (n, k) in SHAPES.items():
         rows += run_shape(name, n, k, start + args.budget_s, dev)
     winners = bucket_winners(rows)
@@ -279,7 +228,7 @@ def main() -> None:
               f"table has {v['table_tile']})")
     res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
            "triton": triton.__version__, "reps_per_graph": REPS, "tol": TOL, "rows": rows,
-           "bucket_winners": winners, "gemv": gemv_rows, "wall_s": time.monotonic() - start}
+           "bucket_winners": winners, "wall_s": time.monotonic() - start}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
