@@ -68,7 +68,26 @@ def parallel_warmup(model: Transformer, backend: AttentionBackend, page_size: in
                     max_running: int, max_model_len: int, graphs: bool,
                     threads: int) -> WarmReport:
     """Compile, ``threads`` at a time, the kernels of the start's warm-ups (see the module
-    docstring) on a scratch cache freed afterwards. ``graphs``: the decode buckets too."""
+    docstring) on a scratch cache. ``graphs``: the decode buckets too. Afterwards the memory
+    it used is handed back to the device (torch's cache emptied, the warm-up streams' cuBLAS
+    workspaces dropped): the KV pool, sized next and allocated outside torch, needs it."""
+    report = _warm(model, backend, page_size, kv_dtype, max_batch, max_batch_tokens,
+                   max_running, max_model_len, graphs, threads)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and model.device.type == "cuda":
+        clear()
+    torch.cuda.empty_cache()
+    log.info("parallel warm-up: %d jobs on %d threads in %.1f s, %d kernel variants compiled "
+             "or loaded once each (%d launches waited for another's)%s", report.jobs, threads,
+             report.seconds, len(report.compiled), report.waited,
+             f"; failed: {report.failed}" if report.failed else "")
+    return report
+
+
+def _warm(model: Transformer, backend: AttentionBackend, page_size: int,
+          kv_dtype: torch.dtype, max_batch: int, max_batch_tokens: int, max_running: int,
+          max_model_len: int, graphs: bool, threads: int) -> WarmReport:
+    """``parallel_warmup``'s jobs, run; every tensor they made is garbage on return."""
     from disagg.engine.cuda_graphs import DecodeGraphs
     from disagg.engine.kv_memory import KVLayout
     from disagg.engine.runner import ModelRunner, profile_peak_memory
@@ -91,13 +110,4 @@ def parallel_warmup(model: Transformer, backend: AttentionBackend, page_size: in
     jobs.append(("largest step", functools.partial(
         profile_peak_memory, model, backend, page_size, max_batch_tokens, max_running,
         max_model_len)))
-    try:
-        report = run_parallel(jobs, threads, model.device)
-    finally:
-        del kv, runner
-        torch.cuda.empty_cache()
-    log.info("parallel warm-up: %d jobs on %d threads in %.1f s, %d kernel variants compiled "
-             "or loaded once each (%d launches waited for another's)%s", report.jobs, threads,
-             report.seconds, len(report.compiled), report.waited,
-             f"; failed: {report.failed}" if report.failed else "")
-    return report
+    return run_parallel(jobs, threads, model.device)

@@ -132,6 +132,7 @@ def run_parallel(jobs: Sequence[tuple[str, Callable[[], None]]], threads: int,
 
     once = CompileOnce()
     cuda = device is not None and torch.device(device).type == "cuda"
+    local = threading.local()  # one stream per thread (each stream gets its cuBLAS workspace)
 
     def run(job: Callable[[], None]) -> None:
         try:
@@ -140,7 +141,9 @@ def run_parallel(jobs: Sequence[tuple[str, Callable[[], None]]], threads: int,
                     job()
                     return
                 with torch.cuda.device(device):
-                    stream = torch.cuda.Stream(device)
+                    stream = getattr(local, "stream", None)
+                    if stream is None:
+                        stream = local.stream = torch.cuda.Stream(device)
                     stream.wait_stream(torch.cuda.current_stream(device))
                     with torch.cuda.stream(stream):
                         job()
