@@ -140,11 +140,29 @@ class StepDone(msgspec.Struct, tag="step_done", array_like=True, frozen=True):
 
 
 class PrefillJob(msgspec.Struct, tag="job", array_like=True, frozen=True):
-    """Schedule a prefill-only sequence (never sampled) for messenger job ``job``."""
+    """Schedule a prefill-only sequence (never sampled) for messenger job ``job``.
+
+    Its ids travel as the request carried them (``prompt``, a msgpack array in a bin: the
+    messenger read only their count), decoded once, by the scheduler, each checked against the
+    vocabulary as it is (``disagg.remote.requests.PromptIds``; refused: ``JobRefused``)."""
 
     job: int
-    prompt_ids: list[int]
+    prompt: memoryview  # msgpack of the prompt ids (PrefillRequest.prompt_ids)
     cache_salt: str | None = None  # its PrefillRequest's: the root of its page hashes
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The ids, decoded (tests and tools; the scheduler decodes them with its checks)."""
+        return _IDS.decode(self.prompt)
+
+
+class JobRefused(msgspec.Struct, tag="job_refused", array_like=True, frozen=True):
+    """The scheduler did not take ``job``: its ids are not this model's token ids
+    (``message`` names why, as the request's own checks would); the messenger refuses the
+    request ``bad_request`` with it."""
+
+    job: int
+    message: str
 
 
 class CancelJob(msgspec.Struct, tag="cancel_job", array_like=True, frozen=True):
@@ -170,9 +188,9 @@ class SendPrefill(msgspec.Struct, tag="send_prefill", array_like=True, frozen=Tr
     under ``request_id`` / ``key``, written into ``dst_pages``.
 
     The prompt ids travel encoded once (``prompt``, a msgpack array): the messenger puts
-    those bytes into the ``PrefillRequest`` as they are (``PrefillRequestOut``) and reads
-    only ``num_tokens`` and ``route_keys``, so a long prompt is not decoded and encoded again
-    on its way out. The decode side builds one from the client's encoded ids
+    those bytes into the ``PrefillRequest`` as they are (``PrefillRequestOut``, a bin) and
+    reads only ``num_tokens`` and ``route_keys``, so a long prompt is not decoded and encoded
+    again on its way out (nor on the prefiller before its scheduler: ``PrefillJob``). The decode side builds one from the client's encoded ids
     (``DecodeSide._send_prefill``); ``SendPrefill.of`` encodes a list (tests and tools). They
     go as a msgpack bin, not as ``msgspec.Raw`` (a Raw array is walked element by element to
     find its end: 0.36 ms at 32k ids), decoded as a ``memoryview`` into the received frame (no
@@ -265,4 +283,4 @@ class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True, frozen=True
 ToScheduler = (PrefillJob | CancelJob | ReleaseJob | AttemptEvent | PeersAlive | MessengerStats
                | StatsQuery)
 ToMessenger = (StepAnnounce | StepDone | SendPrefill | StopPrefill | ForgetPrefill | StatsReply
-               | JobHostPages)
+               | JobHostPages | JobRefused)

@@ -25,7 +25,7 @@ import msgspec
 from disagg.protocol.peer import KVLayoutDesc, PrefillFailCode, PrefillRequest
 from disagg.remote.deadlines import job_cap_s
 from disagg.remote.ownership import endpoints
-from disagg.remote.requests import descriptor_problem, request_problem
+from disagg.remote.requests import NOT_IDS, descriptor_problem, request_problem
 
 NOT_OWNED = "descriptor not owned by the requester (it failed the ownership check)"
 TOO_LATE = "the request's deadline passed before it was read"
@@ -106,6 +106,20 @@ def destinations(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest,
     return Destinations(kv, ctx, lanes)
 
 
+def refusal_with_ids(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest,
+                     refusal: Refuse) -> Refuse:
+    """The refusal of a request checked with its ids left encoded (``ids_in_vocab``: the
+    prefiller's scheduler checks them as it decodes them, once, if the request is taken) as
+    it reads when every request's ids are decoded and checked first: ``request_problem``'s
+    with its ids decoded where it has one (an id outside the vocabulary comes before a
+    descriptor's, the ownership's or the job table's problem), else ``refusal``."""
+    try:
+        why = request_problem(layout, vocab_size, req.decoded())
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return Refuse("bad_request", f"{NOT_IDS}: {e}")
+    return refusal if why is None else Refuse("bad_request", why)
+
+
 def verdict(layout: KVLayoutDesc, req: PrefillRequest, dest: Destinations,
             facts: Facts) -> Verdict:
     """Phase 2: what becomes of a request with valid destinations, given ``facts``."""
@@ -118,7 +132,7 @@ def verdict(layout: KVLayoutDesc, req: PrefillRequest, dest: Destinations,
     busy = facts.busy or (None if facts.free_slots > 0 else "too many jobs")
     if busy:
         return Refuse("overloaded", busy)
-    cap_s = job_cap_s(req.timeout_s, len(req.prompt_ids), req.deadline_unix, facts.now_unix)
+    cap_s = job_cap_s(req.timeout_s, req.prompt_len, req.deadline_unix, facts.now_unix)
     if cap_s <= 0:
         return Refuse("timeout", TOO_LATE)
-    return Admit(dest, -(-len(req.prompt_ids) // layout.page_size), cap_s)
+    return Admit(dest, -(-req.prompt_len // layout.page_size), cap_s)

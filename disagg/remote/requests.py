@@ -3,26 +3,32 @@ any write is planned (the prefiller answers ``bad_request`` with the reason)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from disagg.protocol import MAX_CACHE_SALT, MAX_TRACEPARENT
 from disagg.protocol.peer import KVLayoutDesc, PrefillRequest
 from disagg.remote.ownership import CHALLENGE_AREA_BYTES, CHALLENGE_SLOTS
 from disagg.remote.transfer_plan import incompatibility
 
+OUT_OF_VOCAB = "token id outside the vocabulary"  # a request's refusal, its code bad_request
+NOT_IDS = "prompt_ids are not token ids"  # the same, for ids that are no integers
+
 
 def request_problem(layout: KVLayoutDesc, vocab_size: int, req: PrefillRequest,
                     ids_in_vocab: bool = False) -> str | None:
     """Why a PrefillRequest cannot be served, or None (bounds-checks before any write).
-    ``ids_in_vocab``: its ids were checked as they were decoded (``in_vocab_requests``)."""
+    ``ids_in_vocab``: its ids are checked elsewhere, as they are decoded (a prefiller's
+    scheduler: ``PromptIds``); without it they must be decoded (a list)."""
     why = incompatibility(layout, req.dst_layout)
     if why:
         return why
-    n = len(req.prompt_ids)
+    n = req.prompt_len
     if n == 0:
         return "empty prompt"
     if not ids_in_vocab and (min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab_size):
-        return "token id outside the vocabulary"
+        return OUT_OF_VOCAB
     d = req.dst_layout
     if not 0 <= req.skip_pages <= n // d.page_size:
         return f"skip_pages {req.skip_pages} outside the {n // d.page_size} full pages"
@@ -58,3 +64,26 @@ def descriptor_problem(layout: KVLayoutDesc, req: PrefillRequest, dst_kv: list[A
     if not 0 <= req.challenge_slot < CHALLENGE_SLOTS:
         return f"challenge slot {req.challenge_slot} out of range"
     return None
+
+
+class PromptIds:
+    """A prefill job's prompt ids (a msgpack array, as the request carried them) decoded once,
+    each checked against the vocabulary as it is decoded (a constrained msgspec decoder: a
+    32k-id scan afterwards costs ~0.9 ms on the 2-core box). ``decode`` gives the ids or the
+    reason they are refused (``OUT_OF_VOCAB``, as the request's own checks name it)."""
+
+    def __init__(self, vocab_size: int):
+        ids = list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+        self._checked = msgspec.msgpack.Decoder(ids)
+        self._plain = msgspec.msgpack.Decoder(list[int])
+
+    def decode(self, encoded: bytes | memoryview) -> list[int] | str:
+        try:
+            return self._checked.decode(encoded)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+        try:  # refused: by name, after a plain decode
+            self._plain.decode(encoded)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            return f"{NOT_IDS}: {e}"
+        return OUT_OF_VOCAB

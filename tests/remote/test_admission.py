@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from disagg.fabric.descriptor import MemoryDescriptor
-from disagg.protocol.peer import KVLayoutDesc, PrefillRequest
+from disagg.protocol.peer import KVLayoutDesc, PrefillRequest, PrefillRequestIn, PrefillRequestOut
 from disagg.remote.admission import (
     NOT_OWNED,
     TOO_LATE,
@@ -19,9 +19,11 @@ from disagg.remote.admission import (
     Park,
     Refuse,
     destinations,
+    refusal_with_ids,
     verdict,
 )
 from disagg.remote.ownership import CHALLENGE_AREA_BYTES
+from disagg.remote.requests import NOT_IDS, OUT_OF_VOCAB
 
 LAYOUT = KVLayoutDesc(num_layers=2, num_pages=32, num_kv_heads=2, page_size=4, head_dim=8,
                       dtype="float32", element_size=4, hidden_size=16)
@@ -136,3 +138,48 @@ def test_an_unproven_connection_waits_for_its_check_before_any_room_is_asked() -
         "bad_request"  # type: ignore[union-attr]
     assert verdict(LAYOUT, req, dest, facts(owned="refused", free_slots=0)) == \
         Refuse("bad_request", NOT_OWNED)
+
+
+def arrived(req: PrefillRequest, ids: Any = None) -> PrefillRequest:
+    """``req`` as a prefiller decodes it from a decoder: its ids (or ``ids``) a bin, encoded."""
+    fields = msgspec.structs.asdict(req)
+    fields["prompt_ids"] = memoryview(msgspec.msgpack.encode(req.prompt_ids if ids is None
+                                                             else ids))
+    got = msgspec.msgpack.decode(msgspec.msgpack.encode(PrefillRequestOut(**fields)),
+                                 type=PrefillRequestIn)
+    assert isinstance(got.prompt_ids, memoryview)
+    return got
+
+
+def first_refusal(req: PrefillRequest, **kw: Any) -> Destinations | Refuse | Admit | Park:
+    """What the prefill messenger decides: its ids left to the scheduler, a refusal checked
+    again with them."""
+    v: Any = destinations(LAYOUT, 100, req, decode, 1, ids_in_vocab=True)
+    if isinstance(v, Destinations):
+        v = verdict(LAYOUT, req, v, facts(**kw))
+    return refusal_with_ids(LAYOUT, 100, req, v) if isinstance(v, Refuse) else v
+
+
+@pytest.mark.parametrize("bad_id", [100, -1])
+def test_encoded_ids_outside_the_vocabulary_are_refused_first_as_before(bad_id: int) -> None:
+    """The ids of a request that is refused anyway are decoded and named before whatever
+    else refused it, as when every request's ids were decoded on arrival; one taken leaves
+    its ids to the scheduler."""
+    ids = [1, bad_id] + list(range(2, 10))
+    for kw, other in ((dict(dst_kv=b"junk"), {}), ({}, dict(duplicate=True)),
+                      ({}, dict(owned="refused")), ({}, dict(busy="peer share"))):
+        req = arrived(request(**kw), ids)
+        assert first_refusal(req, **other) == Refuse("bad_request", OUT_OF_VOCAB)
+        plain = request(prompt_ids=ids, **kw)  # decoded and checked first: the same answer
+        assert first_refusal(plain, **other) == refusal_with_ids(
+            LAYOUT, 100, plain, Refuse("bad_request", "x")) == Refuse("bad_request", OUT_OF_VOCAB)
+    assert isinstance(first_refusal(arrived(request(), ids)), Admit)  # the scheduler's to refuse
+    # what comes before the ids still comes first; good ids keep the first refusal
+    wide = msgspec.structs.replace(LAYOUT, num_layers=3)
+    assert "num_layers" in first_refusal(arrived(request(dst_layout=wide), ids)).message  # type: ignore[union-attr]
+    assert first_refusal(arrived(request(prompt_ids=[]))) == Refuse("bad_request", "empty prompt")
+    assert first_refusal(arrived(request(dst_kv=b"junk"))) == Refuse(
+        "bad_request", "bad memory descriptor: junk")
+    assert first_refusal(arrived(request()), owned="refused") == Refuse("bad_request", NOT_OWNED)
+    junk = first_refusal(arrived(request(dst_kv=b"junk"), [1, "x"]))
+    assert isinstance(junk, Refuse) and junk.message.startswith(NOT_IDS)

@@ -1,8 +1,8 @@
 """A remote prefill's prompt ids are encoded once, by the decoder's frontend (``FromClient.of``):
 the scheduler keeps those bytes, sends them less the last id (``drop_last_id``) with routing
 keys taken from them (``encoded_prefix_keys``), and the messenger puts them into the
-``PrefillRequest`` as they are (``PrefillRequestOut``): what a prefiller reads must be exactly
-what the plain struct would have encoded."""
+``PrefillRequest`` as they are, a bin (``PrefillRequestOut``): a prefiller reads the request the
+plain struct holds, its ids left encoded (``PrefillRequestIn``) for its scheduler to decode."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ from disagg.protocol.inproc import (
     drop_last_id,
     msgpack_array_header,
 )
-from disagg.protocol.peer import KVLayoutDesc, PeerRequest, PrefillRequest, PrefillRequestOut
+from disagg.protocol.peer import (
+    KVLayoutDesc,
+    PeerRequestIn,
+    PrefillRequest,
+    PrefillRequestIn,
+    PrefillRequestOut,
+)
 from disagg.serving.routing import (
     MAX_ENCODED_BLOCKS,
     ROUTE_BLOCK_BYTES,
@@ -30,18 +36,19 @@ LAYOUT = KVLayoutDesc(num_layers=2, num_pages=8, num_kv_heads=2, page_size=4, he
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 70000])
-def test_the_twin_encodes_the_same_bytes(n: int) -> None:
+def test_the_twin_reads_as_the_plain_request_on_a_prefiller(n: int) -> None:
     ids = [(i * 7919) % 152000 for i in range(n)]
     common = dict(request_id="r", key=5, dst_pages=[1, 2], dst_layout=LAYOUT, dst_kv=b"a",
                   dst_ctx=b"b", ctx_offset=64, timeout_s=1.5)
     for extra in ({}, dict(dst_kv_ranks=[b"x", b"y"], deadline_unix=12.5, challenge_slot=3,
                            challenge_key=9, skip_pages=1)):
-        plain = msgspec.msgpack.encode(PrefillRequest(prompt_ids=ids, **common, **extra))
-        raw = msgspec.Raw(msgspec.msgpack.encode(ids))
-        twin = msgspec.msgpack.encode(PrefillRequestOut(prompt_ids=raw, **common, **extra))
-        assert twin == plain
-        got = msgspec.msgpack.decode(twin, type=PeerRequest)
-        assert isinstance(got, PrefillRequest) and got.prompt_ids == ids
+        plain = PrefillRequest(prompt_ids=ids, **common, **extra)
+        encoded = memoryview(msgspec.msgpack.encode(ids))
+        twin = msgspec.msgpack.encode(PrefillRequestOut(prompt_ids=encoded, **common, **extra))
+        got = msgspec.msgpack.decode(twin, type=PeerRequestIn)
+        assert isinstance(got, PrefillRequestIn) and got.prompt_len == n
+        assert bytes(got.prompt_msgpack()) == bytes(encoded)  # as sent, never decoded
+        assert got.decoded() == plain
 
 
 def test_send_prefill_carries_the_ids_encoded_once() -> None:

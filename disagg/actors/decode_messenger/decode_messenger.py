@@ -272,8 +272,8 @@ class DecodeMessenger(MessengerBase):
                  time.monotonic())
         self.wires[w.request_id] = w
         self.prefillers.sent(peer.address, msg.num_tokens)
-        req = PrefillRequestOut(  # the prompt's msgpack as the scheduler encoded it
-            request_id=msg.request_id, key=msg.key, prompt_ids=msgspec.Raw(msg.prompt),
+        req = PrefillRequestOut(  # the prompt's msgpack as the scheduler encoded it, a bin
+            request_id=msg.request_id, key=msg.key, prompt_ids=msg.prompt,
             dst_pages=pages, dst_layout=self.layout,
             dst_kv=window.descriptors[0].encode(),
             dst_kv_ranks=[d.encode() for d in window.descriptors[:-1]],

@@ -12,8 +12,10 @@ staging buffer.
 
 Requests get a verdict (``remote.admission``: the ``remote.requests`` checks, the ownership
 gate's status, the job table's room) and pass the ownership gate (``actors.ownership_gate``)
-before they become jobs; each job's lifecycle (peer shares, deadlines, one answer, pages
-released after it) is ``remote.prefill.PrefillJobs``. Pages a job's first chunk starts after
+before they become jobs; their ids stay encoded here (``PrefillRequestIn``: their count read)
+and go on to the scheduler as they came, which decodes them once, checking each against the
+vocabulary (``JobRefused``: the request refused by name); each job's lifecycle (peer shares,
+deadlines, one answer, pages released after it) is ``remote.prefill.PrefillJobs``. Pages a job's first chunk starts after
 (this node's prefix cache) go out at once; the rest layer by layer; none the decoder holds.
 The context write (a unit the decoder counts) carries the last hidden row for MTP, after the
 step; else it is a zero-row marker posted with the last chunk's last layer (no step-end tail).
@@ -52,6 +54,7 @@ from disagg.protocol import StatsRequest
 from disagg.protocol.inproc import (
     CancelJob,
     JobHostPages,
+    JobRefused,
     MessengerStats,
     PrefillJob,
     ReleaseJob,
@@ -67,14 +70,13 @@ from disagg.protocol.peer import (
     ChallengeAnswer,
     KVLayoutDesc,
     OwnershipOffer,
-    PeerRequest,
+    PeerRequestIn,
     Ping,
     Pong,
     PrefillFailCode,
     PrefillFailed,
     PrefillProgress,
     PrefillRequest,
-    in_vocab_requests,
 )
 from disagg.remote.admission import (
     Admit,
@@ -84,6 +86,7 @@ from disagg.remote.admission import (
     Refuse,
     Verdict,
     destinations,
+    refusal_with_ids,
     verdict,
 )
 from disagg.remote.ownership import Conn
@@ -145,9 +148,8 @@ class PrefillMessenger(MessengerBase):
         self.stats_waiting: dict[bytes, int] = {}  # peer -> StatsRequests its query answers
         self.conns: set[tuple[bytes, int | None]] = set()  # connections frames came on
         self._ids = itertools.count(1)
-        self._peer_dec = msgspec.msgpack.Decoder(PeerRequest)
-        checked, self._in_vocab = in_vocab_requests(vocab_size)
-        self._checked_dec = msgspec.msgpack.Decoder(checked)
+        self._peer_dec = msgspec.msgpack.Decoder(PeerRequestIn)  # a request's ids not decoded
+        self.queued_of: dict[int, int] = {}  # job -> its tokens in queued_tokens
         self._sched_dec = msgspec.msgpack.Decoder(ToMessenger)
         self.writes = JobWrites(layout, self.life, transfer, self.kv_regions, self.ctx_region,
                                 zero_slot, self._fail, self._progressed, metrics,
@@ -203,10 +205,7 @@ class PrefillMessenger(MessengerBase):
             try:
                 if len(frames) != 2:
                     raise msgspec.ValidationError("expected one message frame")
-                try:  # a request's ids decoded and checked against the vocabulary at once
-                    msg = self._checked_dec.decode(frames[1])
-                except msgspec.ValidationError:  # request_problem names the id (or bad frame)
-                    msg = self._peer_dec.decode(frames[1])
+                msg = self._peer_dec.decode(frames[1])  # the scheduler decodes a job's ids
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.bad_frames += 1  # not a peer's frame (a client's too: counted, answered)
                 answer = client_reply(frames[1]) if len(frames) == 2 else None
@@ -258,6 +257,8 @@ class PrefillMessenger(MessengerBase):
                     self.poller.follow(a.step_id, a.counter_base)
                 case JobHostPages(job=job, pages=pages):  # before its first announce
                     self.writes.ship_host(job, pages, time.monotonic())
+                case JobRefused(job=job, message=message):  # its ids: refused by name
+                    self._fail(job, "bad_request", message)
                 case StepDone() as d:
                     trace.mark("p.step_done", "s", d.step_id)
                     self._step_done(d, frames[1] if len(frames) > 1 else None)
@@ -280,9 +281,10 @@ class PrefillMessenger(MessengerBase):
                       arrived: float | None = None) -> None:
         """Take a request (``arrived``: when its frame was read; None after the ownership
         check it waited for: now), park it for that check, or answer why not: the verdict
-        is ``remote.admission``'s, on the facts gathered here."""
+        is ``remote.admission``'s, on the facts gathered here; the ids are checked by the
+        scheduler as it decodes them (a refusal here names a bad id first, as before)."""
         v: Verdict | Destinations = destinations(self.layout, self.vocab_size, req, self.transfer.decode_descriptor,
-                         self.transfer.lanes, ids_in_vocab=isinstance(req, self._in_vocab))
+                         self.transfer.lanes, ids_in_vocab=True)
         now = time.monotonic()
         if isinstance(v, Destinations):
             v = verdict(self.layout, req, v, Facts(
@@ -290,6 +292,8 @@ class PrefillMessenger(MessengerBase):
                 owned=self.gate.status(conn, v.addresses, now),
                 busy=self.life.refusal(peer), free_slots=len(self.ctx_free),
                 now_unix=time.time()))
+        if isinstance(v, Refuse):
+            v = refusal_with_ids(self.layout, self.vocab_size, req, v)
         match v:
             case Refuse(code=code, message=message):
                 await self._reply(peer, PrefillFailed(req.request_id, code, message))
@@ -301,7 +305,8 @@ class PrefillMessenger(MessengerBase):
                 self.writes.add(job)
                 self.by_peer[(peer, req.request_id)] = job.id
                 self.ctx_of[job.id] = self.ctx_free.pop()
-                self.queued_tokens += len(req.prompt_ids)
+                self.queued_tokens += req.prompt_len
+                self.queued_of[job.id] = req.prompt_len
                 if trace.tracing():  # a child of the decoder's remote-prefill span
                     self._trace_job(job.id, req, now if arrived is None else arrived)
                 self._carry_out(self.life.accept(job.id, peer, pages, req.timeout_s, cap_s,
@@ -312,7 +317,7 @@ class PrefillMessenger(MessengerBase):
         """The job's spans: ``prefill`` (arrival to its answer), its ``prefill_queue`` first."""
         t0 = time.time_ns() - int(1e9 * (time.monotonic() - arrived))
         phases = trace.Phases("prefill", req.traceparent, t0, request_id=req.request_id,
-                              tokens=len(req.prompt_ids), skip_pages=req.skip_pages)
+                              tokens=req.prompt_len, skip_pages=req.skip_pages)
         phases.enter("prefill_queue", t0)
         trace.bind(req.request_id, phases.root)  # its hop marks: events
         self.traces[job_id] = phases
@@ -322,8 +327,8 @@ class PrefillMessenger(MessengerBase):
         for c in commands:
             match c:
                 case Schedule(job=j):
-                    self._send_soon(PrefillJob(j, self.jobs[j].req.prompt_ids,
-                                                self.jobs[j].req.cache_salt))
+                    self._send_soon(PrefillJob(j, self.jobs[j].req.prompt_msgpack(),
+                                               self.jobs[j].req.cache_salt))
                 case Unschedule(job=j):
                     self._send_soon(CancelJob(j))
                 case Settle(job=j):
@@ -363,7 +368,9 @@ class PrefillMessenger(MessengerBase):
             return
         self._progressed(time.monotonic())
         for c in announce.chunks:
-            self.queued_tokens -= c.count
+            if c.job in self.queued_of:
+                self.queued_of[c.job] -= c.count
+                self.queued_tokens -= c.count
         row_bytes = self.layout.context_bytes
         for i, job_id in enumerate(done.context_jobs):
             job = self.jobs.get(job_id)
@@ -401,6 +408,7 @@ class PrefillMessenger(MessengerBase):
             self.metrics.observe_transfer("sent", posted.bytes, posted.writes, time.monotonic()
                                           - (posted.first_post_at or time.monotonic()))
         self.by_peer.pop((job.peer, rid), None)
+        self.queued_tokens -= self.queued_of.pop(job.id, 0)  # cached, cancelled: not computed
         self.ctx_free.append(self.ctx_of.pop(job.id))
         self._spawn(self._reply(job.peer, msg))
         trace.mark("p.answered", rid)

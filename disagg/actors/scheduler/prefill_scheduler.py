@@ -3,7 +3,8 @@
 Receives (through the scheduler): ``PrefillJob`` / ``CancelJob`` / ``ReleaseJob`` /
 ``StatsQuery`` from the messenger. Sends: ``StepAnnounce`` BEFORE each step and ``StepDone``
 (+ the context rows as a second frame) after it, ``StatsReply``; with a host KV tier,
-``JobHostPages`` as a job starts reloading pages from it (sent before its next announce).
+``JobHostPages`` as a job starts reloading pages from it (sent before its next announce);
+``JobRefused`` for a job whose ids are not token ids of the model (decoded here, once).
 Owns: the prefill-only sequences of the jobs; a job's pages are held after it is computed (or
 cancelled) until the messenger says no write reads them any more (``ReleaseJob``).
 """
@@ -25,6 +26,7 @@ from disagg.protocol.inproc import (
     CancelJob,
     ChunkInfo,
     JobHostPages,
+    JobRefused,
     PrefillJob,
     ReleaseJob,
     StatsQuery,
@@ -33,6 +35,7 @@ from disagg.protocol.inproc import (
     StepDone,
     ToScheduler,
 )
+from disagg.remote.requests import PromptIds
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class PrefillSide(SchedulerSide):
         self.job_of: dict[int, int] = {}  # slot -> job id
         self.held: dict[int, list[int]] = {}  # cancelled jobs' pages, freed on ReleaseJob
         self._menc = msgspec.msgpack.Encoder()
+        self._ids = PromptIds(port.arch.vocab_size)  # a job's ids: decoded once, checked as they are
         self._host_pages: list[JobHostPages] = []  # to the messenger before the next announce
         if isinstance(port.sched, TieredScheduler):
             self.tiers: PrefixTiers | None = port.sched.tiers
@@ -65,9 +69,12 @@ class PrefillSide(SchedulerSide):
 
     async def handle_messenger(self, msg: ToScheduler) -> None:
         match msg:
-            case PrefillJob(job=job, prompt_ids=ids, cache_salt=salt):
+            case PrefillJob(job=job, prompt=prompt, cache_salt=salt):
+                ids = self._ids.decode(prompt)  # the only decode of a remote prompt's ids
+                if isinstance(ids, str):
+                    await self.port.to_messenger([self._menc.encode(JobRefused(job, ids))])
+                    return
                 slot = self.port.next_slot()
-                # the decoded list is this message's alone: no copy (32k ids: 0.06 ms)
                 seq = Sequence(slot, f"job-{job}", ids, SamplingParams(max_tokens=1), 0,
                                arrival=slot, prefill_only=True, cache_salt=salt)
                 self.jobs[job] = seq

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from disagg.engine.cache import PagePool
 from disagg.engine.scheduling import Batch, BatchScheduler, Sequence
+from disagg.model.config import ModelArch
 from disagg.protocol import Error, Finished, Stats
 from disagg.protocol.executor import StepPlan, StepResult
 from disagg.protocol.inproc import ToScheduler
@@ -26,6 +27,7 @@ class SchedulerPort(Protocol):
     page_size: int
     limits: Limits
     counters: Counters
+    arch: ModelArch
 
     def next_slot(self) -> int: ...
 
