@@ -36,13 +36,15 @@ def greedy(n: int) -> SamplingParams:
 
 
 def node(role: str, model_dir: Path, tmp_path: Path, *extra: str, env: dict[str, str] | None = None,
-         addr: str | None = None, log: Path | None = None) -> tuple[str, NodeProcess]:
-    """A node process (not yet ready) listening on ``addr`` (a free loopback port by default)."""
+         addr: str | None = None, log: Path | None = None,
+         entry: Sequence[str] = ("-m", "disagg")) -> tuple[str, NodeProcess]:
+    """A node process (not yet ready) listening on ``addr`` (a free loopback port by default);
+    ``entry``: what the interpreter runs (a test's wrapper script in place of the node)."""
     addr = addr or f"tcp://127.0.0.1:{free_port()}"
     args = ["--role", role, "--model", str(model_dir), "--listen", addr, "--page-size", str(PAGE),
             "--threads", "1", *extra]
     log = log or tmp_path / f"{role}-{addr.rsplit(':', 1)[1]}.log"
-    return addr, NodeProcess(args, log, env=env)
+    return addr, NodeProcess(args, log, env=env, entry=entry)
 
 
 @contextmanager

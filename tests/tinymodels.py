@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -170,14 +171,15 @@ def add_word_tokenizer(path: Path, vocab_size: int = TINY["vocab_size"]) -> None
 class NodeProcess:
     """A real ``disagg-node`` process; ``stop()`` checks that no child outlives it."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 entry: Sequence[str] = ("-m", "disagg")):
         import os
         import subprocess
         import sys
 
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "disagg", *args],
+        self.proc = subprocess.Popen([sys.executable, *entry, *args],
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
 

@@ -81,6 +81,8 @@ from disagg.protocol.peer import (
     PrefillProgress,
     PrefillRequestOut,
 )
+from disagg.remote.attempt_windows import AttemptWindows
+from disagg.remote.deadlines import DEADLINE_GRACE_S
 from disagg.remote.discovery import split_specs
 from disagg.remote.ownership import area_rows
 from disagg.remote.prefillers import PrefillerTable
@@ -131,6 +133,7 @@ class DecodeMessenger(MessengerBase):
         self.heartbeat_s = heartbeat_s
         self.dp, self.rank_width = dp, len(kvs) // dp  # executors (TP ranks) per DP rank
         self.wires: dict[str, Wire] = {}  # by request id
+        self.attempt_windows = AttemptWindows()  # theirs: open until nothing of them can land
         # forgotten attempts -> their peer: a PrefillDone may trail the KV that ended them
         self.forgotten: collections.OrderedDict[str, Peer] = collections.OrderedDict()
         self.choice = PrefillerChoice()
@@ -268,8 +271,10 @@ class DecodeMessenger(MessengerBase):
             0, msg.dst_pages)
         regions = self.kv_regions[rank * self.rank_width:(rank + 1) * self.rank_width]
         window = self.transfer.window(regions + [self.ctx_region])
-        w = Wire(msg.request_id, peer, peer.epoch, ctx_slot, exp, window, msg.num_tokens,
+        w = Wire(msg.request_id, peer, peer.epoch, ctx_slot, exp, msg.num_tokens,
                  time.monotonic())
+        self.attempt_windows.open(w.request_id, window,
+                                  w.started_at + msg.cap_s + DEADLINE_GRACE_S)
         self.wires[w.request_id] = w
         self.prefillers.sent(peer.address, msg.num_tokens)
         req = PrefillRequestOut(  # the prompt's msgpack as the scheduler encoded it, a bin
@@ -314,17 +319,17 @@ class DecodeMessenger(MessengerBase):
         await self._to_scheduler(self.stats())
 
     async def _stop(self, rid: str, blame: bool) -> None:
-        """No KV of ``rid`` is wanted: revoke its registrations (the provider refuses its
-        writes not yet being received) and ask its prefiller to stop (queued even if it looks
-        dead: a stopped process reads it when it resumes)."""
+        """No KV of ``rid`` is wanted: ask its prefiller to stop (queued even if it looks
+        dead: a stopped process reads it when it resumes). Its registrations and expectation
+        stay until it settles or is forgotten (``AttemptWindows``): writes already on their way
+        land in its fenced pages, where a revoked key would drop their whole connection."""
         w = self.wires.get(rid)
         if w is None or not w.wanted:
             return
         w.wanted = False
         if blame:  # timed out, or its prefiller died
             self.prefillers.failed(w.peer.address, time.monotonic())
-        w.expectation.cancel()
-        w.window.close()
+        self.attempt_windows.stop(rid)
         with contextlib.suppress(zmq.ZMQError):
             await w.peer.sock.send(self._enc.encode(AbortPrefill(rid)), zmq.NOBLOCK)
         if not self.prefillers.alive(w.peer.address) and not w.dead_reported:
@@ -335,8 +340,10 @@ class DecodeMessenger(MessengerBase):
     async def _settled(self, rid: str, kind: Any, code: str = "", message: str = "",
                        timings: tuple[float, float, float, float] | None = None,
                        cached_tokens: int = 0) -> None:
-        """Nothing more of ``rid`` will be written: tell the scheduler once any staged copy
-        into its pages is done too."""
+        """Nothing more of ``rid`` will be written: revoke its window unless it still waits for
+        its KV (before the scheduler may free its pages), and tell the scheduler once any staged
+        copy into its pages is done too."""
+        self.attempt_windows.settled(rid, done=kind == "done")
         await self.transfer.staging_idle()
         await self._event(AttemptEvent(rid, kind, code, message, timings, cached_tokens))
 
@@ -348,7 +355,7 @@ class DecodeMessenger(MessengerBase):
         while len(self.forgotten) > FORGOTTEN_KEPT:
             self.forgotten.popitem(last=False)
         w.expectation.cancel()
-        w.window.close()
+        self.attempt_windows.revoke(rid)
         self.ctx_free.append(w.ctx_slot)
 
     async def _event(self, ev: AttemptEvent) -> None:
@@ -358,6 +365,8 @@ class DecodeMessenger(MessengerBase):
 
     async def _heartbeat(self, now: float) -> None:
         seq = next(self._ping)
+        for rid in self.attempt_windows.expire(now):  # the machine forgets them before this
+            log.debug("attempt %s: window revoked at its deadline, not yet forgotten", rid)
         for address in self.prefillers.expire(now):
             log.warning("prefiller %s is not answering; declaring it dead", address)
         for p in self.peers:

@@ -61,8 +61,7 @@ class Wire:
     peer: Peer
     epoch: int  # the peer's connection epoch when the request was sent
     ctx_slot: int
-    expectation: Any
-    window: Any  # its registrations (TransferEngine.window): closed once no KV is wanted
+    expectation: Any  # cancelled when forgotten (a stopped attempt's late units count here)
     tokens: int
     started_at: float
     wanted: bool = True  # until StopPrefill
