@@ -120,10 +120,15 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
 
         s = cfg.scheduler
         with phases.phase("triton_warmup"):
-            parallel_warmup(model, backend, cfg.cache.page_size, kv_dtype,
-                            min(s.max_running, s.max_batch_tokens), s.max_batch_tokens,
-                            s.max_running, max_model_len, refusal is None,
-                            warm_threads(len(cfg.devices)))
+            try:  # only a head start: the sequential warm-ups below compile what it missed
+                parallel_warmup(model, backend, cfg.cache.page_size, kv_dtype,
+                                min(s.max_running, s.max_batch_tokens), s.max_batch_tokens,
+                                s.max_running, max_model_len, refusal is None,
+                                warm_threads(len(cfg.devices)))
+            except Exception:
+                log.exception("parallel warm-up failed; the sequential warm-ups go on")
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
     if cfg.cache.num_pages:
         num_pages = cfg.cache.num_pages
     elif device.type == "cuda":
