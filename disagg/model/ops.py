@@ -12,6 +12,9 @@ from disagg.kernels.fp8_weight import Fp8Weight
 from disagg.model.rotary import rms_norm
 
 FUSED = env("NO_FUSED") is None
+# one-row GEMVs with the norm / SiLU-mul as their prologue (``norm_linear``, ``silu_linear``);
+# ``DISAGG_GEMV_PROLOGUES=0`` / ``1`` turns them off / on
+PROLOGUES = env("GEMV_PROLOGUES", "0") == "1"
 
 
 def fused_on(x: torch.Tensor) -> bool:
@@ -72,7 +75,7 @@ def project(x: torch.Tensor, w: torch.Tensor | Fp8Weight,
 
 def _one_row(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
     """Whether ``x @ w.T`` is a one-row projection the fused GEMVs take (CUDA, fused on)."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or not fused_on(x):
+    if not PROLOGUES or x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or not fused_on(x):
         return False
     return isinstance(w, Fp8Weight) or w.is_contiguous()
 

@@ -62,6 +62,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> _Calls:
 
     c = _Calls()
     monkeypatch.setattr(ops, "fused_on", lambda x: True)
+    monkeypatch.setattr(ops, "PROLOGUES", True)
     monkeypatch.setattr(gemv, "norm_gemv", c.norm("norm_gemv"))
     monkeypatch.setattr(gemv, "silu_gemv", c.silu("silu_gemv"))
     monkeypatch.setattr(fp8_gemv, "fp8_norm_gemv", c.norm("fp8_norm_gemv"))
@@ -82,6 +83,19 @@ def test_one_row_on_the_fused_path_takes_the_fused_gemvs(calls: _Calls) -> None:
     ops.silu_linear(o["gate_up"], w)
     ops.silu_linear(o["gate_up"], fp8)
     assert calls.names == ["norm_gemv", "fp8_norm_gemv", "silu_gemv", "fp8_silu_gemv"]
+
+
+def test_prologues_switched_off_keep_the_separate_ops(calls: _Calls, monkeypatch: Any) -> None:
+    from disagg.model import ops
+
+    monkeypatch.setattr(ops, "PROLOGUES", False)
+    monkeypatch.setattr(ops, "add_norm", lambda x, a, w, eps: (x + a, x + a))
+    monkeypatch.setattr(ops, "silu_mul", lambda gu: gu.chunk(2, -1)[0])
+    monkeypatch.setattr(ops, "linear", lambda h, w, b=None: h @ w.T)
+    o = operands(200, 300, torch.float32, "cpu", fp8=False)
+    ops.norm_linear(o["x"], o["delta"], o["norm_w"], EPS, o["w"])
+    ops.silu_linear(o["gate_up"], o["w"])
+    assert calls.names == []
 
 
 def test_more_rows_and_the_unfused_path_keep_the_separate_ops(calls: _Calls,
