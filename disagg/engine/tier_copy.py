@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from disagg.config import memory_available
+from disagg.config import env, memory_available
 from disagg.engine.kv_disk import DiskError, DiskStore, identity
 from disagg.engine.kv_tiers import Copy, KVTiers
 from disagg.engine.tier_reload import LayeredReload, copy_layers, slot_runs
@@ -199,8 +199,12 @@ def host_layout_pages(slots: Sequence[int], num_layers: int) -> list[int]:
 
 def layered(kv: list[torch.Tensor], host: HostPool, events: Sequence[Sequence[Any]] | None
             ) -> LayeredReload | None:
-    """Reloads issued layer by layer on CUDA when the ranks' layer events are given."""
-    return LayeredReload(kv, host.tensors, events) if kv[0].is_cuda and events else None
+    """Reloads issued layer by layer on CUDA when the ranks' layer events are given and
+    ``DISAGG_LAYERED_RELOAD=1`` (off by default until a GPU run has checked it: a reload then
+    lands before its sequence is scheduled, as disk fills do)."""
+    if not (kv[0].is_cuda and events and env("LAYERED_RELOAD", "0") == "1"):
+        return None
+    return LayeredReload(kv, host.tensors, events)
 
 
 class SyncMover:

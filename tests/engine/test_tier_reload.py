@@ -129,10 +129,12 @@ def test_layer_groups_are_per_layer_when_the_copies_allow_it_and_cover_every_lay
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_host_hit_reloaded_layer_by_layer_gives_a_device_hits_greedy_tokens(tiny_models):
+def test_a_host_hit_reloaded_layer_by_layer_gives_a_device_hits_greedy_tokens(tiny_models,
+                                                                             monkeypatch):
     """CUDA: the same prompt as a device hit and, after the device cache was flooded, as a
     host hit whose reload is issued layer by layer on a side stream while the step runs;
     equal greedy tokens (and transformers')."""
+    monkeypatch.setenv("DISAGG_LAYERED_RELOAD", "1")
     path = tiny_models["qwen3"]
     llm = LLM(load_model(path, "float32", device="cuda"), num_pages=24, page_size=PAGE,
               kv_host_cache_mb=4)
