@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,6 +52,8 @@ from disagg.engine.grammar_pass import PASS_TIMEOUT_S, GrammarPass, MaskBlock
 from disagg.engine.scheduling import Batch, BatchScheduler, SeqUpdate
 from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import StepPlan
+
+COPY_WAIT_S = 60.0  # the in-process loop waits this long at most for tier copies alone
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +101,11 @@ class EngineCore:
     def has_work(self) -> bool:
         """Something to compute now, or a deferred step's result still to take."""
         return self.sched.has_work() or self.in_flight is not None
+
+    def copies_in_flight(self) -> bool:
+        """KV tier copies not landed yet (what ``has_work`` may be waiting for alone)."""
+        tiers = getattr(self.sched, "tiers", None)
+        return tiers is not None and tiers.busy()
 
     def next(self) -> Command | None:
         """The next command: with a deferred step in flight, its successor (built ahead) or
@@ -189,10 +197,18 @@ def drive(core: EngineCore, runner: Runner) -> list[SeqUpdate]:
     cannot be scheduled."""
     launched: dict[int, Pending] = {}
     updates: list[SeqUpdate] = []
+    idle_until: float | None = None
     while core.has_work():
         match core.next():
             case None:
-                raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
+                if not core.copies_in_flight():
+                    raise RuntimeError("scheduler has work but cannot schedule (pool too small?)")
+                # only tier copies left to land (a CUDA reload's events not done yet)
+                idle_until = idle_until or time.monotonic() + COPY_WAIT_S
+                if time.monotonic() > idle_until:
+                    raise RuntimeError(f"KV tier copies did not land in {COPY_WAIT_S:.0f} s")
+                time.sleep(0.0005)
+                continue
             case Run(step):
                 done = runner.launch(step.plan)
                 tokens, _, counts = done.wait()

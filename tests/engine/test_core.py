@@ -402,3 +402,32 @@ def test_a_failed_deferred_step_ends_its_sequences_and_frees_their_pages():
     assert runner_plans[2].defer and port.failed == [0, 1]
     assert a.status is b.status is Status.FINISHED and len(port.emitted[0]) == 2
     assert core.sched.pool.num_free == core.sched.pool.num_pages and not core.has_work()
+
+
+class _CopiesOnly:
+    """A core whose only work is tier copies landing after ``polls`` looks (a CUDA reload's
+    events not done yet), or none in flight at all (``polls`` None)."""
+
+    def __init__(self, polls: int | None):
+        self.polls = polls
+        self.looks = 0
+
+    def has_work(self) -> bool:
+        return self.polls is None or self.looks < self.polls
+
+    def next(self) -> None:
+        self.looks += 1
+        return None
+
+    def copies_in_flight(self) -> bool:
+        return self.polls is not None
+
+
+def test_drive_waits_for_tier_copies_that_are_its_only_work() -> None:
+    from disagg.engine.core import drive
+
+    core = _CopiesOnly(polls=5)
+    assert drive(core, None) == []  # type: ignore[arg-type]
+    assert core.looks == 5
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        drive(_CopiesOnly(polls=None), None)  # type: ignore[arg-type]
