@@ -14,7 +14,7 @@ from disagg.model.rotary import rms_norm
 FUSED = env("NO_FUSED") is None
 # one-row GEMVs with the norm / SiLU-mul as their prologue (``norm_linear``, ``silu_linear``);
 # ``DISAGG_GEMV_PROLOGUES=0`` / ``1`` turns them off / on
-PROLOGUES = env("GEMV_PROLOGUES", "0") == "1"
+PROLOGUES = env("GEMV_PROLOGUES", "1") != "0"
 
 
 def fused_on(x: torch.Tensor) -> bool:
