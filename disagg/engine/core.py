@@ -30,7 +30,9 @@ N. A constrained row's mask needs the token in flight: its follow chunk goes ``l
 once the step before it is back the driver starts ``grammar_pass`` (its tokens accepted and
 the masks filled on threads, ``disagg.engine.grammar_pass``), sends the masks when it ends,
 then applies that step; the executor runs the forward pass meanwhile and picks when the
-masks come. When the next step cannot be known ahead (new work arrived, a page is missing) the core
+masks come. A step that is not overlapped fills its constrained rows' masks with the plan,
+together on the same pass's threads (``GrammarPass.fill``; one such row fills its own). When
+the next step cannot be known ahead (new work arrived, a page is missing) the core
 answers ``Collect`` and plans normally afterwards. A sequence that stops in flight wastes its
 row of the step after; its pages stay out of the pool until every deferred step that writes
 them has landed (``BatchScheduler.launched`` / ``landed``, called here).
@@ -127,9 +129,22 @@ class EngineCore:
 
     def _step(self, batch: Batch, defer: bool) -> Step:
         step_id = next(self._ids)
-        return Step(StepPlan(step_id, [c.to_wire() for c in batch.chunks], batch.num_decodes,
+        masks = self._masks(batch)
+        return Step(StepPlan(step_id, [c.to_wire(masks.get(i)) for i, c in enumerate(batch.chunks)],
+                             batch.num_decodes,
                              counter_base=step_id * self.counter_stride, defer=defer,
                              reload_wait=self.sched.reload_pending()), batch)
+
+    def _masks(self, batch: Batch) -> dict[int, bytes]:
+        """The masks of ``batch``'s constrained chunks that fill theirs with the plan, by chunk
+        index, filled together on the grammar pass's threads; none for one such chunk (it
+        fills its own, no hand-off)."""
+        at = [i for i, c in enumerate(batch.chunks) if c.needs_mask]
+        if len(at) < 2:
+            return {}
+        block = self.grammar.fill([batch.chunks[i].seq.grammar for i in at])
+        rows = block.by_slot()  # slot j: chunk at[j]
+        return {i: bytes(rows[j]) for j, i in enumerate(at)}
 
     def _defer(self, batch: Batch) -> Step:
         step = self._step(batch, defer=True)

@@ -13,6 +13,10 @@ filling straight into one contiguous buffer that goes to the executors as it is 
 message's own frame). The driver starts it as soon as the tokens are back and does its other
 work for the step meanwhile; the scheduler's update then finds each token already accepted
 (``GrammarState.accept``).
+
+A step that is not overlapped (new prefills joining, a constrained request's first step) has
+no token in flight: ``GrammarPass.fill`` fills its constrained rows' masks on the same threads
+(fill-only) while ``EngineCore`` builds the plan, each chunk then taking its row.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +126,43 @@ class GrammarPass:
             pool.submit(self._work, share, index, buf, filled).add_done_callback(ended)
         return out
 
+    def fill(self, states: Sequence[GrammarState]) -> MaskBlock:
+        """Fill-only (a step with no token in flight): row ``i`` of the block (slot ``i``) is
+        what ``states[i]`` admits next, as ``GrammarState.mask``; one share of the rows is
+        filled in this thread (all of them with one thread), the others on the pool's."""
+        vocab = states[0].vocab_size if states else 0
+        if any(s.vocab_size != vocab for s in states):
+            raise ValueError("GrammarPass: matchers of different vocabularies")
+        width = bitmask_words(vocab)
+        words = bytearray(4 * width * len(states))
+        block = MaskBlock(list(range(len(states))), words, 4 * width)
+        if not states:
+            return block
+        buf = np.frombuffer(words, dtype=np.int32).reshape(len(states), width)
+        k = min(self.threads, len(states))
+        shares = [list(range(i, len(states), k)) for i in range(k)]
+        pool = self._threads() if k > 1 else None
+        futures = [pool.submit(self._fill_share, states, at, buf)
+                   for at in shares[1:]] if pool is not None else []
+        self._fill_share(states, shares[0], buf)
+        for f in futures:
+            f.result(timeout=PASS_TIMEOUT_S)
+        return block
+
+    def _fill_share(self, states: Sequence[GrammarState], at: list[int],
+                    buf: np.ndarray) -> None:
+        """Rows ``at`` of ``buf``: their states' next masks, in one xgrammar call."""
+        self._matcher().batch_fill_next_token_bitmask([states[i]._matcher for i in at], buf, at)
+
+    def _matcher(self) -> Any:
+        """This thread's one-thread batch matcher."""
+        import xgrammar as xgr
+
+        matcher = getattr(self._local, "matcher", None)
+        if matcher is None:
+            matcher = self._local.matcher = xgr.BatchGrammarMatcher(1)
+        return matcher
+
     def run(self, rows: list[Row]) -> MaskBlock:
         """``submit`` waited for (the in-process engine)."""
         return self.submit(rows).result(timeout=PASS_TIMEOUT_S)
@@ -153,9 +195,6 @@ class GrammarPass:
                 at.append(index[id(r)])
         if not fill:
             return
-        matcher = getattr(self._local, "matcher", None)
-        if matcher is None:
-            matcher = self._local.matcher = xgr.BatchGrammarMatcher(1)
-        matcher.batch_fill_next_token_bitmask(fill, buf, at)
+        self._matcher().batch_fill_next_token_bitmask(fill, buf, at)
         for i in at:
             filled[i] = True

@@ -96,7 +96,16 @@ class ScheduledChunk:
     prev_hidden: bytes = b""  # mtp: ``SeqChunk.prev_hidden``
     follow: bool = False  # overlapped decoding: its token is the one the step in flight samples
 
-    def to_wire(self) -> SeqChunk:
+    @property
+    def needs_mask(self) -> bool:
+        """Its ``SeqChunk.allowed`` is filled with the plan: a constrained chunk that samples
+        and whose token is known (a follow chunk's mask comes late)."""
+        s = self.seq
+        return s.grammar is not None and self.sample and not s.prefill_only and not self.follow
+
+    def to_wire(self, allowed: bytes | None = None) -> SeqChunk:
+        """The chunk's wire form; ``allowed``: its mask when filled already (``needs_mask``
+        rows filled together, ``EngineCore``), else filled here."""
         s, p = self.seq, self.seq.params
         n = self.count - self.spec
         chunk = SeqChunk(
@@ -129,7 +138,8 @@ class ScheduledChunk:
             # what its grammar admits next; a follow chunk's mask needs the token in flight,
             # so it follows the step (EngineCore.late_masks)
             chunk = msgspec.structs.replace(chunk, **(
-                {"late_mask": True} if self.follow else {"allowed": s.grammar.mask()}))
+                {"late_mask": True} if self.follow else
+                {"allowed": s.grammar.mask() if allowed is None else allowed}))
         if p.prompt_logprobs is not None and self.start < len(s.prompt_ids) - 1:
             # rows predicting prompt tokens: positions start .. min(end, P - 1) - 1
             rows = min(self.start + n, len(s.prompt_ids) - 1) - self.start

@@ -237,6 +237,73 @@ def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
     gp.close()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_grammar_pass_fill_gives_each_states_own_mask(tok, threads):
+    """``GrammarPass.fill`` (a step with no token in flight): row ``i`` of the block is what
+    ``states[i]`` admits next, as ``GrammarState.mask`` one by one, matchers left where they
+    were."""
+    from disagg.engine.grammar_pass import GrammarPass
+
+    g = Grammars(tok, 300, (2,))
+    sos = [StructuredOutput("regex", "[a-d]{2,6}(x|yz)"), StructuredOutput("json_object"),
+           StructuredOutput("regex", "(yes|no)"), StructuredOutput("json", '{"type": "integer"}')]
+    states = [g.compile(sos[i % 4]) for i in range(7)]
+    [a], [y] = tok.encode("a"), tok.encode("y")
+    assert states[0].accept(a) and states[2].accept(y) and states[4].accept(a)
+    gp = GrammarPass(threads)
+    want = [st.mask() for st in states]
+    assert len(set(want)) > 3  # rows differ: a row's mask in another's place would show
+    block = gp.fill(states)
+    assert block.slots == list(range(7)) and block.row_bytes == len(want[0])
+    masks = block.by_slot()
+    assert [bytes(masks[i]) for i in range(7)] == want
+    assert [st.mask() for st in states] == want  # filling did not advance them
+    assert gp.fill([]).slots == []
+    gp.close()
+
+
+def test_a_step_fills_its_constrained_rows_masks_in_one_pass(tok):
+    """A step that is not overlapped (new constrained requests' first step) fills the masks of
+    its constrained rows together through the core's grammar pass, each chunk getting the
+    same ``allowed`` bytes it would have filled alone; a step with one such row fills it
+    itself."""
+    from disagg.engine.cache import PagePool
+    from disagg.engine.core import EngineCore, Run
+    from disagg.engine.grammar_pass import GrammarPass
+    from disagg.engine.scheduling import BatchScheduler, Sequence
+
+    class Counting(GrammarPass):
+        def __init__(self) -> None:
+            super().__init__(3)
+            self.filled: list[int] = []
+
+        def fill(self, states):
+            self.filled.append(len(states))
+            return super().fill(states)
+
+    g = Grammars(tok, 300, (2,))
+    sos = [StructuredOutput("regex", "[a-d]{2,6}(x|yz)"), None, StructuredOutput("json_object"),
+           StructuredOutput("regex", "(yes|no)"), StructuredOutput("json", '{"type": "integer"}')]
+
+    def step_of(kinds: list) -> list:
+        sched = BatchScheduler(PagePool(64), 4, 64, 8, 256, (2,))
+        for i, so in enumerate(kinds):
+            q = Sequence(i, f"r{i}", [10 + i, 11, 12], SamplingParams(max_tokens=8, structured=so),
+                         seed=i, arrival=i)
+            q.grammar = g.compile(so) if so is not None else None
+            sched.add(q)
+        core = EngineCore(sched, grammar=Counting())
+        cmd = core.next()
+        assert isinstance(cmd, Run)
+        return [cmd.step.plan.chunks, core.grammar.filled]
+
+    chunks, filled = step_of(sos)
+    assert filled == [4]  # the four constrained rows, in one pass
+    assert [c.allowed for c in chunks] == [g.compile(so).mask() if so else b"" for so in sos]
+    chunks, filled = step_of(sos[:2])
+    assert filled == [] and chunks[0].allowed == g.compile(sos[0]).mask()
+
+
 def test_late_masks_cover_the_constrained_follow_rows_still_running(tok):
     """The step built ahead gives every row a follow chunk; constrained ones go ``late_mask``
     and get their mask once the token before is back (its grammar pass), except a row whose
