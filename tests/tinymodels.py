@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -258,6 +259,32 @@ def free_port() -> int:
         _PORTS.add(port)
         return port
     raise RuntimeError("no free loopback port below the ephemeral range")
+
+
+def node_pid(addr: str) -> int:
+    """The pid of the node process started with ``--listen addr``."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--listen" in args and args[args.index(b"--listen") + 1:][:1] == [addr.encode()]:
+            return int(cmdline.parent.name)
+    raise LookupError(f"no node listens on {addr}")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process and its direct children (a node and its
+    executors) have used so far."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat.parent.name) == pid or int(fields[1]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def tree_rss_kb(pid: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -13,7 +14,7 @@ from disagg.model.loader import load_model
 from disagg.protocol import Finished, SamplingParams
 from disagg.serving.routing import ROUTE_BLOCK_BYTES
 from nodes import PAGE, node, pools_full, prompt, running, stats, tokens, wait_for
-from tinymodels import free_port, hf_greedy, make_tiny_model
+from tinymodels import free_port, hf_greedy, make_tiny_model, node_pid, tree_cpu_s
 
 pytestmark = pytest.mark.fabric
 
@@ -318,3 +319,16 @@ def test_fabric_endpoints_bound_to_their_hosts_addresses(model_dir, tmp_path):
         assert stats(d_addr).kv_units_received > 0
         for addr in (p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
+
+
+def test_idle_nodes_leave_the_cores_alone(cluster):
+    """No process busy-waits while idle: over 4 s with no request, a prefill node and a
+    decode node (their messengers, schedulers, fabric progress and executors) use a small
+    fraction of one core each (a spinning loop would use most of one)."""
+    p_addr, d_addrs = cluster
+    pids = [node_pid(a) for a in (p_addr, *d_addrs)]
+    time.sleep(0.5)
+    before = [tree_cpu_s(p) for p in pids]
+    time.sleep(4.0)
+    used = [tree_cpu_s(p) - b for p, b in zip(pids, before, strict=True)]
+    assert max(used) < 1.0, used
