@@ -17,7 +17,10 @@ from tinymodels import NodeProcess, free_port, make_tiny_model
 
 pytestmark = pytest.mark.fabric
 
-FAST_FAILURE = ["--heartbeat", "0.2", "--peer-timeout", "1.0", "--prefill-timeout", "4.0"]
+# a peer timeout of a few heartbeats, but not so short that a loaded box (a 2-core CI runner
+# starting processes beside it) stalls a just-started prefiller past it: a run with 1.0 s saw
+# the new prefiller declared dead 1-2 s after its ready line, its requests refused
+FAST_FAILURE = ["--heartbeat", "0.2", "--peer-timeout", "2.5", "--prefill-timeout", "5.0"]
 
 
 @pytest.fixture(scope="module")
