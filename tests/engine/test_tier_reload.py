@@ -34,13 +34,20 @@ def settle(s, mover: Recorder) -> None:
         mover.land()
 
 
-def test_a_host_hit_is_scheduled_in_the_step_that_issues_its_reload():
-    mover = Overlapper()
+def prefix_pushed_to_host(mover):
+    """A scheduler over ``mover`` whose one prompt ran, then was flooded off the device into
+    the host tier: (scheduler, that prompt)."""
     s = make_sched(pages=8, slots=32, mover=mover)
     prompt = list(range(10, 10 + 4 * PAGE + 1))
     run_all(s, [mk(0, prompt)], land=mover)
     flood_with(s, mover)
     settle(s, mover)
+    return s, prompt
+
+
+def test_a_host_hit_is_scheduled_in_the_step_that_issues_its_reload():
+    mover = Overlapper()
+    s, prompt = prefix_pushed_to_host(mover)
     again = mk(1, prompt)
     s.add(again)
     batch = s.schedule()
@@ -63,11 +70,7 @@ def test_a_host_hit_is_scheduled_in_the_step_that_issues_its_reload():
 
 def test_a_sequence_ended_before_its_overlapped_reload_landed_leaves_the_pages_to_the_copy():
     mover = Overlapper()
-    s = make_sched(pages=8, slots=32, mover=mover)
-    prompt = list(range(10, 10 + 4 * PAGE + 1))
-    run_all(s, [mk(0, prompt)], land=mover)
-    flood_with(s, mover)
-    settle(s, mover)
+    s, prompt = prefix_pushed_to_host(mover)
     gone = mk(1, prompt)
     s.add(gone)
     assert s.schedule() is not None
