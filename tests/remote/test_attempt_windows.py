@@ -15,6 +15,7 @@ from disagg.remote.attempt_windows import AttemptWindows
 from disagg.remote.deadlines import DEADLINE_GRACE_S
 from disagg.remote.decode import (
     Abort,
+    AttemptState,
     DecodeRemote,
     Fail,
     Forget,
@@ -152,6 +153,10 @@ def test_a_kept_key_meets_every_late_write_and_no_page_of_another(script, policy
                     run(m.reserved(head[0], pages, now))
             case ("event", i, kind) if i < len(sends):
                 rid = sends[i]
+                a = m.attempts.get(rid)
+                if kind == "conn_down" and a is not None and a.state is AttemptState.WAITING:
+                    continue  # the messenger reports a connection down only for attempts
+                    # no longer wanted; for a wanted one the peer's liveness decides
                 if kind in SETTLING or kind == "landed":
                     writable.pop(rid, None)  # the world says: nothing more of it lands
                 if kind in SETTLING:
