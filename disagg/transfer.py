@@ -253,9 +253,11 @@ class TransferEngine:
             src.region, dst, runs.src_offset[m], runs.dst_offset[m], runs.length[m],
             make_imm(key, units), timeout=left) for units, m in groups])
 
-    def expect(self, key: int, units: int, timeout: float) -> Expectation:
-        """An awaitable that resolves when ``units`` units carrying ``key`` have landed."""
-        return self.engine.expect(key, units, timeout=timeout)
+    def expect(self, key: int, units: int, timeout: float,
+               standing: bool = False) -> Expectation:
+        """An awaitable that resolves when ``units`` units carrying ``key`` have landed
+        (``standing``: armed ahead of need, e.g. a challenge key, no write due soon)."""
+        return self.engine.expect(key, units, timeout=timeout, standing=standing)
 
     async def stage_in(self, region: RegionHandle, offsets: list[int],
                        lengths: list[int]) -> None:

@@ -140,6 +140,8 @@ class TransferBackend(Protocol):
         the source (or fails; nothing is posted past ``timeout``)."""
         ...
 
-    def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
-        """Resolved once ``count`` units carrying key ``imm`` landed here."""
+    def expect(self, imm: int, count: int, timeout: float | None = None,
+               standing: bool = False) -> Expectation:
+        """Resolved once ``count`` units carrying key ``imm`` landed here (``standing``: armed
+        ahead of need, no write due soon)."""
         ...

@@ -245,12 +245,13 @@ class CudaIpcEngine:
 
     # ---- receiving -------------------------------------------------------------------------
 
-    def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
+    def expect(self, imm: int, count: int, timeout: float | None = None,
+               standing: bool = False) -> Expectation:
         if self._loop is None:
             raise RuntimeError("engine not started")
         t = self.default_timeout if timeout is None else timeout
         return self._expectations.expect(imm, count, self._loop.create_future(),
-                                         time.monotonic() + t)
+                                         time.monotonic() + t, standing)
 
     def pending_expectations(self) -> int:
         return len(self._expectations)

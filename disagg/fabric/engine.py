@@ -251,13 +251,16 @@ class FabricEngine:
 
     # ---- receiving -------------------------------------------------------------------------
 
-    def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
-        """Resolve when ``count`` writes carrying ``imm`` have landed here (any order)."""
+    def expect(self, imm: int, count: int, timeout: float | None = None,
+               standing: bool = False) -> Expectation:
+        """Resolve when ``count`` writes carrying ``imm`` have landed here (any order);
+        ``standing``: armed ahead of need, so the progress thread need not poll fast for it."""
         loop = self._progress.loop
         if loop is None:
             raise RuntimeError("engine not started")
         t = self.default_timeout if timeout is None else timeout
-        e = self._expectations.expect(imm, count, loop.create_future(), time.monotonic() + t)
+        e = self._expectations.expect(imm, count, loop.create_future(), time.monotonic() + t,
+                                     standing)
         self._progress.wake()  # the deadline may be earlier than the thread's current wait
         return e
 

@@ -40,6 +40,7 @@ class Expectation:
     future: asyncio.Future[None]
     _table: ExpectationTable | None = field(default=None, repr=False)
     deadline: float = float("inf")
+    standing: bool = False  # armed long before any write is due (a challenge key)
 
     def cancel(self) -> bool:
         return self._table is not None and self._table.cancel(self)
@@ -84,6 +85,12 @@ class ExpectationTable:
         with self._lock:
             return len(self._waiting)
 
+    def urgent(self) -> bool:
+        """Whether any pending expectation is not a standing one: writes are due soon, so a
+        receiver that must poll for them (no completion fd) keeps its naps short."""
+        with self._lock:
+            return any(not e.standing for e in self._waiting.values())
+
     @property
     def junk(self) -> int:
         """Arrivals refused so far: unknown or finished key, zero weight, past the target."""
@@ -99,9 +106,10 @@ class ExpectationTable:
                 f"count; last key {last:#x}): a late write, or a stranger on the fabric")
 
     def expect(self, imm: int, count: int, future: asyncio.Future[None],
-               deadline: float) -> Expectation:
-        """Register, before the sender is told where to write: only arrivals after this count."""
-        e = Expectation(imm, count, future, self, deadline)
+               deadline: float, standing: bool = False) -> Expectation:
+        """Register, before the sender is told where to write: only arrivals after this count.
+        ``standing``: armed ahead of need, with no write due soon (see :meth:`urgent`)."""
+        e = Expectation(imm, count, future, self, deadline, standing)
         with self._lock:
             self.counter.expect(imm, count)
             self._waiting[imm] = e

@@ -170,7 +170,7 @@ class ProgressThread:
             # they still owe: with writes in flight, wake up every millisecond regardless.
             ready = poller.poll(1 if self._active else 200)
         else:
-            if self._active or len(self._expectations):
+            if self._active or self._expectations.urgent():
                 sleep = min(sleep, 5e-5)  # work is expected soon: keep latency low
             # no CQ fd (shm): nap, then poll the CQ; a wake (a caller in _call, a new batch)
             # ends the nap (a plain sleep held a per-attempt window 1.6 ms instead of 0.2)

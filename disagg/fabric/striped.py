@@ -210,9 +210,10 @@ class StripedEngine:
 
     # ---- receiving -------------------------------------------------------------------------
 
-    def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
+    def expect(self, imm: int, count: int, timeout: float | None = None,
+               standing: bool = False) -> Expectation:
         """Resolve when ``count`` units carrying ``imm`` landed, on any lane."""
-        return self.lanes[0].expect(imm, count, timeout)
+        return self.lanes[0].expect(imm, count, timeout, standing)
 
     def pending_expectations(self) -> int:
         return len(self.expectations)

@@ -79,10 +79,12 @@ class MemcopyEngine:
         fut.set_result(None)
         return fut
 
-    def expect(self, imm: int, count: int, timeout: float | None = None) -> Expectation:
+    def expect(self, imm: int, count: int, timeout: float | None = None,
+               standing: bool = False) -> Expectation:
         assert self.loop is not None
         t = self.timeout if timeout is None else timeout
-        return self.table.expect(imm, count, self.loop.create_future(), time.monotonic() + t)
+        return self.table.expect(imm, count, self.loop.create_future(), time.monotonic() + t,
+                                 standing)
 
 
 def create(options: BackendOptions) -> MemcopyEngine:

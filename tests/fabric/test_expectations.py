@@ -108,3 +108,18 @@ def test_expire_and_fail_all(loop):
     assert not late.cancel() and len(t) == 1
     err = RuntimeError("closed")
     assert t.fail_all(err) == [(live.future, err)] and len(t) == 0
+
+
+def test_only_non_standing_expectations_are_urgent(loop):
+    """A standing expectation (a challenge key armed for an hour) does not count as writes
+    due soon: a receiver polling for completions (shm: no completion fd) may nap long."""
+    t = ExpectationTable()
+    assert not t.urgent()
+    armed = t.expect(1, 16, loop.create_future(), deadline=3600.0, standing=True)
+    assert len(t) == 1 and not t.urgent()
+    due = t.expect(2, 4, loop.create_future(), deadline=5.0)
+    assert t.urgent()
+    t.arrive({2: 4}, [])
+    assert not t.urgent() and len(t) == 1
+    assert armed.cancel() and len(t) == 0 and not t.urgent()
+    assert due.future is not None

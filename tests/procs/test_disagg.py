@@ -321,15 +321,10 @@ def test_fabric_endpoints_bound_to_their_hosts_addresses(model_dir, tmp_path):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
 
 
-def test_idle_nodes_leave_the_cores_alone(cluster, request):
+def test_idle_nodes_leave_the_cores_alone(cluster):
     """No process busy-waits while idle: over 4 s with no request, a prefill node and a
     decode node (their messengers, schedulers, fabric progress and executors) use a small
     fraction of one core each (a spinning loop would use most of one)."""
-    if request.node.callspec.params["cluster"] == "shm":
-        request.applymarker(pytest.mark.xfail(strict=False, reason=(
-            "open: after the module's other tests, each shm decoder (overlapped decoding on) "
-            "used ~0.95-1.02 CPU s in 4 s idle (tcp nodes ~0.01); not LoopPoller's doing "
-            "(the same with zmq.asyncio's poller); docs/NOTES.md")))
     p_addr, d_addrs = cluster
     pids = [node_pid(a) for a in (p_addr, *d_addrs)]
     time.sleep(0.5)

@@ -152,7 +152,8 @@ class Challenges:
         it (only arrivals after ``expect`` count); a fresh one once it was used or expired."""
         if peer.challenge is None or peer.challenge[1].future.done():
             key = make_key(CHALLENGE_SLOT, new_generation())
-            exp = self.transfer.expect(key, CHALLENGE_UNITS, timeout=CHALLENGE_ARMED_S)
+            exp = self.transfer.expect(key, CHALLENGE_UNITS, timeout=CHALLENGE_ARMED_S,
+                                       standing=True)
             exp.future.add_done_callback(lambda f: f.cancelled() or f.exception())
             peer.challenge = (key, exp)
         return int(peer.challenge[0])
