@@ -36,7 +36,7 @@ COMPILE_TIMEOUT_S = 10.0  # a constraint whose compilation takes longer is refus
 # never hold them all); one past its time gives its slot up and goes on in the background
 COMPILE_THREADS = 2
 MAX_STUCK = 2  # compiles past their time still running; at this many, new ones are refused
-CACHE_ENTRIES = 256  # compiled grammars kept, by constraint (least recently used dropped)
+CACHE_ENTRIES = 256  # compiled grammars kept, by salt + constraint (least recently used dropped)
 EXTRA = "structured"  # the pip extra that installs xgrammar
 
 
@@ -89,11 +89,16 @@ def _ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)  # EBNF string literals escape as JSON's
 
 
-Key = tuple[str, str, tuple[str, ...]]  # a constraint's (StructuredOutput.key)
+# a compiled constraint's: the request's cache salt ("" for none) and StructuredOutput.key.
+# Salted like the prefix cache (disagg.serving.salting): a request finding a constraint compiled
+# (sooner, or waiting on a compile under way) would learn that another client sent it, so
+# differently salted requests never share a compile, a cached one or a refusal of a slow one.
+Key = tuple[str, tuple[str, str, tuple[str, ...]]]
 
 
 class Grammars:
-    """Compiles constraints for one tokenizer and vocabulary, caching them by constraint.
+    """Compiles constraints for one tokenizer and vocabulary, caching them by cache salt and
+    constraint (``Key``).
     ``compile`` may run on worker threads (xgrammar releases the GIL); it raises
     ``GrammarError`` for a constraint that is invalid or admits no output."""
 
@@ -144,27 +149,30 @@ class Grammars:
                                                      cache_enabled=False)
             return self._compiler
 
-    def compile(self, so: StructuredOutput) -> GrammarState:
-        """A fresh matcher for ``so`` (compiled once per distinct constraint)."""
+    def compile(self, so: StructuredOutput, salt: str | None = None) -> GrammarState:
+        """A fresh matcher for ``so`` (compiled once per distinct constraint and salt)."""
         why = self.unavailable(so.param) or so.validate()
         if why is not None:
             raise GrammarError(why)
-        compiled = self._cached(so.key())
-        return GrammarState(self._compiled(so) if compiled is None else compiled,
+        key = (salt or "", so.key())
+        compiled = self._cached(key)
+        return GrammarState(self._compiled(so, key) if compiled is None else compiled,
                             self._info.vocab_size)
 
-    async def compile_bounded(self, so: StructuredOutput, tenant: bytes) -> GrammarState:
+    async def compile_bounded(self, so: StructuredOutput, tenant: bytes,
+                              salt: str | None = None) -> GrammarState:
         """``compile`` for a request of ``tenant``, on the event loop: cached, or waiting on the
         same constraint's compile under way, or compiled on a thread of its own within
         ``COMPILE_TIMEOUT_S`` (a slot waited for included). Fair: a tenant's compiles within
         their time hold at most ``COMPILE_THREADS - 1`` slots (at least one), so its slow ones
         never hold every slot. One past its time goes on (cached when it ends) without its
         slot; while ``MAX_STUCK`` do, an uncached constraint is refused at once
-        (``GrammarBusy``, as is one that got no slot in time)."""
+        (``GrammarBusy``, as is one that got no slot in time). ``salt``: the request's cache
+        salt; only requests of the same salt share a compile (``Key``)."""
         why = self.unavailable(so.param) or so.validate()
         if why is not None:
             raise GrammarError(why)
-        key, waited = so.key(), False
+        key, waited = (salt or "", so.key()), False
         try:
             async with asyncio.timeout(COMPILE_TIMEOUT_S):
                 while (compiled := self._cached(key)) is None:
@@ -230,7 +238,7 @@ class Grammars:
         """Compile ``so`` on a thread, holding ``tenant``'s slot until it ends or its time is
         past (then it counts in ``_past`` until it ends)."""
         loop = asyncio.get_running_loop()
-        running = self._running[key] = loop.run_in_executor(self.threads, self._compiled, so)
+        running = self._running[key] = loop.run_in_executor(self.threads, self._compiled, so, key)
 
         def past() -> None:
             self._past.add(key)
@@ -258,13 +266,14 @@ class Grammars:
                 self._cache.move_to_end(key)
             return compiled
 
-    def _compiled(self, so: StructuredOutput) -> Any:
-        """``so`` compiled now and cached (checked: one admitting no output is refused)."""
+    def _compiled(self, so: StructuredOutput, key: Key) -> Any:
+        """``so`` compiled now and cached under ``key`` (checked: one admitting no output is
+        refused)."""
         compiled = self._compile(self._ensure(), so)
         if not GrammarState(compiled, self._info.vocab_size).satisfiable():
             raise GrammarError(f"{so.param}: the {so.kind} constraint admits no output")
         with self._lock:
-            self._cache[so.key()] = compiled
+            self._cache[key] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return compiled

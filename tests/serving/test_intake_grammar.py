@@ -71,10 +71,11 @@ def scheduler(grammars: Grammars | None) -> FakeScheduler:
 
 
 async def send(s: FakeScheduler, who: bytes, rid: str, so: StructuredOutput,
-               wait: bool = True) -> None:
-    """``who``'s request (its own tenant) constrained by ``so``; ``wait``: until it is live
-    or refused."""
-    req = GenerateRequest(rid, prompt_token_ids=[1, 2], sampling=SamplingParams(structured=so))
+               wait: bool = True, salt: str | None = None) -> None:
+    """``who``'s request (its own tenant) constrained by ``so``, with cache salt ``salt``;
+    ``wait``: until it is live or refused."""
+    req = GenerateRequest(rid, prompt_token_ids=[1, 2], sampling=SamplingParams(structured=so),
+                          cache_salt=salt)
     spawned = len(s.tasks)
     await s.intake.handle(FromClient.of(who, req))
     if wait and len(s.tasks) > spawned:  # its compile is under way
@@ -128,7 +129,7 @@ async def test_a_slow_compile_is_refused_and_its_result_cached_when_it_ends(tok,
     assert err.code == "bad_request" and (b"a", "slow") not in s.live
     assert err.message.startswith("response_format: compiling the regex constraint took")
     await settled(s, g, gate)
-    assert SLOW.key() in g._cache and not g._past and not g._within
+    assert ("", SLOW.key()) in g._cache and not g._past and not g._within
     monkeypatch.setattr(grammar_mod, "COMPILE_TIMEOUT_S", LONG)
     await send(s, b"a", "again", SLOW)  # from the cache
     assert (b"a", "again") in s.live and gate.compiles[SLOW.spec] == 1
@@ -143,6 +144,31 @@ async def test_identical_constraints_at_once_compile_once(tok, gate) -> None:
     await until(lambda: gate.compiles[SLOW.spec] == 1 and len(s.intake.tokenizing) == 4)
     await settled(s, g, gate)
     assert len(s.live) == 4 and gate.compiles[SLOW.spec] == 1
+
+
+async def test_differently_salted_requests_share_no_compile(tok, gate, monkeypatch) -> None:
+    """A constraint found compiled (or compiling, or refused as slow) would tell a request
+    that another client sent it: salted like the prefix cache, only the same salt shares."""
+    g = Grammars(tok, 320, (2,))
+    s = scheduler(g)
+    await send(s, b"a", "0", GOOD, salt="tenant:a")
+    await send(s, b"b", "0", GOOD, salt="tenant:b")  # the same constraint: compiled afresh
+    await send(s, b"c", "0", GOOD, salt="tenant:a")  # a's salt: a's compile
+    await send(s, b"d", "0", GOOD)  # unsalted: its own
+    await send(s, b"e", "0", GOOD)
+    assert gate.compiles[GOOD.spec] == 3 and len(s.live) == 5
+    assert set(g._cache) == {("tenant:a", GOOD.key()), ("tenant:b", GOOD.key()), ("", GOOD.key())}
+    # one salt's slow compile past its time neither refuses nor serves another salt's
+    monkeypatch.setattr(grammar_mod, "COMPILE_TIMEOUT_S", 0.05)
+    gate.slow.add(SLOW.spec)
+    await send(s, b"a", "slow", SLOW, salt="tenant:a")
+    assert refusal(s, b"a").message.startswith("response_format: compiling")
+    assert g._past == {("tenant:a", SLOW.key())}
+    monkeypatch.setattr(grammar_mod, "COMPILE_TIMEOUT_S", LONG)
+    await send(s, b"b", "slow", SLOW, salt="tenant:b", wait=False)
+    await until(lambda: gate.compiles[SLOW.spec] == 2)  # b's own compile, not a's refusal
+    await settled(s, g, gate)
+    assert (b"b", "slow") in s.live and (b"a", "slow") not in s.live
 
 
 async def test_one_tenants_slow_compiles_do_not_starve_another_tenant(tok, gate,
@@ -165,7 +191,7 @@ async def test_one_tenants_slow_compiles_do_not_starve_another_tenant(tok, gate,
     assert not gate.open.is_set() and len(g._past) == 2
     await settled(s, g, gate)
     assert {(b"a", "slow2"), (b"a", "slow3")} <= set(s.live)
-    assert all(so.key() in g._cache for so in slow)
+    assert all(("", so.key()) in g._cache for so in slow)
 
 
 async def test_past_max_stuck_an_uncached_constraint_is_refused_at_once(tok, gate,

@@ -301,7 +301,7 @@ class ClientIntake:
         assert so is not None and grammars is not None
         try:
             grammar = await grammars.compile_bounded(
-                so, self.unit_of.get(key) or self._tenant(identity, req))
+                so, self.unit_of.get(key) or self._tenant(identity, req), req.cache_salt)
         except GrammarError as e:
             if self.tokenizing.pop(key, None) is not None:
                 self._forget_client(identity, req.request_id)
