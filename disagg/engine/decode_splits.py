@@ -21,7 +21,7 @@ def decode_split_launches(runner: ModelRunner, max_batch: int,
     """One eager decode attention launch per distinct split count of batch sizes 1 ..
     ``max_batch`` (at most 256) with the split count pinned to ``max_model_len`` (MLA: its one
     launch shape), as (name, callable); triton backend only (else none)."""
-    from disagg.kernels.decode import default_num_splits
+    from disagg.kernels.decode import decode_tile, default_num_splits
 
     if runner.backend.name != "triton":
         return []
@@ -50,6 +50,7 @@ def decode_split_launches(runner: ModelRunner, max_batch: int,
         runner.backend.attend(q, k, v, meta, arch.head_dim**-0.5, scales)
 
     seen: dict[int, int] = {}  # split count -> the first batch size with it
+    block_n = decode_tile(k.dtype)[0]
     for b in range(1, min(max_batch, 256) + 1):
-        seen.setdefault(default_num_splits(b, arch.num_kv_heads, max_model_len, 64), b)
+        seen.setdefault(default_num_splits(b, arch.num_kv_heads, max_model_len, block_n), b)
     return [(f"decode splits {s}", functools.partial(attend, b)) for s, b in seen.items()]

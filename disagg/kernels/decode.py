@@ -14,6 +14,7 @@ Reference: ``reference.paged_decode_attention``.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -22,6 +23,34 @@ import triton.language as tl
 from disagg.kernels import checks
 
 LOG2E = 1.4426950408889634
+
+# (block_n, num_warps, num_stages) of a decode launch by page dtype (bench/decode_kv_sweep.py).
+# ``DISAGG_DECODE_TILE=block_n,warps,stages`` overrides every dtype's (experiments).
+DECODE_TILES: dict[torch.dtype, tuple[int, int, int]] = {
+    torch.bfloat16: (64, 4, 2),
+    torch.float16: (64, 4, 2),
+    torch.float32: (64, 4, 2),
+    torch.float8_e4m3fn: (64, 4, 2),
+}
+
+
+def _tile_override() -> tuple[int, int, int] | None:
+    raw = os.environ.get("DISAGG_DECODE_TILE", "").strip()
+    if not raw:
+        return None
+    try:
+        block_n, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"DISAGG_DECODE_TILE={raw!r}: want block_n,warps,stages") from None
+    return block_n, warps, stages
+
+
+_OVERRIDE = _tile_override()
+
+
+def decode_tile(dtype: torch.dtype) -> tuple[int, int, int]:
+    """The (block_n, num_warps, num_stages) a decode launch over ``dtype`` pages uses."""
+    return _OVERRIDE or DECODE_TILES.get(dtype, (64, 4, 2))
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width varies per step
@@ -172,9 +201,9 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -185,6 +214,7 @@ def paged_decode_attention(
     ``seq_lens`` must be >= 1 for every row. ``num_splits`` (or ``max_seq_len``, an upper bound
     used to choose it; defaults to the cache capacity of a block-table row) fixes the launch shape:
     give a fixed value when capturing a CUDA graph. ``out`` may be a preallocated output.
+    ``block_n`` / ``num_warps`` / ``num_stages`` default to the page dtype's ``decode_tile``.
     """
     group = checks.check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = q.shape
@@ -194,6 +224,10 @@ def paged_decode_attention(
         raise ValueError(
             f"decode needs one query per sequence: {batch} rows, {seq_lens.shape[0]} seqs"
         )
+    tile = decode_tile(k_cache.dtype)
+    block_n = tile[0] if block_n is None else block_n
+    num_warps = tile[1] if num_warps is None else num_warps
+    num_stages = tile[2] if num_stages is None else num_stages
     if block_n & (block_n - 1) or block_n < 16:
         raise ValueError(f"block_n {block_n} must be a power of two >= 16")
     if out is None:
