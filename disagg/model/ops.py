@@ -15,6 +15,11 @@ FUSED = env("NO_FUSED") is None
 # one-row GEMVs with the norm / SiLU-mul as their prologue (``norm_linear``, ``silu_linear``);
 # ``DISAGG_GEMV_PROLOGUES=0`` / ``1`` turns them off / on
 PROLOGUES = env("GEMV_PROLOGUES", "1") != "0"
+# the FP8 GEMVs' prologues are off unless ``DISAGG_GEMV_FP8_PROLOGUES=1``: on an H100 the fused
+# FP8 kernels took 97.6 us a layer against 75.3 us for norm / SiLU-mul and the plain FP8 GEMV
+# (bench/gemv_probe.py; docs/BENCHMARKS.md): a prologue's re-reads cost more than the
+# half-size weights leave to hide them behind
+FP8_PROLOGUES = env("GEMV_FP8_PROLOGUES", "0") != "0"
 
 
 def fused_on(x: torch.Tensor) -> bool:
@@ -77,7 +82,7 @@ def _one_row(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> bool:
     """Whether ``x @ w.T`` is a one-row projection the fused GEMVs take (CUDA, fused on)."""
     if not PROLOGUES or x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or not fused_on(x):
         return False
-    return isinstance(w, Fp8Weight) or w.is_contiguous()
+    return FP8_PROLOGUES if isinstance(w, Fp8Weight) else w.is_contiguous()
 
 
 def norm_linear(x: torch.Tensor, add: torch.Tensor | None, norm_w: torch.Tensor, eps: float,

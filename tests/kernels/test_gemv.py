@@ -63,6 +63,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> _Calls:
     c = _Calls()
     monkeypatch.setattr(ops, "fused_on", lambda x: True)
     monkeypatch.setattr(ops, "PROLOGUES", True)
+    monkeypatch.setattr(ops, "FP8_PROLOGUES", True)
     monkeypatch.setattr(gemv, "norm_gemv", c.norm("norm_gemv"))
     monkeypatch.setattr(gemv, "silu_gemv", c.silu("silu_gemv"))
     monkeypatch.setattr(fp8_gemv, "fp8_norm_gemv", c.norm("fp8_norm_gemv"))
@@ -83,6 +84,24 @@ def test_one_row_on_the_fused_path_takes_the_fused_gemvs(calls: _Calls) -> None:
     ops.silu_linear(o["gate_up"], w)
     ops.silu_linear(o["gate_up"], fp8)
     assert calls.names == ["norm_gemv", "fp8_norm_gemv", "silu_gemv", "fp8_silu_gemv"]
+
+
+def test_fp8_prologues_off_by_their_own_switch(calls: _Calls, monkeypatch: Any) -> None:
+    """The FP8 GEMVs' prologues have their own switch (off by default: slower on an H100);
+    a bf16 weight's stay fused."""
+    from disagg.kernels.fp8_weight import Fp8Weight
+    from disagg.model import ops
+
+    monkeypatch.setattr(ops, "FP8_PROLOGUES", False)
+    monkeypatch.setattr(ops, "add_norm", lambda x, a, w, eps: (x + a, x + a))
+    monkeypatch.setattr(ops, "silu_mul", lambda gu: gu.chunk(2, -1)[0])
+    monkeypatch.setattr(ops, "linear", lambda h, w, b=None: h)
+    o = operands(200, 300, torch.float32, "cpu", fp8=True)
+    fp8 = Fp8Weight(o["wq"], o["ws"])
+    ops.norm_linear(o["x"], o["delta"], o["norm_w"], EPS, fp8)
+    ops.silu_linear(o["gate_up"], fp8)
+    ops.silu_linear(o["gate_up"], o["w_ref"])
+    assert calls.names == ["silu_gemv"]
 
 
 def test_prologues_switched_off_keep_the_separate_ops(calls: _Calls, monkeypatch: Any) -> None:
