@@ -10,7 +10,8 @@ import torch
 
 from disagg.engine.kv_tiers import Copy
 from disagg.engine.scheduling import Status
-from disagg.engine.tier_reload import layer_groups
+from disagg.engine import tier_copy
+from disagg.engine.tier_reload import copy_layers, layer_groups
 from disagg.llm import LLM
 from disagg.model.loader import load_model
 from disagg.protocol import SamplingParams
@@ -118,6 +119,56 @@ def test_a_step_waits_on_each_layer_after_its_copy_and_plain_steps_never_wait(ti
     assert llm.pool.num_free == 12 and llm.tiers.host.pinned() == 0
 
 
+class LateLanding:
+    """A layered reload as CUDA runs it, on the CPU: the copy is issued at once but reported
+    landed only at the second look (a step runs on its pages meanwhile)."""
+
+    def __init__(self, kv, host) -> None:
+        self.kv, self.host, self.pending, self.issued = kv, host, [], 0
+
+    def issue(self, copy: Copy) -> None:
+        copy_layers(copy, self.kv, self.host)
+        self.pending.append([copy.op, 2])
+        self.issued += 1
+
+    def landed(self) -> list[int]:
+        for p in self.pending:
+            p[1] -= 1
+        out = [op for op, looks in self.pending if looks <= 0]
+        self.pending = [p for p in self.pending if p[1] > 0]
+        return out
+
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+
+def test_a_reload_landing_after_its_step_gives_a_device_hits_tokens_and_frees_its_pages(
+        tiny_models, monkeypatch):
+    """The CUDA test's sequence on the CPU with the reload landing late: the host hit's
+    sequence runs before its copy is reported landed, its pages cached once it is, and the
+    pool is whole at the end (the copy's reference returned)."""
+    late: list[LateLanding] = []
+
+    def make(kv, host, events):
+        late.append(LateLanding(kv, host.tensors))
+        return late[-1]
+
+    monkeypatch.setattr(tier_copy, "layered", make)
+    path = tiny_models["qwen3"]
+    llm = LLM(load_model(path, "float32"), num_pages=24, page_size=PAGE, kv_host_cache_mb=4)
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 300, (4 * PAGE + 1,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    device_hit = llm.generate([prompt + [5]], params)[0]
+    for _ in range(3):
+        llm.generate([torch.randint(3, 300, (22 * PAGE,), generator=g).tolist()], params)
+    host_hit = llm.generate([prompt + [5]], params)[0]
+    assert llm.tiers is not None and late[0].issued == 1
+    assert llm.tiers.counters.hit_tokens["host"] == 4 * PAGE
+    assert host_hit.token_ids == device_hit.token_ids == hf_greedy(path, prompt + [5], 6)
+    assert llm.pool.num_free == 24 and llm.tiers.host.pinned() == 0 and not llm.tiers.busy()
+
+
 def test_layer_groups_are_per_layer_when_the_copies_allow_it_and_cover_every_layer():
     assert layer_groups(32, 1) == [(i, i + 1) for i in range(32)]
     groups = layer_groups(32, 256)  # 256 scattered slots: 4 groups of 8 layers
@@ -149,8 +200,8 @@ def test_a_host_hit_reloaded_layer_by_layer_gives_a_device_hits_greedy_tokens(ti
     device_hit = llm.generate([prompt + [5]], params)[0]
     assert device_hit.cached_tokens == 4 * PAGE
     host_before = llm.tiers.counters.hit_tokens["host"]
-    for _ in range(3):
-        llm.generate([torch.randint(3, 300, (23 * PAGE,), generator=g).tolist()], params)
+    for _ in range(3):  # 22 pages of prompt + 6 tokens: every page of the pool, none spare
+        llm.generate([torch.randint(3, 300, (22 * PAGE,), generator=g).tolist()], params)
     host_hit = llm.generate([prompt + [5]], params)[0]
     assert llm.tiers.counters.hit_tokens["host"] - host_before == 4 * PAGE
     assert host_hit.token_ids == device_hit.token_ids == hf_greedy(path, prompt + [5], 6)
