@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disagg.engine import tier_copy
 from disagg.engine.kv_tiers import Copy
 from disagg.engine.scheduling import Status
-from disagg.engine import tier_copy
 from disagg.engine.tier_reload import copy_layers, layer_groups
 from disagg.llm import LLM
 from disagg.model.loader import load_model
