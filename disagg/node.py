@@ -20,15 +20,13 @@ import logging
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 import zmq
 import zmq.asyncio
 
-from disagg.actors.executor.executor_group import ExecutorGroup
+from disagg.actors.executor.executor_group import EarlySpawn, ExecutorGroup
 from disagg.actors.frontend.front_door import FrontDoor
 from disagg.actors.frontend.frontend import FrontendActor
 from disagg.actors.scheduler.scheduler import SchedulerActor, SchedulerSetup
@@ -37,6 +35,7 @@ from disagg.engine.kv_tiers import KVTiers
 from disagg.engine.speculative import speculation
 from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
 from disagg.model.config import ModelArch
+from disagg.model.default import resolve_model
 from disagg.model.ep import ExpertParallel, check_layout
 from disagg.model.tokenizer import Tokenizer
 from disagg.model.tp import TensorParallel
@@ -52,21 +51,10 @@ log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.1  # while draining: how often to look whether every request has ended
 
-def resolve_model(cfg: NodeConfig) -> NodeConfig:
-    """Fill in the model directory: the given one, or the embedded default (converted once)."""
-    if cfg.executor.model is not None:
-        if not Path(cfg.executor.model, "config.json").is_file():
-            raise FileNotFoundError(f"--model {cfg.executor.model}: no config.json there")
-        return cfg
-    from disagg.model.default import default_model_dir
-
-    path = str(default_model_dir(progress=True))
-    return msgspec.structs.replace(cfg, executor=msgspec.structs.replace(cfg.executor, model=path))
-
-
 class Node:
     def __init__(self, cfg: NodeConfig, metrics: Metrics | None = None,
-                 door: FrontDoor | None = None):
+                 door: FrontDoor | None = None, early: EarlySpawn | None = None):
+        """``early``: this node's executors, spawned already for ``cfg`` (``early_spawn``)."""
         cfg.validate()
         if cfg.role == "router":
             raise ConfigError("--role router runs a router (disagg.actors.router.router), not a Node")
@@ -76,6 +64,7 @@ class Node:
         self.door = door if door is not None else FrontDoor(cfg.listen, cfg.curve_keys)
         self._own_door = door is None
         self.executors: ExecutorGroup | None = None
+        self.early = early
         self.scheduler: SchedulerActor | None = None
         self.frontend: FrontendActor | None = None
         self.messenger: Any = None  # PrefillMessenger | DecodeMessenger
@@ -95,7 +84,14 @@ class Node:
 
     async def start(self) -> None:
         t0 = time.monotonic()
-        cfg = await asyncio.to_thread(resolve_model, self.cfg)
+        early, self.early = self.early, None
+        if early is not None:  # spawned before this process's imports (cli.node.launch)
+            cfg, self._run_dir = early.cfg, early.run_dir
+            security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys
+                             else None)
+            self.executors = ExecutorGroup(cfg, self._run_dir, self.ctx, early)
+        else:
+            cfg = await asyncio.to_thread(resolve_model, self.cfg)
         self.cfg = cfg
         model_dir = cfg.executor.model
         assert model_dir is not None
@@ -108,9 +104,11 @@ class Node:
         if ex.dp > 1 and cfg.cache.kv_host_cache_mb:
             raise ConfigError(f"--dp {ex.dp} with --kv-host-cache-mb: the KV tiers hold one "
                               "rank's pages, not yet one pool per rank; drop one of them")
-        security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys else None)
-        self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")
-        self.executors = ExecutorGroup(cfg, self._run_dir, self.ctx)
+        if self.executors is None:
+            security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys
+                             else None)
+            self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")
+            self.executors = ExecutorGroup(cfg, self._run_dir, self.ctx)
         phases = self.executors.phases
         phases.add("node_setup", time.monotonic() - t0)
         try:
@@ -393,6 +391,9 @@ class Node:
             self.tiers = self.host_pool = None  # a restarted node pins its own
         if self.executors is not None:
             await self.executors.stop()
+        if self.early is not None:  # stopped before its start adopted them
+            await asyncio.to_thread(self.early.stop)
+            self.early = None
         security.uninstall(self.ctx)
         self.ctx.destroy(linger=0)
         if self._run_dir and self.cfg.run_dir is None:

@@ -17,6 +17,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -24,6 +25,9 @@ from disagg.actors.frontend.front_door import FrontDoor
 from disagg.config import ConfigError, NodeConfig
 from disagg.node import Node
 from disagg.serving.metrics import Metrics
+
+if TYPE_CHECKING:
+    from disagg.actors.executor.executor_group import EarlySpawn
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +74,11 @@ class Supervisor:
     ``internal`` error naming the failure) and starts a new one while ``policy`` allows.
     Every node shares one ``Metrics``."""
 
-    def __init__(self, cfg: NodeConfig, policy: RestartPolicy | None = None):
+    def __init__(self, cfg: NodeConfig, policy: RestartPolicy | None = None,
+                 early: EarlySpawn | None = None):
+        """``early``: the first node's executors, spawned already (``early_spawn``)."""
         self.cfg = cfg
+        self.early = early
         self.policy = policy or RestartPolicy()
         self.metrics = Metrics()
         self.node: Node | None = None
@@ -81,7 +88,8 @@ class Supervisor:
     async def start(self, stop: asyncio.Event) -> Node | None:
         """Start a node (raises as ``Node.start`` does, the node stopped); None if ``stop``
         was set first."""
-        node = Node(self.cfg, self.metrics, self.door)
+        node = Node(self.cfg, self.metrics, self.door, self.early)
+        self.early = None  # a restart spawns its own
         t0 = time.monotonic()
         starting = asyncio.ensure_future(node.start())
         stopping = asyncio.ensure_future(stop.wait())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -99,13 +100,19 @@ def tp_devices(devices: list[str], tp: int, dp: int = 1) -> list[str]:
 
 
 def cuda_devices(devices: list[str]) -> int:
-    """How many CUDA devices torch sees (0 without CUDA); imports torch only when asked for
-    a CUDA device."""
+    """How many CUDA devices the driver sees (0 without CUDA), asked only when a CUDA device
+    is: through libcuda, not torch, whose import (seconds) would delay the executors' spawn
+    (``launch``)."""
     if not any(d.startswith("cuda") for d in devices):
         return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -157,12 +164,19 @@ async def launch(cfg: NodeConfig, policy: RestartPolicy | None = None,
     endpoint (``cfg.metrics_listen``) and the HTTP gateway (``cfg.http_listen``); log
     ``ready`` once all of them listen; serve until SIGINT (stop at once) or SIGTERM (drain
     first, ``Drainer``), stop every child. Returns an exit code."""
-    from disagg.supervisor import Supervisor
+    from disagg.actors.executor.executor_group import early_spawn
 
     t0 = time.monotonic()
+    try:  # before this process imports torch and the rest: their imports overlap ours
+        early = await asyncio.to_thread(early_spawn, cfg)
+    except Exception as e:
+        log.error("could not start: %s", e)
+        return 1
+    from disagg.supervisor import Supervisor
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    sup = Supervisor(cfg, policy)
+    sup = Supervisor(cfg, policy, early)
     drainer = Drainer(stop, lambda: sup.node, cfg.drain_timeout_s)
 
     def on_signals() -> None:  # again after each start: native libraries loaded by it may

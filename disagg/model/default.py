@@ -31,9 +31,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
+
+if TYPE_CHECKING:
+    from disagg.config import NodeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -387,3 +391,13 @@ def _check_tensors(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> No
             raise DefaultModelError(f"GGUF file lacks {name}")
         if tuple(tensors[name].shape) != shape:
             raise DefaultModelError(f"{name}: shape {tuple(tensors[name].shape)}, expected {shape}")
+
+
+def resolve_model(cfg: NodeConfig) -> NodeConfig:
+    """Fill in the model directory: the given one, or the embedded default (converted once)."""
+    if cfg.executor.model is not None:
+        if not Path(cfg.executor.model, "config.json").is_file():
+            raise FileNotFoundError(f"--model {cfg.executor.model}: no config.json there")
+        return cfg
+    path = str(default_model_dir(progress=True))
+    return msgspec.structs.replace(cfg, executor=msgspec.structs.replace(cfg.executor, model=path))

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -326,6 +327,42 @@ def test_ready_is_logged_once_the_http_gateway_and_metrics_accept(model_dir, tmp
         assert any("HTTP gateway ready on" in line for line in lines[:ready])
     finally:
         assert proc.stop() == []
+
+
+def test_the_executors_are_spawned_before_the_node_imports_torch():
+    """Cold start: a node spawns its executors before its own process imports torch (seconds
+    of import, which then overlap theirs): nothing on the way there imports it."""
+    code = ("import sys\n"
+            "from disagg.cli.node import build_parser, config_from_args, cuda_devices\n"
+            "from disagg.actors.executor.executor_group import early_spawn\n"
+            "from disagg.model.default import resolve_model\n"
+            "cfg = config_from_args(build_parser().parse_args(['--devices', 'cpu']))\n"
+            "cuda_devices(['cuda:0'])\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def cmdline(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def test_a_start_failing_after_the_early_spawn_leaves_no_executor(model_dir):
+    """The executors spawned before the node's checks (``early_spawn``) are stopped when a
+    check then refuses the start (--dp with a host KV tier, refused in ``Node.start``)."""
+    listen = f"tcp://127.0.0.1:{free_port()}"  # in each executor's --config: finds them
+    out = subprocess.run([sys.executable, "-m", "disagg", "--model", str(model_dir),
+                          "--devices", "cpu", "--dp", "2", "--kv-host-cache-mb", "4",
+                          "--threads", "1", "--listen", listen],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "--kv-host-cache-mb" in out.stderr
+    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if listen in cmdline(p)]
+    assert left == [], "an executor spawned early outlived the refused start"
 
 
 def test_cuda_device_without_cuda_is_a_one_line_error(model_dir):

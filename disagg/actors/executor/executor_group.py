@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import mmap
 import os
@@ -18,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -29,6 +31,7 @@ from disagg.config import NodeConfig
 from disagg.engine.dp import merge_hidden, merge_results, split_plan
 from disagg.engine.grammar_pass import MaskBlock
 from disagg.engine.start_phases import StartPhases, boot_clock
+from disagg.model.default import resolve_model
 from disagg.protocol.executor import (
     Collect,
     ExecutorReady,
@@ -63,15 +66,72 @@ def rendezvous_path(control: str) -> str:
     return control.removeprefix("ipc://") + ".tp-rendezvous"
 
 
+@dataclasses.dataclass
+class EarlySpawn:
+    """Executors spawned before the node's main process imports the rest of it (torch's
+    import alone takes seconds): theirs and the main process's then overlap. ``Node.start``
+    adopts them (``ExecutorGroup(early=...)``) or, on a failure before that, stops them."""
+
+    cfg: NodeConfig  # the model directory resolved: what the executors were given
+    run_dir: str
+    procs: list[subprocess.Popen[bytes]]
+    fd_socks: list[socket.socket]
+    at: float  # time.monotonic() of the spawn
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        for s in self.fd_socks:
+            s.close()
+
+
+def control_address(run_dir: str) -> str:
+    return f"ipc://{run_dir}/executors.sock"
+
+
+def spawn_executors(cfg: NodeConfig, control: str
+                    ) -> tuple[list[subprocess.Popen[bytes]], list[socket.socket]]:
+    """One executor process per device, each told ``control`` (the group's ROUTER, bound now
+    or later: they connect until it is) and handed its end of a socket pair (its KV memory's
+    fds come back over it)."""
+    cfg_json = msgspec.json.encode(cfg).decode()
+    with contextlib.suppress(FileNotFoundError):  # a dead group's, in a reused --run-dir
+        os.unlink(rendezvous_path(control))
+    procs, socks = [], []
+    for rank in range(len(cfg.devices)):
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [sys.executable, "-m", "disagg.actors.executor.executor", "--config", cfg_json,
+               "--rank", str(rank), "--control", control,
+               "--fd-sock", str(child_sock.fileno()), "--spawned-at", repr(boot_clock())]
+        procs.append(subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),)))
+        child_sock.close()
+        socks.append(parent_sock)
+    return procs, socks
+
+
+def early_spawn(cfg: NodeConfig) -> EarlySpawn:
+    """Resolve ``cfg``'s model directory and spawn its executors now (``EarlySpawn``)."""
+    cfg = resolve_model(cfg)
+    run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="disagg-")
+    at = time.monotonic()
+    procs, socks = spawn_executors(cfg, control_address(run_dir))
+    return EarlySpawn(cfg, run_dir, procs, socks, at)
+
+
 class ExecutorGroup:
     """Spawns and drives one executor process per device; each DP rank's first executor's
     result is authoritative (rank 0's without ``--dp``)."""
 
-    def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context):
+    def __init__(self, cfg: NodeConfig, run_dir: str, ctx: zmq.asyncio.Context,
+                 early: EarlySpawn | None = None):
+        """``early``: executors already spawned for ``cfg`` and ``run_dir`` (``early_spawn``),
+        adopted: ``spawn`` then starts none."""
         self.bad_frames = 0
         self.foreign_frames = 0  # well-formed frames from an identity not of our executors
         self.cfg = cfg
-        self.control = f"ipc://{run_dir}/executors.sock"
+        self.control = control_address(run_dir)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(self.control)
@@ -90,6 +150,8 @@ class ExecutorGroup:
         self.all_to_all_s = [0.0] * self.dp  # each DP rank's lead: MoE all-to-all seconds
         self.phases = StartPhases()  # the start's, the node's own included (Stats.start_phases_s)
         self._spawned = time.monotonic()
+        if early is not None:
+            self.procs, self._fd_socks, self._spawned = early.procs, early.fd_socks, early.at
 
     @property
     def num_pages(self) -> int:
@@ -103,20 +165,11 @@ class ExecutorGroup:
 
     def spawn(self) -> None:
         """Start one executor process per device (they load while the caller does its own
-        start-up work; ``wait_ready`` then waits for them)."""
-        cfg_json = msgspec.json.encode(self.cfg).decode()
-        with contextlib.suppress(FileNotFoundError):  # a dead group's, in a reused --run-dir
-            os.unlink(rendezvous_path(self.control))
+        start-up work; ``wait_ready`` then waits for them); none when they were adopted."""
+        if self.procs:
+            return
         self._spawned = time.monotonic()
-        for rank in range(len(self.cfg.devices)):
-            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            cmd = [sys.executable, "-m", "disagg.actors.executor.executor", "--config", cfg_json,
-                   "--rank", str(rank), "--control", self.control,
-                   "--fd-sock", str(child_sock.fileno()), "--spawned-at", repr(boot_clock())]
-            proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),))
-            child_sock.close()
-            self.procs.append(proc)
-            self._fd_socks.append(parent_sock)
+        self.procs, self._fd_socks = spawn_executors(self.cfg, self.control)
 
     async def wait_ready(self) -> None:
         """Until every executor spawned has handed over its KV memory (bounded by
