@@ -29,8 +29,9 @@ def main() -> None:
             print(f"M={m}: cuBLASLt block FP8 ok", flush=True)
         except RuntimeError as e:
             print(f"M={m}: refused ({str(e)[:80]})", flush=True)
-    for m, n, k in ((8192, 4096, 4096), (8192, 12288, 4096), (8192, 4096, 12288)):
-        probe(m, n, k, dev)
+    for m in (64, 256, 8192):  # decode batches and a prefill chunk, the 8B shape's GEMMs
+        for n, k in ((4096, 4096), (12288, 4096), (4096, 12288)):
+            probe(m, n, k, dev)
 
 
 def probe(m: int, n: int, k: int, dev: torch.device) -> None:
@@ -44,8 +45,15 @@ def probe(m: int, n: int, k: int, dev: torch.device) -> None:
     flops = 2 * m * n * k
     bf = do_bench(lambda: x @ wb.T, warmup=20, rep=100)
     ours = do_bench(lambda: fp8_gemm.fp8_block_matmul(q, s, wq, ws), warmup=20, rep=100)
+    try:  # quantization included, as fp8_linear runs it
+        lt = do_bench(lambda: fp8_gemm.cublas_fp8_linear(x, wq, ws, torch.bfloat16),
+                      warmup=20, rep=100)
+        lt_txt = f"{lt * 1e3:.0f} us ({flops / lt / 1e9:.0f} TF/s)"
+    except RuntimeError as e:
+        lt_txt = f"refused ({str(e)[:60]})"
     print(f"[{m}x{n}x{k}] bf16 {bf * 1e3:.0f} us ({flops / bf / 1e9:.0f} TF/s), "
-          f"triton fp8 {ours * 1e3:.0f} us ({flops / ours / 1e9:.0f} TF/s)", flush=True)
+          f"triton fp8 {ours * 1e3:.0f} us ({flops / ours / 1e9:.0f} TF/s), "
+          f"cuBLASLt fp8 {lt_txt}", flush=True)
     forms = {
         "scale_a [M,K/128] row-major, scale_b [K/128,N/128]": lambda: torch._scaled_mm(
             q, wq.T, scale_a=s, scale_b=ws.T, out_dtype=torch.bfloat16),

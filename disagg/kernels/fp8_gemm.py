@@ -26,6 +26,7 @@ Reference: ``disagg.kernels.reference.fp8_linear`` (dequantize both operands, fl
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -251,8 +252,10 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
 # and 128x128 weight scales, sm_90, CUDA 12.9+): on an H200 it ran Qwen3-8B's 8k-row GEMMs at
 # 1.1-1.2 PFLOP/s, 1.6x cuBLAS bf16, where the Triton kernel stays near bf16's rate
 # (bench/fp8_scaled_mm_probe.py). Below CUBLAS_MIN_M rows, and where it is not available, the
-# Triton kernel runs. DISAGG_FP8_GEMM=triton keeps the Triton kernel everywhere.
-CUBLAS_MIN_M = 1024
+# Triton kernel runs. DISAGG_FP8_GEMM=triton keeps the Triton kernel everywhere;
+# DISAGG_FP8_CUBLAS_MIN_M=64 (say) sends decode batches there too (an experiment: the Triton
+# kernel ran M = 64-256 at 0.6-0.9x cuBLAS bf16, cuBLASLt there is not measured yet).
+CUBLAS_MIN_M = int(os.environ.get("DISAGG_FP8_CUBLAS_MIN_M", "1024"))
 _cublas_ok: dict[torch.device, bool] = {}
 
 
