@@ -42,6 +42,11 @@ class HandshakeError(ConnectionError):
     """The node refused this client's handshake (``security.handshake_refusal`` says why)."""
 
 
+class ClientClosed(ConnectionError):
+    """The client was closed while this request streamed (the node aborts it: the client's
+    connection is gone)."""
+
+
 _MONITORED = security.HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
@@ -183,7 +188,7 @@ class AsyncClient:
                     msg = await asyncio.wait_for(q.get(), timeout)
                 except asyncio.TimeoutError:
                     raise TimeoutError(f"no reply for request {req.request_id} in {timeout}s") from None
-                if isinstance(msg, HandshakeError):
+                if isinstance(msg, ConnectionError):  # refused handshake, or closed
                     finished = True
                     raise msg
                 if isinstance(msg, Error):
@@ -278,11 +283,17 @@ class AsyncClient:
         return msg
 
     async def close(self) -> None:
+        """Stop reading and close the socket (again: nothing); a stream still open raises
+        ``ClientClosed``."""
+        for q in self._queues.values():
+            q.put_nowait(ClientClosed(f"{self.address}: the client was closed"))
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+        if self.sock.closed:
+            return
         self.sock.disable_monitor()
         self.monitor.close()
         self.sock.close()
@@ -439,6 +450,9 @@ class Client:
                 raise RequestError(msg)
 
     def close(self) -> None:
+        """Close the socket (again: nothing)."""
+        if self.sock.closed:
+            return
         self.sock.disable_monitor()
         self.monitor.close()
         self.sock.close()
