@@ -1,8 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds; logits processors
 (penalties, logit_bias) and logprobs.
 
-Each sampled token is ``draw``: a draw from its own generator seeded by ``(request seed, output
-index)``, so a request gets the same tokens whether it runs alone or in a batch, after a
+Each sampled token is ``draw``: a draw whose noise is a function of ``(request seed, output
+index)`` and the token alone (``disagg.kernels.sample_race``), so a request gets the same tokens whether it runs alone or in a batch, after a
 preemption, and with speculative decoding (which verifies a sampled draft by comparing it with
 this same draw, ``disagg.engine.speculative``).
 
@@ -55,7 +55,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass before it already reaches top_p (the top token always stays)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
@@ -63,18 +63,26 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def usable_or_greedy(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """``probs`` (a row ``[V]`` or rows ``[N, V]``) where a row is a distribution one can draw
-    from (finite, positive sum), else a one-hot on that row of ``logits``' argmax: the greedy
-    limit of a row whose temperature or top-p is too small for float32 (or whose logits are
-    not finite). Stays on the device (no sync), so a bad row can neither raise on the host nor
-    trip a device-side assert."""
-    ok = torch.isfinite(probs).all(dim=-1, keepdim=True) & (probs.sum(dim=-1, keepdim=True) > 0)
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(ok, probs, onehot)
-
-
 Draw = tuple[float, int, float, int, int]  # temperature (> 0), top_k, top_p, seed, output index
+
+
+def filter_batch(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+                 ) -> torch.Tensor:
+    """``filter_logits`` of every row of float32 ``logits [N, V]`` with its own ``top_k[i]`` /
+    ``top_p[i]``, with one sort for the batch (on the device, not waited for)."""
+    n, vocab = logits.shape
+    dev = logits.device
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], dtype=torch.int64)
+    ps = torch.tensor(list(top_p), dtype=torch.float32)
+    ks, ps = ks.to(dev, non_blocking=True), ps.to(dev, non_blocking=True)
+    ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    kth = ordered.gather(1, (ks - 1)[:, None])
+    cut = ordered < kth  # top-k: below the k-th largest value (its ties stay)
+    ordered = ordered.masked_fill(cut, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    # top-p: a token goes when the mass before it already reaches top_p (the top one stays)
+    drop = cut | (((torch.cumsum(probs, dim=-1) - probs) >= ps[:, None]) & (ps < 1.0)[:, None])
+    return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
 def draw(logits: torch.Tensor, rows: Sequence[Draw]) -> torch.Tensor:
@@ -84,21 +92,24 @@ def draw(logits: torch.Tensor, rows: Sequence[Draw]) -> torch.Tensor:
     row by row independent of the other rows (so of the batch).
 
     The draw is the exponential race ``torch.multinomial`` runs for one sample (argmax of p_v /
-    E_v, E_v ~ Exp(1)), its noise from a generator seeded by ``draw_seed(seed, index)``;
-    done here so that the whole batch shares one softmax, one division and one argmax (only
-    top-k/top-p filters and the noise go row by row), and nothing waits for the device."""
+    E_v, E_v ~ Exp(1)), its noise a counter-based function of ``draw_seed(seed, index)`` and
+    the token (``disagg.kernels.sample_race``): the batch shares one division, one sort (the
+    rows with top-k / top-p) and one race launch, whatever its size."""
+    from disagg.kernels.sample_race import race
+
     dev, vocab = logits.device, logits.shape[-1]
     temps = torch.tensor([r[0] for r in rows], dtype=torch.float32).to(dev, non_blocking=True)
     scaled = logits / temps[:, None]
-    for i, (_, top_k, top_p, _, _) in enumerate(rows):
-        if 0 < top_k < vocab or top_p < 1.0:
-            scaled[i] = filter_logits(scaled[i], top_k, top_p)
-    probs = usable_or_greedy(torch.softmax(scaled, dim=-1), logits)
-    noise = torch.empty_like(probs)
-    for i, (_, _, _, seed, index) in enumerate(rows):
-        noise[i].exponential_(generator=torch.Generator(device=dev).manual_seed(
-            draw_seed(seed, index)))
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    cut = [i for i, (_, top_k, top_p, _, _) in enumerate(rows) if 0 < top_k < vocab or top_p < 1.0]
+    if cut:
+        idx = torch.tensor(cut, dtype=torch.int64).to(dev, non_blocking=True)
+        scaled.index_copy_(0, idx, filter_batch(scaled.index_select(0, idx),
+                                                [rows[i][1] for i in cut],
+                                                [rows[i][2] for i in cut]))
+    keys = torch.tensor([draw_seed(seed, index) for _, _, _, seed, index in rows],
+                        dtype=torch.int64).to(dev, non_blocking=True)
+    tok = race(scaled, keys)
+    return torch.where(tok >= 0, tok, logits.argmax(dim=-1))  # not a distribution: greedy
 
 
 def draw_into(out: torch.Tensor, logits: torch.Tensor, at: list[int], rows: Sequence[Draw]
@@ -124,10 +135,10 @@ def sample_device(logits: torch.Tensor, chunks: Sequence[SeqChunk],
 
     Greedy rows take ``argmax`` (the rows' argmax already computed on the device, e.g. by a
     CUDA graph: returned as is when every row is greedy) or compute it here; sampled rows are
-    ``draw``n together (only their top-k/top-p filters and their generators go row by row).
+    ``draw``n together (one sort for the rows with top-k/top-p, one race launch).
 
     A row cannot fail the batch: one whose probabilities are not a distribution (non-finite,
-    or nothing left after top-k/top-p) is sampled greedily instead (``usable_or_greedy``),
+    or nothing left after top-k/top-p) is sampled greedily instead (``race`` gives it -1),
     which is what its parameters tend to; the other rows draw exactly what they would alone.
 
     Rows carrying a grammar mask (``SeqChunk.allowed``) have what it does not admit masked

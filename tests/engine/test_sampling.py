@@ -8,7 +8,6 @@ from disagg.engine.sampling import (
     filter_logits,
     sample,
     sample_device,
-    usable_or_greedy,
 )
 from disagg.protocol import (
     MAX_STOP_TOKEN_IDS,
@@ -138,15 +137,6 @@ def test_poison_rows_in_any_position():
         assert [got[0], got[2]] == alone and got[1] == int(logits[1].argmax())
 
 
-def test_usable_or_greedy():
-    probs = torch.tensor([0.2, 0.5, 0.3])
-    logits = torch.tensor([0.0, 1.0, 5.0])
-    assert torch.equal(usable_or_greedy(probs, logits), probs)
-    for bad in (torch.tensor([float("nan"), 0.5, 0.5]), torch.zeros(3),
-                torch.tensor([float("inf"), 0.0, 0.0])):
-        assert usable_or_greedy(bad, logits).tolist() == [0.0, 0.0, 1.0]
-
-
 # ---- validation: values as the sampler sees them (float32)
 
 
@@ -209,3 +199,57 @@ def test_prepare_prompt_checks_version_and_stop_token_ids():
     decoded = [1, 2]  # checked against the vocabulary as it was decoded: taken as it is
     assert prepare_prompt(GenerateRequest("r", prompt_token_ids=decoded), None, 100, 64,
                           ids_in_vocab=True) is decoded
+
+
+def test_the_batched_filter_equals_filtering_each_row_alone():
+    from disagg.engine.sampling import filter_batch
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(12, 300, generator=gen) * 3).round()  # rounded: ties at the cuts
+    ks = [0, 1, 5, 300, 0, 17, 2, 0, 40, 299, 3, 0]
+    ps = [0.9, 1.0, 0.5, 0.3, 1.0, 0.95, 0.0, 0.01, 1.0, 0.7, -1.0, 0.999]
+    got = filter_batch(logits, ks, ps)
+    for i in range(len(ks)):
+        alone = filter_logits(logits[i], ks[i], ps[i])
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(alone)), i
+        assert torch.equal(got[i][torch.isfinite(got[i])], alone[torch.isfinite(alone)])
+
+
+def test_the_race_draws_tokens_with_their_probabilities():
+    """Over many keys, each token is drawn about as often as its softmax probability."""
+    from disagg.kernels.sample_race import race
+
+    x = torch.tensor([[0.0, 1.0, 2.0, float("-inf")]] * 6000)
+    keys = torch.tensor([draw_seed(42, i) for i in range(6000)], dtype=torch.int64)
+    tok = race(x, keys)
+    freq = torch.bincount(tok, minlength=4).float() / len(tok)
+    want = torch.softmax(x[0], dim=0)
+    assert freq[3] == 0 and (freq - want).abs().max() < 0.025, (freq, want)
+
+
+def test_the_triton_race_draws_what_the_torch_race_draws():
+    """The CUDA kernel (run by Triton's interpreter here) and the CPU path agree token for
+    token, rows that cannot be drawn from included."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, torch\n"
+        "from disagg.kernels.sample_race import race, race_torch\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "x = torch.randn(7, 5000, generator=g) * 4\n"
+        "x[1, :4000] = float('-inf')\n"
+        "x[2] = float('-inf')\n"
+        "x[3, 17] = float('nan')\n"
+        "x[4, 99] = float('inf')\n"
+        "keys = torch.randint(0, 2**62, (7,), generator=g)\n"
+        "print(json.dumps([race(x, keys).tolist(), race_torch(x, keys).tolist()]))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    kernel, torch_path = json.loads(out.stdout)
+    assert kernel == torch_path
+    assert kernel[2] == kernel[3] == kernel[4] == -1 and kernel[1] >= 4000
