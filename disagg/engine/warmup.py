@@ -110,4 +110,14 @@ def _warm(model: Transformer, backend: AttentionBackend, page_size: int,
     jobs.append(("largest step", functools.partial(
         profile_peak_memory, model, backend, page_size, max_batch_tokens, max_running,
         max_model_len)))
+    jobs.append(("sampling race", functools.partial(warm_race, arch.vocab_size, model.device)))
     return run_parallel(jobs, threads, model.device)
+
+
+def warm_race(vocab: int, device: torch.device) -> None:
+    """The seeded-sampling race kernel at the model's vocabulary (its one specialization:
+    the logits' width and row stride), so a node's first sampled request compiles nothing."""
+    from disagg.kernels.sample_race import race
+
+    race(torch.zeros((1, vocab), dtype=torch.float32, device=device),
+         torch.zeros(1, dtype=torch.int64, device=device))

@@ -49,9 +49,11 @@ def test_the_parallel_warm_up_leaves_nothing_to_compile(tmp_path):
     from disagg.engine.attention import get_backend
     from disagg.engine.kv_memory import KVLayout
     from disagg.engine.runner import ModelRunner, profile_peak_memory
+    from disagg.engine.sampling import sample_device
     from disagg.engine.warmup import parallel_warmup
     from disagg.model.config import ModelArch
     from disagg.model.loader import random_model
+    from disagg.protocol.executor import SeqChunk
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3))
     dev = torch.device("cuda")
@@ -73,6 +75,9 @@ def test_the_parallel_warm_up_leaves_nothing_to_compile(tmp_path):
         runner.enable_cuda_graphs(max_running, max_len)  # and the eager decode launch shapes
         runner.warm_prefill(max_tokens, max_len)
         profile_peak_memory(model, backend, page, max_tokens, max_running, max_len)
+        rows = [SeqChunk(slot=i, token_ids=[1], start_pos=0, block_table=[0], sample=True,
+                         temperature=0.8, top_p=0.9, seed=i) for i in range(5)]
+        sample_device(torch.randn(5, arch.vocab_size, device=dev), rows)  # the race kernel
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_post_compile_hook = None
