@@ -82,6 +82,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vocab-size", type=int, default=1000,
                     help="prompt token ids are uniform in [10, vocab-size)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
+    ap.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0: off)")
     ap.add_argument("--json-schema", default=None, metavar="SCHEMA",
                     help="constrain every request's output to this JSON schema (JSON text, or "
                          "@FILE): SamplingParams.structured, guided_json over --http")
@@ -215,8 +217,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     if args.n > 1 and (args.connect or not args.http):
         raise ValueError("--n > 1 needs --http (the client protocol has no n: send n requests)")
-    return SamplingParams(max_tokens=1, temperature=args.temperature,
-                          ignore_eos=structured is None, structured=structured,
+    return SamplingParams(max_tokens=1, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, ignore_eos=structured is None, structured=structured,
                           logprobs=args.top_logprobs)
 
 

@@ -150,6 +150,10 @@ class HttpTransport(Transport):
             "max_tokens": spec.output_len, "temperature": sampling.temperature, "stream": True,
             "ignore_eos": sampling.ignore_eos, "stream_options": {"include_usage": True},
         }
+        if sampling.top_p < 1.0:
+            body["top_p"] = sampling.top_p
+        if sampling.top_k > 0:
+            body["top_k"] = sampling.top_k
         if self.n > 1:
             body["n"] = self.n
         if sampling.structured is not None:
