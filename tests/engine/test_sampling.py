@@ -253,3 +253,16 @@ def test_the_triton_race_draws_what_the_torch_race_draws():
     kernel, torch_path = json.loads(out.stdout)
     assert kernel == torch_path
     assert kernel[2] == kernel[3] == kernel[4] == -1 and kernel[1] >= 4000
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_compiled_race_draws_what_the_cpu_draws():
+    """The compiled kernel's integer hash (products past 2**63 wrap) and the CPU's torch ops
+    give the same tokens for the same keys."""
+    from disagg.kernels.sample_race import race, race_torch
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 151936, generator=g) * 2
+    keys = torch.randint(0, 2**62, (16,), generator=g)
+    assert race(x.cuda(), keys.cuda()).cpu().tolist() == race_torch(x, keys).tolist()
