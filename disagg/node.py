@@ -84,12 +84,12 @@ class Node:
 
     async def start(self) -> None:
         t0 = time.monotonic()
-        early, self.early = self.early, None
-        if early is not None:  # spawned before this process's imports (cli.node.launch)
-            cfg, self._run_dir = early.cfg, early.run_dir
+        if self.early is not None:  # spawned before this process's imports (cli.node.launch)
+            cfg, self._run_dir = self.early.cfg, self.early.run_dir
             security.install(self.ctx, security.load_node(cfg.curve_keys) if cfg.curve_keys
                              else None)
-            self.executors = ExecutorGroup(cfg, self._run_dir, self.ctx, early)
+            self.executors = ExecutorGroup(cfg, self._run_dir, self.ctx, self.early)
+            self.early = None  # adopted (until then a failure here stops them: _cleanup)
         else:
             cfg = await asyncio.to_thread(resolve_model, self.cfg)
         self.cfg = cfg
