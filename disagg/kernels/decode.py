@@ -14,12 +14,12 @@ Reference: ``reference.paged_decode_attention``.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from disagg.config import env
 from disagg.kernels import checks
 
 LOG2E = 1.4426950408889634
@@ -37,7 +37,7 @@ DECODE_TILES: dict[torch.dtype, tuple[int, int, int]] = {
 
 
 def _tile_override() -> tuple[int, int, int] | None:
-    raw = os.environ.get("DISAGG_DECODE_TILE", "").strip()
+    raw = (env("DECODE_TILE") or "").strip()
     if not raw:
         return None
     try:

@@ -26,13 +26,13 @@ Reference: ``disagg.kernels.reference.fp8_linear`` (dequantize both operands, fl
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from disagg.config import env
 from disagg.kernels import checks
 from disagg.kernels.fp8_gemv import fp8_gemv
 from disagg.kernels.fp8_weight import Fp8Weight
@@ -255,7 +255,7 @@ def fp8_matmul(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
 # Triton kernel runs. DISAGG_FP8_GEMM=triton keeps the Triton kernel everywhere;
 # DISAGG_FP8_CUBLAS_MIN_M=64 (say) sends decode batches there too (an experiment: the Triton
 # kernel ran M = 64-256 at 0.6-0.9x cuBLAS bf16, cuBLASLt there is not measured yet).
-CUBLAS_MIN_M = int(os.environ.get("DISAGG_FP8_CUBLAS_MIN_M", "1024"))
+CUBLAS_MIN_M = int(env("FP8_CUBLAS_MIN_M") or 1024)
 _cublas_ok: dict[torch.device, bool] = {}
 
 
@@ -264,8 +264,6 @@ def cublas_block_fp8(device: torch.device) -> bool:
     graph capture; a capture before the first try uses the Triton kernel)."""
     if device in _cublas_ok:
         return _cublas_ok[device]
-    from disagg.config import env
-
     if device.type != "cuda" or env("FP8_GEMM") == "triton" or checks.interpreting():
         _cublas_ok[device] = False
         return False
