@@ -2,8 +2,8 @@
 (penalties, logit_bias) and logprobs.
 
 Each sampled token is ``draw``: a draw whose noise is a function of ``(request seed, output
-index)`` and the token alone (``disagg.kernels.sample_race``), so a request gets the same tokens whether it runs alone or in a batch, after a
-preemption, and with speculative decoding (which verifies a sampled draft by comparing it with
+index)`` and the token alone (``disagg.kernels.sample_race``), so a request gets the same
+tokens whether it runs alone or in a batch, after a preemption, and with speculative decoding (which verifies a sampled draft by comparing it with
 this same draw, ``disagg.engine.speculative``).
 
 Logits processors (``process_logits``) run on the device over the batch's float32 logits
@@ -49,27 +49,16 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) what top-k and top-p exclude from one row of float32 logits."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
-
-
 Draw = tuple[float, int, float, int, int]  # temperature (> 0), top_k, top_p, seed, output index
 
 
 def filter_batch(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
                  ) -> torch.Tensor:
-    """``filter_logits`` of every row of float32 ``logits [N, V]`` with its own ``top_k[i]`` /
-    ``top_p[i]``, with one sort for the batch (on the device, not waited for)."""
+    """Mask (to -inf) what top-k and top-p exclude from each row of float32 ``logits [N, V]``,
+    with its own ``top_k[i]`` (0: off) / ``top_p[i]`` (1: off), one sort for the batch (on the
+    device, not waited for). Top-k keeps the values at least the k-th largest (its ties);
+    top-p then drops a token once the mass before it (in a stable descending order, after
+    top-k) reaches ``top_p``, so the top token always stays unless ``top_p`` <= 0."""
     n, vocab = logits.shape
     dev = logits.device
     ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], dtype=torch.int64)

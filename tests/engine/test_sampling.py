@@ -5,7 +5,7 @@ import torch
 
 from disagg.engine.sampling import (
     draw_seed,
-    filter_logits,
+    filter_batch,
     sample,
     sample_device,
 )
@@ -18,6 +18,26 @@ from disagg.protocol import (
 )
 from disagg.protocol.executor import SeqChunk
 from disagg.serving.admission import RequestRejected, prepare_prompt
+
+
+def filter_row(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The reference: top-k then top-p on one row of float32 logits, as ``filter_batch`` does
+    every row of a batch."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def filter_logits(logits, top_k, top_p):
+    """``filter_batch`` on one row."""
+    return filter_batch(logits[None], [top_k], [top_p])[0]
 
 
 def chunk(**kw):
@@ -202,15 +222,13 @@ def test_prepare_prompt_checks_version_and_stop_token_ids():
 
 
 def test_the_batched_filter_equals_filtering_each_row_alone():
-    from disagg.engine.sampling import filter_batch
-
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(12, 300, generator=gen) * 3).round()  # rounded: ties at the cuts
     ks = [0, 1, 5, 300, 0, 17, 2, 0, 40, 299, 3, 0]
     ps = [0.9, 1.0, 0.5, 0.3, 1.0, 0.95, 0.0, 0.01, 1.0, 0.7, -1.0, 0.999]
     got = filter_batch(logits, ks, ps)
     for i in range(len(ks)):
-        alone = filter_logits(logits[i], ks[i], ps[i])
+        alone = filter_row(logits[i], ks[i], ps[i])
         assert torch.equal(torch.isfinite(got[i]), torch.isfinite(alone)), i
         assert torch.equal(got[i][torch.isfinite(got[i])], alone[torch.isfinite(alone)])
 
