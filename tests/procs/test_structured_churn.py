@@ -15,7 +15,6 @@ import re
 import jsonschema
 import pytest
 
-import nodes
 from disagg.client import AsyncClient, ClientClosed, RequestError
 from disagg.protocol import Finished, SamplingParams, TokenChunk
 from disagg.protocol.structured import StructuredOutput
@@ -124,37 +123,28 @@ def test_constrained_requests_under_churn(addr):
     assert s.started == s.finished + s.aborted + s.errored, s
     assert s.preemptions > 0, "the pool should have been too small for every request at once"
     # the node still serves constrained requests
-    out, text, fin = asyncio.run(_complete(addr, CONSTRAINTS["choice"]))
+    out, text, fin = complete(addr, [5, 6, 7], SamplingParams(max_tokens=32,
+                                                               structured=CONSTRAINTS["choice"]))
     assert fin.reason == "stop" and text in CHOICES
 
 
-async def _complete(addr: str, so: StructuredOutput):
-    client = AsyncClient(addr)
-    try:
-        return await client.complete(prompt_token_ids=[5, 6, 7], timeout=60,
-                                     sampling=SamplingParams(max_tokens=32, structured=so))
-    finally:
-        await client.close()
+def complete(addr: str, prompt: list[int], sp: SamplingParams):
+    """One request to the end from a fresh client: (token ids, text, Finished)."""
+    async def run():
+        client = AsyncClient(addr)
+        try:
+            return await client.complete(prompt_token_ids=prompt, sampling=sp, timeout=60)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
 
 
 def test_constrained_rows_share_no_state_across_restarted_clients(addr):
     """The same seeded constrained request from two fresh clients, one after the other, gets
     the same output (no matcher or mask state survives a request)."""
-    so = CONSTRAINTS["json"]
-    runs = []
-    for _ in range(2):
-        client_out = asyncio.run(_complete_seeded(addr, so))
-        runs.append(client_out)
-    assert runs[0] == runs[1]
-    nodes.wait_for(lambda: pools_full(addr), what="pool whole")
-
-
-async def _complete_seeded(addr: str, so: StructuredOutput):
-    client = AsyncClient(addr)
-    try:
-        out, text, fin = await client.complete(
-            prompt_token_ids=[9, 8, 7, 6], timeout=60,
-            sampling=SamplingParams(max_tokens=40, temperature=0.9, seed=3, structured=so))
-        return out, text, fin.reason
-    finally:
-        await client.close()
+    sp = SamplingParams(max_tokens=40, temperature=0.9, seed=3, structured=CONSTRAINTS["json"])
+    (ids_a, text_a, fin_a), (ids_b, text_b, fin_b) = (complete(addr, [9, 8, 7, 6], sp)
+                                                      for _ in range(2))
+    assert (ids_a, text_a, fin_a.reason) == (ids_b, text_b, fin_b.reason)
+    wait_for(lambda: pools_full(addr), what="pool whole")
