@@ -4,7 +4,8 @@
 # real tokenizer (MODEL_DIR: config.json + tokenizer.json; the grammar needs the vocabulary),
 # measured in one run with `disagg-bench serve`:
 #   batch 64, plain / every request JSON-schema constrained (bench/data/surface_schema.json,
-#   which no output finishes within OUTLEN tokens) / top_logprobs=5 on every request: TPOT;
+#   which no output finishes within OUTLEN tokens) / top_logprobs=5 on every request / sampled
+#   (temperature 0.8, top-p 0.95; KINDS="plain json logprobs sampled" picks them): TPOT;
 #   a 2k prompt, n=1 and n=8 through the gateway, one request at a time: TTFT, and the
 #   node's prefix counters (one prefill per request: the other choices hit its pages).
 #   bench/request_surface.sh WORK MODEL_DIR      (results: WORK/*.json, WORK/node.log)
@@ -31,10 +32,17 @@ b64() {  # name, extra flags
     --vocab-size "$VOCAB" --seed 0 --warmup 2 --timeout 300 --label "batch 64, $name" \
     --json "$WORK/b64_$name.json" "$@" || echo "batch 64 $name failed"
 }
+kinds=${KINDS:-plain json logprobs}; [ -n "${NO_LOGPROBS:-}" ] && kinds=${kinds/logprobs/}
 for round in ${ROUNDS:-1 2}; do  # two rounds, interleaved, so a drift shows
-  b64 "plain_r$round"
-  b64 "json_r$round" --json-schema @bench/data/surface_schema.json
-  [ -n "${NO_LOGPROBS:-}" ] || b64 "logprobs_r$round" --top-logprobs 5
+  for kind in $kinds; do
+    case $kind in
+      plain) b64 "plain_r$round" ;;
+      json) b64 "json_r$round" --json-schema @bench/data/surface_schema.json ;;
+      logprobs) b64 "logprobs_r$round" --top-logprobs 5 ;;
+      sampled) b64 "sampled_r$round" --temperature 0.8 --top-p 0.95 ;;
+      *) echo "unknown kind $kind" ;;
+    esac
+  done
 done
 i=0
 for n in ${NS-1 8 1 8}; do
@@ -55,7 +63,7 @@ def s(name):
     return json.loads(p.read_text())["summary"] if p.exists() else None
 for r in (1, 2):
     base = s(f"b64_plain_r{r}")
-    for k in ("plain", "json", "logprobs"):
+    for k in ("plain", "json", "logprobs", "sampled"):
         x = s(f"b64_{k}_r{r}")
         if x and base:
             print(f"round {r} {k:9s} TPOT p50 {x['tpot_ms']['p50']:.2f} ms mean "
