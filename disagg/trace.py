@@ -12,6 +12,7 @@ where the code knows it, else the transfer key (``imm``); ``link`` marks join th
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -26,6 +27,15 @@ def enable(directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     _fd = os.open(os.path.join(directory, f"{os.getpid()}.trace"),
                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    if _gc_mark not in gc.callbacks:
+        gc.callbacks.append(_gc_mark)
+
+
+def _gc_mark(phase: str, info: dict[str, int]) -> None:
+    """The cyclic collector's runs as marks (``gc.start`` / ``gc.stop``, keyed by the
+    generation, the stop's value the objects collected): a pause on the serving path shows."""
+    mark(f"gc.{phase}", info.get("generation", -1),
+         value=info.get("collected", "") if phase == "stop" else "")
 
 
 def enabled() -> bool:

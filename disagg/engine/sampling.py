@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from disagg.engine.constraints import apply_masks, to_device
+from disagg.kernels.sample_race import filter_batch
 from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import SeqChunk
 
@@ -52,28 +53,6 @@ def draw_seed(seed: int, index: int) -> int:
 Draw = tuple[float, int, float, int, int]  # temperature (> 0), top_k, top_p, seed, output index
 
 
-def filter_batch(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
-                 ) -> torch.Tensor:
-    """Mask (to -inf) what top-k and top-p exclude from each row of float32 ``logits [N, V]``,
-    with its own ``top_k[i]`` (0: off) / ``top_p[i]`` (1: off), one sort for the batch (on the
-    device, not waited for). Top-k keeps the values at least the k-th largest (its ties);
-    top-p then drops a token once the mass before it (in a stable descending order, after
-    top-k) reaches ``top_p``, so the top token always stays unless ``top_p`` <= 0."""
-    n, vocab = logits.shape
-    dev = logits.device
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], dtype=torch.int64)
-    ps = torch.tensor(list(top_p), dtype=torch.float32)
-    ks, ps = ks.to(dev, non_blocking=True), ps.to(dev, non_blocking=True)
-    ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    kth = ordered.gather(1, (ks - 1)[:, None])
-    cut = ordered < kth  # top-k: below the k-th largest value (its ties stay)
-    ordered = ordered.masked_fill(cut, float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    # top-p: a token goes when the mass before it already reaches top_p (the top one stays)
-    drop = cut | (((torch.cumsum(probs, dim=-1) - probs) >= ps[:, None]) & (ps < 1.0)[:, None])
-    return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-
-
 def draw(logits: torch.Tensor, rows: Sequence[Draw]) -> torch.Tensor:
     """Row i of float32 ``logits [N, V]`` sampled as output token ``index`` of a request with
     ``(temperature, top_k, top_p, seed, index) = rows[i]``: ``[N]`` int64 on the logits'
@@ -82,22 +61,33 @@ def draw(logits: torch.Tensor, rows: Sequence[Draw]) -> torch.Tensor:
 
     The draw is the exponential race ``torch.multinomial`` runs for one sample (argmax of p_v /
     E_v, E_v ~ Exp(1)), its noise a counter-based function of ``draw_seed(seed, index)`` and
-    the token (``disagg.kernels.sample_race``): the batch shares one division, one sort (the
-    rows with top-k / top-p) and one race launch, whatever its size."""
+    the token (``disagg.kernels.sample_race``): the batch shares one division and one race
+    launch, whatever its size. On CUDA the race applies top-k or top-p itself, without a sort;
+    rows with both (top-p renormalized over the top-k) are masked first by ``filter_batch``'s
+    one sort, as every filtered row is on the CPU."""
     from disagg.kernels.sample_race import race
 
     dev, vocab = logits.device, logits.shape[-1]
     temps = torch.tensor([r[0] for r in rows], dtype=torch.float32).to(dev, non_blocking=True)
     scaled = logits / temps[:, None]
-    cut = [i for i, (_, top_k, top_p, _, _) in enumerate(rows) if 0 < top_k < vocab or top_p < 1.0]
-    if cut:
-        idx = torch.tensor(cut, dtype=torch.int64).to(dev, non_blocking=True)
+    ks = [k if 0 < k < vocab else 0 for _, k, _, _, _ in rows]
+    ps = [r[2] for r in rows]
+    both = [i for i, (k, p) in enumerate(zip(ks, ps, strict=True)) if k and p < 1.0]
+    if both:
+        idx = torch.tensor(both, dtype=torch.int64).to(dev, non_blocking=True)
         scaled.index_copy_(0, idx, filter_batch(scaled.index_select(0, idx),
-                                                [rows[i][1] for i in cut],
-                                                [rows[i][2] for i in cut]))
+                                                [ks[i] for i in both], [ps[i] for i in both]))
+        for i in both:
+            ks[i], ps[i] = 0, 1.0
     keys = torch.tensor([draw_seed(seed, index) for _, _, _, seed, index in rows],
-                        dtype=torch.int64).to(dev, non_blocking=True)
-    tok = race(scaled, keys)
+                        dtype=torch.int64)
+    cuts = any(ks) or any(p < 1.0 for p in ps)
+    if cuts:
+        tok = race(scaled, keys.to(dev, non_blocking=True),
+                   torch.tensor(ks, dtype=torch.int64).to(dev, non_blocking=True),
+                   torch.tensor(ps, dtype=torch.float32).to(dev, non_blocking=True))
+    else:
+        tok = race(scaled, keys.to(dev, non_blocking=True))
     return torch.where(tok >= 0, tok, logits.argmax(dim=-1))  # not a distribution: greedy
 
 

@@ -9,12 +9,27 @@ the key's two halves; 24 bits make the uniform), so a row draws the same token a
 batch, on the CPU (``race_torch``, torch ops) and on CUDA (``race``'s Triton kernel: one program
 a row reads its logits once) alike.
 
+Top-k and top-p (``race``'s ``top_k`` / ``top_p``, per row) need no sort: the kept set is a
+prefix of the row in its stable descending order, so the race's winner over the whole row is
+the winner over the kept set whenever it is kept itself, and otherwise the kept set lies
+before it. The kernel races the whole row, then checks the winner: it is kept if fewer than
+``top_k`` logits exceed its own (top-k keeps the ties of its k-th value) and the probability
+mass before it in that order is below ``top_p``; if not, the same pass has already raced the
+tokens before it, and the check repeats on that winner. A dropped winner is drawn with the
+mass top-p leaves out (1 - ``top_p``), so a row takes about 2 passes over its logits, not a
+sort. The CPU path masks with ``filter_batch`` (the sort, the
+reference) and races what is left; the two agree up to the rounding of the mass at the cut.
+A row with both top-k and top-p (whose top-p mass is renormalized over its top-k) is for the
+caller to mask first.
+
 A row that is not a distribution one can draw from (a NaN or +inf logit, or no finite one:
 nothing left after top-k/top-p) gets -1: the caller takes its greedy token instead
 (``disagg.engine.sampling``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -57,6 +72,29 @@ def race_torch(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, tok, torch.full_like(tok, -1))
 
 
+def filter_batch(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+                 ) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p exclude from each row of float32 ``logits [N, V]``,
+    with its own ``top_k[i]`` (0: off) / ``top_p[i]`` (1: off), one sort for the batch (on the
+    device, not waited for). Top-k keeps the values at least the k-th largest (its ties);
+    top-p then drops a token once the mass before it (in a stable descending order, after
+    top-k) reaches ``top_p``, so the top token always stays unless ``top_p`` <= 0."""
+    n, vocab = logits.shape
+    dev = logits.device
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], dtype=torch.int64)
+    ps = torch.tensor(list(top_p), dtype=torch.float32)
+    ks, ps = ks.to(dev, non_blocking=True), ps.to(dev, non_blocking=True)
+    ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    kth = ordered.gather(1, (ks - 1)[:, None])
+    cut = ordered < kth  # top-k: below the k-th largest value (its ties stay)
+    ordered = ordered.masked_fill(cut, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    # top-p: a token goes when the mass before it already reaches top_p (the top one stays)
+    drop = cut | (((torch.cumsum(probs, dim=-1) - probs) >= ps[:, None]) & (ps < 1.0)[:, None])
+    return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+
 @triton.jit
 def _fmix_tl(x):
     x = x ^ (x >> 16)
@@ -67,48 +105,99 @@ def _fmix_tl(x):
 
 
 @triton.jit
-def _race_kernel(x_ptr, keys_ptr, out_ptr, vocab, stride_x, BLOCK_V: tl.constexpr):
+def _score(x, v, k0, k1):
+    """The row's logits ``x`` at token ids ``v`` (int64) plus their Gumbel noise."""
+    h = _fmix_tl(_fmix_tl(((v * 0x9E3779B9) & 0xFFFFFFFF) ^ k0) ^ k1)
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return x - tl.log(-tl.log(u))
+
+
+@triton.jit
+def _race_kernel(x_ptr, keys_ptr, k_ptr, p_ptr, out_ptr, vocab, stride_x,
+                 BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     key = tl.load(keys_ptr + row)
     k0 = key & 0xFFFFFFFF
     k1 = (key >> 32) & 0xFFFFFFFF
+    top_k = tl.load(k_ptr + row)  # >= vocab: off
+    top_p = tl.load(p_ptr + row)  # >= 1: off
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], 0, tl.int64)
     bad = tl.full([], 0, tl.int32)
     finite = tl.full([], 0, tl.int32)
+    mx = tl.full([], float("-inf"), tl.float32)  # the row's max and sum of exp(x - max)
+    z = tl.full([], 0.0, tl.float32)
     base = x_ptr + row.to(tl.int64) * stride_x
     for v0 in range(0, vocab, BLOCK_V):
         v = v0 + tl.arange(0, BLOCK_V)
         inside = v < vocab
         x = tl.load(base + v, mask=inside, other=float("-inf"))
-        vv = v.to(tl.int64)
-        h = _fmix_tl(_fmix_tl(((vv * 0x9E3779B9) & 0xFFFFFFFF) ^ k0) ^ k1)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = x - tl.log(-tl.log(u))
-        score = tl.where(inside, score, float("-inf"))
+        score = tl.where(inside, _score(x, v.to(tl.int64), k0, k1), float("-inf"))
         bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0))
-        finite = tl.maximum(finite, tl.max(((x == x) & (tl.abs(x) < float("inf"))).to(tl.int32),
-                                           axis=0))
+        isfin = (x == x) & (tl.abs(x) < float("inf"))
+        finite = tl.maximum(finite, tl.max(isfin.to(tl.int32), axis=0))
         m = tl.max(score, axis=0)
         i = tl.argmax(score, axis=0).to(tl.int64) + v0
         take = m > best
         best_i = tl.where(take, i, best_i)
         best = tl.where(take, m, best)
-    tl.store(out_ptr + row, tl.where((bad == 0) & (finite > 0), best_i, -1))
+        bm = tl.max(tl.where(isfin, x, float("-inf")), axis=0)
+        new = tl.maximum(mx, bm)
+        safe = tl.where(new == float("-inf"), 0.0, new)
+        z = z * tl.exp(mx - safe) + tl.sum(tl.where(isfin, tl.exp(x - safe), 0.0), axis=0)
+        mx = new
+    ok = (bad == 0) & (finite > 0) & (best > float("-inf"))
+    cutting = (top_k < vocab) | (top_p < 1.0)
+    w = tl.where(ok, best_i, -1)
+    checking = ok & cutting
+    while checking:  # is w kept? the same pass races the tokens before it
+        xw = tl.load(base + w)
+        mass = tl.full([], 0.0, tl.float32)
+        above = tl.full([], 0, tl.int64)
+        nb = tl.full([], float("-inf"), tl.float32)
+        nb_i = tl.full([], 0, tl.int64)
+        for v0 in range(0, vocab, BLOCK_V):
+            v = v0 + tl.arange(0, BLOCK_V)
+            inside = v < vocab
+            x = tl.load(base + v, mask=inside, other=float("-inf"))
+            before = inside & ((x > xw) | ((x == xw) & (v < w)))
+            mass += tl.sum(tl.where(before, tl.exp(x - mx), 0.0), axis=0)
+            above += tl.sum((inside & (x > xw)).to(tl.int64), axis=0)
+            score = tl.where(before, _score(x, v.to(tl.int64), k0, k1), float("-inf"))
+            m = tl.max(score, axis=0)
+            i = tl.argmax(score, axis=0).to(tl.int64) + v0
+            take = m > nb
+            nb_i = tl.where(take, i, nb_i)
+            nb = tl.where(take, m, nb)
+        kept = (above < top_k) & ((top_p >= 1.0) | (mass / z < top_p))
+        w = tl.where(kept, w, tl.where(nb > float("-inf"), nb_i, -1))
+        checking = (~kept) & (w >= 0)
+    tl.store(out_ptr + row, w)
 
 
-def race(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``race_torch``'s tokens: on CUDA one Triton program a row, elsewhere torch ops."""
+def race(x: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor | None = None,
+         top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """``race_torch``'s tokens, after top-k / top-p when given (``top_k`` int64 ``[N]``, 0 or
+    >= V: off; ``top_p`` float32 ``[N]``, >= 1: off; not both on one row): on CUDA one Triton
+    program a row, elsewhere the sort (``filter_batch``) and torch ops."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError(f"x must be float32 [N, V] with unit stride, got {x.dtype} "
                          f"{tuple(x.shape)}")
-    if keys.shape != (x.shape[0],) or keys.dtype != torch.int64 or keys.device != x.device:
-        raise ValueError(f"keys must be int64 [{x.shape[0]}] on {x.device}")
+    n, vocab = x.shape
+    if keys.shape != (n,) or keys.dtype != torch.int64 or keys.device != x.device:
+        raise ValueError(f"keys must be int64 [{n}] on {x.device}")
+    ks = torch.full((n,), vocab, dtype=torch.int64, device=x.device) if top_k is None else top_k
+    ps = torch.ones(n, dtype=torch.float32, device=x.device) if top_p is None else top_p
+    if ks.shape != (n,) or ks.dtype != torch.int64 or ps.shape != (n,) \
+            or ps.dtype != torch.float32:
+        raise ValueError(f"top_k must be int64 [{n}] and top_p float32 [{n}]")
     if not (x.is_cuda or checks.interpreting()):
+        if top_k is not None or top_p is not None:
+            x = filter_batch(x, ks.tolist(), ps.tolist())
         return race_torch(x, keys)
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    if x.shape[0]:
+    ks = torch.where((ks <= 0) | (ks > vocab), vocab, ks)
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if n:
         launch = {} if checks.interpreting() else {"num_warps": 8}
-        _race_kernel[(x.shape[0],)](x, keys, out, x.shape[1], x.stride(0), BLOCK_V=BLOCK,
-                                    **launch)
+        _race_kernel[(n,)](x, keys, ks, ps, out, vocab, x.stride(0), BLOCK_V=BLOCK, **launch)
     return out

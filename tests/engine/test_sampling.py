@@ -273,6 +273,62 @@ def test_the_triton_race_draws_what_the_torch_race_draws():
     assert kernel[2] == kernel[3] == kernel[4] == -1 and kernel[1] >= 4000
 
 
+CUT_CASE = (  # rows of every kind of cut: peaked, flat, ties at the cut, masked, poisoned
+    "import json, torch\n"
+    "from disagg.kernels.sample_race import race\n"
+    "def case(n, V, seed):\n"
+    "    g = torch.Generator().manual_seed(seed)\n"
+    "    scale = torch.tensor([4.0, 0.05, 1.0, 2.0, 8.0, 0.5])[torch.arange(n) % 6]\n"
+    "    x = torch.randn(n, V, generator=g) * scale[:, None]\n"
+    "    x[1::7] = x[1::7].round()\n"
+    "    x[2::9, : V // 2] = float('-inf')\n"
+    "    x[3, 5] = float('nan')\n"
+    "    keys = torch.randint(0, 2**62, (n,), generator=g)\n"
+    "    ks = torch.randint(-1, 60, (n,), generator=g) * (torch.arange(n) % 3 == 0)\n"
+    "    ks[4] = V + 3\n"
+    "    ps = torch.rand(n, generator=g) * (torch.arange(n) % 3 != 0) + (torch.arange(n) % 3 == 0)\n"
+    "    ps[5], ps[8] = 0.0, 1e-300\n"
+    "    return x, keys, ks, ps.float()\n")
+
+
+def test_the_triton_race_cuts_top_k_and_top_p_as_the_sort_does():
+    """The kernel's top-k / top-p (a race, then a check of its winner, no sort; run by
+    Triton's interpreter here) draws what the sort's mask then the race draws, row by row."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from disagg.kernels.sample_race import race
+
+    code = CUT_CASE + ("x, keys, ks, ps = case(48, 2500, 3)\n"
+                       "print(json.dumps(race(x, keys, ks, ps).tolist()))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    kernel = json.loads(out.stdout)
+    scope: dict = {}
+    exec(CUT_CASE, scope)
+    x, keys, ks, ps = scope["case"](48, 2500, 3)
+    cpu = race(x, keys, ks, ps).tolist()
+    assert kernel == cpu
+    assert cpu[3] == cpu[5] == cpu[8] == -1  # a NaN; top-p 0 and one that rounds to it
+    assert len({t for t in cpu if t >= 0}) > 30
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_compiled_race_cuts_as_the_cpu_does():
+    from disagg.kernels.sample_race import race
+
+    scope: dict = {}
+    exec(CUT_CASE, scope)
+    x, keys, ks, ps = scope["case"](64, 151936, 4)
+    got = race(x.cuda(), keys.cuda(), ks.cuda(), ps.cuda()).cpu().tolist()
+    assert got == race(x, keys, ks, ps).tolist()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_compiled_race_draws_what_the_cpu_draws():

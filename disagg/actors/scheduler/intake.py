@@ -198,6 +198,7 @@ class ClientIntake:
         """Make ``req`` live or refuse it (``encoded``: its prompt ids as they came, msgpack;
         ``in_vocab``: its prompt ids were checked against the vocabulary as they were decoded)."""
         key = (identity, req.request_id)
+        trace.mark("r.in", req.request_id)
         if trace.tracing():  # its admission span starts here (ends when it is queued)
             if len(self._admit_ns) > 4096:  # refused ones are not taken out
                 self._admit_ns.clear()
@@ -347,6 +348,7 @@ class ClientIntake:
             seq.trace.enter("admission", t0)
             seq.trace.enter("queue")
         now = time.monotonic()
+        trace.mark("r.live", req.request_id)
         self.host.make_live(identity, seq, now, req.resume)
         unit = self.unit_of.get((identity, req.request_id)) or self._tenant(identity, req)
         self.queue.push(unit, seq, now + self.limits.queue_timeout_s)

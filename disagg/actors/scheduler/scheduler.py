@@ -25,6 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorError, ExecutorGroup
 from disagg.actors.scheduler.intake import ClientIntake
 from disagg.actors.scheduler.sides import SchedulerSide
@@ -287,6 +288,8 @@ class SchedulerActor:
         self.side.emitting(seq)
         if seq.trace is not None and seq.trace.name != "stream":  # its first token is out
             seq.trace.enter("stream")
+        if len(seq.output_ids) == len(update.new_token_ids):
+            trace.mark("r.first", seq.request_id)
         text = live.detok.push(update.new_token_ids)
         prompt_lps = None
         if seq.params.prompt_logprobs is not None and len(seq.output_ids) == len(

@@ -1,0 +1,98 @@
+"""Seeded sampling's device cost at a decode batch (issue 39: sampled TPOT <= 1.03x greedy):
+the batch's argmax (what a greedy step takes), the exponential race alone, the race with top-p
+or top-k applied by its kernel (``disagg.kernels.sample_race``: race, check the winner, no
+sort), the sort path it replaced (``filter_batch`` then the race), and ``draw`` as the engine
+calls it (the temperature division, the keys, the race; host work included).
+
+Logits are float32 ``[B, V]`` (Qwen3's vocabulary by default) drawn three ways: flat (random
+weights give nearly uniform rows: top-p 0.95 keeps ~95% of the vocabulary), moderate and
+peaked (a trained model's: top-p keeps a few tokens). Kernel rows are CUDA-graph replays of 20
+calls (``bench/fp8_gemm.py``'s ``graph_us``); the sort path and ``draw`` (which build tensors
+from host lists) are timed with events over 20 calls after a warm-up.
+
+    python3 bench/sampling_probe.py --out DIR [--batch 64] [--vocab 151936]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_gemm import graph_us  # noqa: E402  (this directory)
+
+from disagg.engine.sampling import draw, draw_seed  # noqa: E402
+from disagg.kernels.sample_race import filter_batch, race  # noqa: E402
+
+SCALES = {"flat": 0.05, "moderate": 1.0, "peaked": 4.0}
+
+
+def event_us(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
+def probe(x: torch.Tensor, keys: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
+          ps: tuple[torch.Tensor, torch.Tensor], a: argparse.Namespace) -> dict:
+    b = x.shape[0]
+    (off_k, on_k), (off_p, on_p) = ks, ps
+    kept = filter_batch(x, [0] * b, [a.top_p] * b).isfinite().sum(-1)
+    rows = [(a.temperature, 0, a.top_p, 7, i) for i in range(b)]
+    sort_path = race(filter_batch(x, [0] * b, [a.top_p] * b), keys)
+    return {
+        "top_p_kept_tokens_mean": float(kept.float().mean()),
+        "argmax": graph_us(lambda i: x.argmax(dim=-1), 1),
+        "race": graph_us(lambda i: race(x, keys, off_k, off_p), 1),
+        "race_top_p": graph_us(lambda i: race(x, keys, off_k, on_p), 1),
+        "race_top_k": graph_us(lambda i: race(x, keys, on_k, off_p), 1),
+        "sort_then_race_top_p": event_us(
+            lambda: race(filter_batch(x, [0] * b, [a.top_p] * b), keys)),
+        "draw_top_p": event_us(lambda: draw(x, rows)),
+        "kernel_equals_sort_path": race(x, keys, off_k, on_p).tolist() == sort_path.tolist(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--top-k", type=int, default=50)
+    a = ap.parse_args()
+    dev = torch.device("cuda:0")
+    b, v = a.batch, a.vocab
+    g = torch.Generator(device=dev).manual_seed(0)
+    keys = torch.tensor([draw_seed(7, i) for i in range(b)], dtype=torch.int64, device=dev)
+    off_k = torch.zeros(b, dtype=torch.int64, device=dev)
+    on_k = torch.full((b,), a.top_k, dtype=torch.int64, device=dev)
+    off_p = torch.ones(b, dtype=torch.float32, device=dev)
+    on_p = torch.full((b,), a.top_p, dtype=torch.float32, device=dev)
+    result: dict = {"device": torch.cuda.get_device_name(dev), "batch": b, "vocab": v,
+                    "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
+                    "torch": torch.__version__, "us": {}}
+    for name, scale in SCALES.items():
+        x = torch.randn(b, v, device=dev, generator=g) * scale
+        r = probe(x, keys, (off_k, on_k), (off_p, on_p), a)
+        result["us"][name] = r
+        print(name, {k: round(val, 1) if isinstance(val, float) else val
+                     for k, val in r.items()}, flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "sampling_probe.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
