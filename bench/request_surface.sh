@@ -7,7 +7,11 @@
 #   which no output finishes within OUTLEN tokens) / top_logprobs=5 on every request / sampled
 #   (temperature 0.8, top-p 0.95; KINDS="plain json logprobs sampled" picks them): TPOT;
 #   a 2k prompt, n=1 and n=8 through the gateway, one request at a time: TTFT, and the
-#   node's prefix counters (one prefill per request: the other choices hit its pages).
+#   node's prefix counters (one prefill per request: the other choices hit its pages). These
+#   ask logprobs 0 (the sampled token's): the gateway sends no event for a token whose text
+#   is empty (the model's ids past the tokenizer's 49,152 have none), so without them the
+#   "first token" the client saw was the first with text, for n=8 often one after the other
+#   choices' prefill step.
 #   bench/request_surface.sh WORK MODEL_DIR      (results: WORK/*.json, WORK/node.log)
 set -u
 WORK=${1:?usage: request_surface.sh WORK MODEL_DIR}; MODEL=${2:?model dir}
@@ -50,7 +54,7 @@ for n in ${NS-1 8 1 8}; do
   stats "stats_before_n$n"
   timeout 300 python3 -m disagg.bench serve --http "http://127.0.0.1:$hport" --n "${n%_*}" \
     --num-prompts "${NUM2K:-8}" --max-concurrency 1 --input-len "${LONG:-2048}" --output-len 16 --vocab-size "$VOCAB" \
-    --seed "$((10 + i))" --warmup 1 --timeout 200 --label "2k prompt, n=$n" \
+    --seed "$((10 + i))" --warmup 1 --timeout 200 --label "2k prompt, n=$n" --top-logprobs 0 \
     --json "$WORK/n$n.json" || echo "n=$n failed"
   stats "stats_after_n$n"
 done

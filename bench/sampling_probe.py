@@ -1,8 +1,9 @@
 """Seeded sampling's device cost at a decode batch (issue 39: sampled TPOT <= 1.03x greedy):
 the batch's argmax (what a greedy step takes), the exponential race alone, the race with top-p
-or top-k applied by its kernel (``disagg.kernels.sample_race``: race, check the winner, no
-sort), the sort path it replaced (``filter_batch`` then the race), and ``draw`` as the engine
-calls it (the temperature division, the keys, the race; host work included).
+applied by its kernel (``disagg.kernels.sample_race``: race, check the winner, no sort), the
+``torch.topk`` that gives top-k's floor and the race above it, the sort path top-p replaced
+(``filter_batch`` then the race), and ``draw`` as the engine calls it (the temperature
+division, the keys, the race; host work included).
 
 Logits are float32 ``[B, V]`` (Qwen3's vocabulary by default) drawn three ways: flat (random
 weights give nearly uniform rows: top-p 0.95 keeps ~95% of the vocabulary), moderate and
@@ -44,23 +45,28 @@ def event_us(fn, reps: int = 20) -> float:
     return a.elapsed_time(b) * 1e3 / reps
 
 
-def probe(x: torch.Tensor, keys: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
-          ps: tuple[torch.Tensor, torch.Tensor], a: argparse.Namespace) -> dict:
-    b = x.shape[0]
-    (off_k, on_k), (off_p, on_p) = ks, ps
+def probe(x: torch.Tensor, keys: torch.Tensor, a: argparse.Namespace) -> dict:
+    b, dev = x.shape[0], x.device
+    no_floor = torch.full((b,), float("-inf"), device=dev)
+    no_p = torch.ones(b, dtype=torch.float32, device=dev)
+    on_p = torch.full((b,), a.top_p, dtype=torch.float32, device=dev)
+    floor = torch.topk(x, a.top_k, dim=-1).values[:, -1].contiguous()
     kept = filter_batch(x, [0] * b, [a.top_p] * b).isfinite().sum(-1)
-    rows = [(a.temperature, 0, a.top_p, 7, i) for i in range(b)]
+    p_rows = [(a.temperature, 0, a.top_p, 7, i) for i in range(b)]
+    k_rows = [(a.temperature, a.top_k, 1.0, 7, i) for i in range(b)]
     sort_path = race(filter_batch(x, [0] * b, [a.top_p] * b), keys)
     return {
         "top_p_kept_tokens_mean": float(kept.float().mean()),
         "argmax": graph_us(lambda i: x.argmax(dim=-1), 1),
-        "race": graph_us(lambda i: race(x, keys, off_k, off_p), 1),
-        "race_top_p": graph_us(lambda i: race(x, keys, off_k, on_p), 1),
-        "race_top_k": graph_us(lambda i: race(x, keys, on_k, off_p), 1),
+        "race": graph_us(lambda i: race(x, keys, no_floor, no_p), 1),
+        "race_top_p": graph_us(lambda i: race(x, keys, no_floor, on_p), 1),
+        "topk_floor": graph_us(lambda i: torch.topk(x, a.top_k, dim=-1), 1),
+        "race_top_k_floor": graph_us(lambda i: race(x, keys, floor, no_p), 1),
         "sort_then_race_top_p": event_us(
             lambda: race(filter_batch(x, [0] * b, [a.top_p] * b), keys)),
-        "draw_top_p": event_us(lambda: draw(x, rows)),
-        "kernel_equals_sort_path": race(x, keys, off_k, on_p).tolist() == sort_path.tolist(),
+        "draw_top_p": event_us(lambda: draw(x, p_rows)),
+        "draw_top_k": event_us(lambda: draw(x, k_rows)),
+        "kernel_equals_sort_path": race(x, keys, no_floor, on_p).tolist() == sort_path.tolist(),
     }
 
 
@@ -77,16 +83,12 @@ def main() -> None:
     b, v = a.batch, a.vocab
     g = torch.Generator(device=dev).manual_seed(0)
     keys = torch.tensor([draw_seed(7, i) for i in range(b)], dtype=torch.int64, device=dev)
-    off_k = torch.zeros(b, dtype=torch.int64, device=dev)
-    on_k = torch.full((b,), a.top_k, dtype=torch.int64, device=dev)
-    off_p = torch.ones(b, dtype=torch.float32, device=dev)
-    on_p = torch.full((b,), a.top_p, dtype=torch.float32, device=dev)
     result: dict = {"device": torch.cuda.get_device_name(dev), "batch": b, "vocab": v,
                     "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
                     "torch": torch.__version__, "us": {}}
     for name, scale in SCALES.items():
         x = torch.randn(b, v, device=dev, generator=g) * scale
-        r = probe(x, keys, (off_k, on_k), (off_p, on_p), a)
+        r = probe(x, keys, a)
         result["us"][name] = r
         print(name, {k: round(val, 1) if isinstance(val, float) else val
                      for k, val in r.items()}, flush=True)

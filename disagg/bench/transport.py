@@ -179,8 +179,13 @@ class HttpTransport(Transport):
                     now = time.perf_counter()
                     for choice in event.get("choices") or []:
                         reason = choice.get("finish_reason") or reason
-                        if choice.get("text"):  # a closing event: only the reason
-                            yield TokenEvent(now, 1, choice=int(choice.get("index") or 0))
+                        # a token whose text is held back (an incomplete character, an id
+                        # the tokenizer has no text for) has no event unless logprobs were
+                        # asked: then each event lists its tokens
+                        lp = choice.get("logprobs")
+                        n = len(lp.get("tokens") or []) if isinstance(lp, dict) else 0
+                        if n or choice.get("text"):  # a closing event: only the reason
+                            yield TokenEvent(now, n or 1, choice=int(choice.get("index") or 0))
                     usage = event.get("usage")
                     if usage:
                         details = usage.get("prompt_tokens_details") or {}

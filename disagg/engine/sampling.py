@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from disagg.engine.constraints import apply_masks, to_device
-from disagg.kernels.sample_race import filter_batch
 from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import SeqChunk
 
@@ -61,33 +60,29 @@ def draw(logits: torch.Tensor, rows: Sequence[Draw]) -> torch.Tensor:
 
     The draw is the exponential race ``torch.multinomial`` runs for one sample (argmax of p_v /
     E_v, E_v ~ Exp(1)), its noise a counter-based function of ``draw_seed(seed, index)`` and
-    the token (``disagg.kernels.sample_race``): the batch shares one division and one race
-    launch, whatever its size. On CUDA the race applies top-k or top-p itself, without a sort;
-    rows with both (top-p renormalized over the top-k) are masked first by ``filter_batch``'s
-    one sort, as every filtered row is on the CPU."""
+    the token (``disagg.kernels.sample_race``): the batch shares one division, one
+    ``torch.topk`` (the rows with top-k: its k-th value is the row's floor) and one race
+    launch, which applies top-p itself on CUDA (no sort; ``filter_batch``'s on the CPU)."""
     from disagg.kernels.sample_race import race
 
     dev, vocab = logits.device, logits.shape[-1]
+    n = len(rows)
     temps = torch.tensor([r[0] for r in rows], dtype=torch.float32).to(dev, non_blocking=True)
     scaled = logits / temps[:, None]
     ks = [k if 0 < k < vocab else 0 for _, k, _, _, _ in rows]
-    ps = [r[2] for r in rows]
-    both = [i for i, (k, p) in enumerate(zip(ks, ps, strict=True)) if k and p < 1.0]
-    if both:
-        idx = torch.tensor(both, dtype=torch.int64).to(dev, non_blocking=True)
-        scaled.index_copy_(0, idx, filter_batch(scaled.index_select(0, idx),
-                                                [ks[i] for i in both], [ps[i] for i in both]))
-        for i in both:
-            ks[i], ps[i] = 0, 1.0
+    floor = top_p = None
+    if any(ks):
+        at = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.int64)
+        at = at.to(dev, non_blocking=True)
+        kth = torch.topk(scaled, max(ks), dim=-1).values.gather(1, at[:, None])[:, 0]
+        on = torch.tensor([k > 0 for k in ks]).to(dev, non_blocking=True)
+        floor = torch.where(on, kth, torch.full((n,), float("-inf"), device=dev))
+    if any(r[2] < 1.0 for r in rows):
+        top_p = torch.tensor([r[2] for r in rows], dtype=torch.float32).to(dev,
+                                                                           non_blocking=True)
     keys = torch.tensor([draw_seed(seed, index) for _, _, _, seed, index in rows],
-                        dtype=torch.int64)
-    cuts = any(ks) or any(p < 1.0 for p in ps)
-    if cuts:
-        tok = race(scaled, keys.to(dev, non_blocking=True),
-                   torch.tensor(ks, dtype=torch.int64).to(dev, non_blocking=True),
-                   torch.tensor(ps, dtype=torch.float32).to(dev, non_blocking=True))
-    else:
-        tok = race(scaled, keys.to(dev, non_blocking=True))
+                        dtype=torch.int64).to(dev, non_blocking=True)
+    tok = race(scaled, keys, floor, top_p)
     return torch.where(tok >= 0, tok, logits.argmax(dim=-1))  # not a distribution: greedy
 
 

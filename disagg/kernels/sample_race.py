@@ -9,18 +9,17 @@ the key's two halves; 24 bits make the uniform), so a row draws the same token a
 batch, on the CPU (``race_torch``, torch ops) and on CUDA (``race``'s Triton kernel: one program
 a row reads its logits once) alike.
 
-Top-k and top-p (``race``'s ``top_k`` / ``top_p``, per row) need no sort: the kept set is a
-prefix of the row in its stable descending order, so the race's winner over the whole row is
-the winner over the kept set whenever it is kept itself, and otherwise the kept set lies
-before it. The kernel races the whole row, then checks the winner: it is kept if fewer than
-``top_k`` logits exceed its own (top-k keeps the ties of its k-th value) and the probability
-mass before it in that order is below ``top_p``; if not, the same pass has already raced the
-tokens before it, and the check repeats on that winner. A dropped winner is drawn with the
-mass top-p leaves out (1 - ``top_p``), so a row takes about 2 passes over its logits, not a
-sort. The CPU path masks with ``filter_batch`` (the sort, the
-reference) and races what is left; the two agree up to the rounding of the mass at the cut.
-A row with both top-k and top-p (whose top-p mass is renormalized over its top-k) is for the
-caller to mask first.
+Top-k and top-p need no sort. Top-k is a floor per row (its k-th largest logit, which the
+caller takes with ``torch.topk``: its ties stay). Top-p keeps a prefix of the row in its
+stable descending order, so the race's winner over the row is the winner over what top-p
+keeps whenever it is kept itself, and otherwise all that is kept lies before it. The kernel
+races the row (above the floor), then checks the winner: kept if the probability mass before
+it in that order (over what the floor keeps) is below ``top_p``; if not, the same pass has
+raced the tokens before it, and the check repeats on that winner. A winner is dropped with
+the mass top-p leaves out (1 - ``top_p``), so a row takes about 2 passes over its logits.
+The CPU path masks with ``filter_batch`` (the sort, the reference) and races what is left;
+the two agree up to the rounding of the mass at the cut. The hash runs in uint32 on the
+device (int64 products cost several instructions each).
 
 A row that is not a distribution one can draw from (a NaN or +inf logit, or no finite one:
 nothing left after top-k/top-p) gets -1: the caller takes its greedy token instead
@@ -96,108 +95,113 @@ def filter_batch(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[flo
 
 
 @triton.jit
-def _fmix_tl(x):
+def _fmix_u32(x):
+    """fmix32 on uint32 (products wrap mod 2**32, as the torch path's masked int64 ones)."""
     x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x = x * 0x85EBCA6B
     x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    x = x * 0xC2B2AE35
     return x ^ (x >> 16)
 
 
 @triton.jit
 def _score(x, v, k0, k1):
-    """The row's logits ``x`` at token ids ``v`` (int64) plus their Gumbel noise."""
-    h = _fmix_tl(_fmix_tl(((v * 0x9E3779B9) & 0xFFFFFFFF) ^ k0) ^ k1)
+    """The row's logits ``x`` at token ids ``v`` (uint32) plus their Gumbel noise."""
+    h = _fmix_u32(_fmix_u32((v * 0x9E3779B9) ^ k0) ^ k1)
     u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
     return x - tl.log(-tl.log(u))
 
 
 @triton.jit
-def _race_kernel(x_ptr, keys_ptr, k_ptr, p_ptr, out_ptr, vocab, stride_x,
+def _race_kernel(x_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, stride_x,
                  BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     key = tl.load(keys_ptr + row)
-    k0 = key & 0xFFFFFFFF
-    k1 = (key >> 32) & 0xFFFFFFFF
-    top_k = tl.load(k_ptr + row)  # >= vocab: off
+    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    floor = tl.load(floor_ptr + row)  # top-k: below it is out (-inf: none)
     top_p = tl.load(p_ptr + row)  # >= 1: off
     best = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], 0, tl.int64)
+    best_i = tl.full([], 0, tl.int32)
     bad = tl.full([], 0, tl.int32)
     finite = tl.full([], 0, tl.int32)
-    mx = tl.full([], float("-inf"), tl.float32)  # the row's max and sum of exp(x - max)
+    mx = tl.full([], float("-inf"), tl.float32)  # the kept tokens' max and sum of exp(x - max)
     z = tl.full([], 0.0, tl.float32)
     base = x_ptr + row.to(tl.int64) * stride_x
     for v0 in range(0, vocab, BLOCK_V):
         v = v0 + tl.arange(0, BLOCK_V)
         inside = v < vocab
         x = tl.load(base + v, mask=inside, other=float("-inf"))
-        score = tl.where(inside, _score(x, v.to(tl.int64), k0, k1), float("-inf"))
+        keep = inside & (x >= floor)
+        score = tl.where(keep, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
         bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0))
-        isfin = (x == x) & (tl.abs(x) < float("inf"))
+        isfin = keep & (tl.abs(x) < float("inf"))
         finite = tl.maximum(finite, tl.max(isfin.to(tl.int32), axis=0))
         m = tl.max(score, axis=0)
-        i = tl.argmax(score, axis=0).to(tl.int64) + v0
+        i = tl.argmax(score, axis=0).to(tl.int32) + v0
         take = m > best
         best_i = tl.where(take, i, best_i)
         best = tl.where(take, m, best)
-        bm = tl.max(tl.where(isfin, x, float("-inf")), axis=0)
-        new = tl.maximum(mx, bm)
-        safe = tl.where(new == float("-inf"), 0.0, new)
-        z = z * tl.exp(mx - safe) + tl.sum(tl.where(isfin, tl.exp(x - safe), 0.0), axis=0)
-        mx = new
+        if top_p < 1.0:
+            new = tl.maximum(mx, tl.max(tl.where(isfin, x, float("-inf")), axis=0))
+            safe = tl.where(new == float("-inf"), 0.0, new)
+            z = z * tl.exp(mx - safe) + tl.sum(tl.where(isfin, tl.exp(x - safe), 0.0), axis=0)
+            mx = new
     ok = (bad == 0) & (finite > 0) & (best > float("-inf"))
-    cutting = (top_k < vocab) | (top_p < 1.0)
     w = tl.where(ok, best_i, -1)
-    checking = ok & cutting
-    while checking:  # is w kept? the same pass races the tokens before it
+    checking = ok & (top_p < 1.0)
+    while checking:  # is w kept by top-p? the same pass races the tokens before it
         xw = tl.load(base + w)
         mass = tl.full([], 0.0, tl.float32)
-        above = tl.full([], 0, tl.int64)
         nb = tl.full([], float("-inf"), tl.float32)
-        nb_i = tl.full([], 0, tl.int64)
+        nb_i = tl.full([], 0, tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
             v = v0 + tl.arange(0, BLOCK_V)
             inside = v < vocab
             x = tl.load(base + v, mask=inside, other=float("-inf"))
-            before = inside & ((x > xw) | ((x == xw) & (v < w)))
+            before = inside & (x >= floor) & ((x > xw) | ((x == xw) & (v < w)))
             mass += tl.sum(tl.where(before, tl.exp(x - mx), 0.0), axis=0)
-            above += tl.sum((inside & (x > xw)).to(tl.int64), axis=0)
-            score = tl.where(before, _score(x, v.to(tl.int64), k0, k1), float("-inf"))
+            score = tl.where(before, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
             m = tl.max(score, axis=0)
-            i = tl.argmax(score, axis=0).to(tl.int64) + v0
+            i = tl.argmax(score, axis=0).to(tl.int32) + v0
             take = m > nb
             nb_i = tl.where(take, i, nb_i)
             nb = tl.where(take, m, nb)
-        kept = (above < top_k) & ((top_p >= 1.0) | (mass / z < top_p))
+        kept = mass / z < top_p
         w = tl.where(kept, w, tl.where(nb > float("-inf"), nb_i, -1))
         checking = (~kept) & (w >= 0)
-    tl.store(out_ptr + row, w)
+    tl.store(out_ptr + row, w.to(tl.int64))
 
 
-def race(x: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor | None = None,
+def race(x: torch.Tensor, keys: torch.Tensor, floor: torch.Tensor | None = None,
          top_p: torch.Tensor | None = None) -> torch.Tensor:
-    """``race_torch``'s tokens, after top-k / top-p when given (``top_k`` int64 ``[N]``, 0 or
-    >= V: off; ``top_p`` float32 ``[N]``, >= 1: off; not both on one row): on CUDA one Triton
-    program a row, elsewhere the sort (``filter_batch``) and torch ops."""
+    """``race_torch``'s tokens among what top-k and top-p keep, when given (``floor`` float32
+    ``[N]``: the row's k-th largest logit, what is below it is out, -inf: no top-k; ``top_p``
+    float32 ``[N]``, >= 1: off; top-p's mass is over what the floor keeps): on CUDA one
+    Triton program a row, elsewhere the sort (``filter_batch``) and torch ops."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError(f"x must be float32 [N, V] with unit stride, got {x.dtype} "
                          f"{tuple(x.shape)}")
     n, vocab = x.shape
     if keys.shape != (n,) or keys.dtype != torch.int64 or keys.device != x.device:
         raise ValueError(f"keys must be int64 [{n}] on {x.device}")
-    ks = torch.full((n,), vocab, dtype=torch.int64, device=x.device) if top_k is None else top_k
-    ps = torch.ones(n, dtype=torch.float32, device=x.device) if top_p is None else top_p
-    if ks.shape != (n,) or ks.dtype != torch.int64 or ps.shape != (n,) \
-            or ps.dtype != torch.float32:
-        raise ValueError(f"top_k must be int64 [{n}] and top_p float32 [{n}]")
+    for name, t in (("floor", floor), ("top_p", top_p)):
+        if t is not None and (t.shape != (n,) or t.dtype != torch.float32
+                              or t.device != x.device):
+            raise ValueError(f"{name} must be float32 [{n}] on {x.device}")
     if not (x.is_cuda or checks.interpreting()):
-        if top_k is not None or top_p is not None:
-            x = filter_batch(x, ks.tolist(), ps.tolist())
+        if floor is not None:
+            x = x.masked_fill(x < floor[:, None], float("-inf"))
+        if top_p is not None:
+            x = filter_batch(x, [0] * n, top_p.tolist())
         return race_torch(x, keys)
-    ks = torch.where((ks <= 0) | (ks > vocab), vocab, ks)
+    if floor is None:
+        floor = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+    if top_p is None:
+        top_p = torch.ones(n, dtype=torch.float32, device=x.device)
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if n:
         launch = {} if checks.interpreting() else {"num_warps": 8}
-        _race_kernel[(n,)](x, keys, ks, ps, out, vocab, x.stride(0), BLOCK_V=BLOCK, **launch)
+        _race_kernel[(n,)](x, keys, floor, top_p, out, vocab, x.stride(0), BLOCK_V=BLOCK,
+                           **launch)
     return out

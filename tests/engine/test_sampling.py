@@ -5,10 +5,10 @@ import torch
 
 from disagg.engine.sampling import (
     draw_seed,
-    filter_batch,
     sample,
     sample_device,
 )
+from disagg.kernels.sample_race import filter_batch
 from disagg.protocol import (
     MAX_STOP_TOKEN_IDS,
     MIN_TEMPERATURE,
@@ -275,7 +275,7 @@ def test_the_triton_race_draws_what_the_torch_race_draws():
 
 CUT_CASE = (  # rows of every kind of cut: peaked, flat, ties at the cut, masked, poisoned
     "import json, torch\n"
-    "from disagg.kernels.sample_race import race\n"
+    "from disagg.kernels.sample_race import filter_batch, race, race_torch\n"
     "def case(n, V, seed):\n"
     "    g = torch.Generator().manual_seed(seed)\n"
     "    scale = torch.tensor([4.0, 0.05, 1.0, 2.0, 8.0, 0.5])[torch.arange(n) % 6]\n"
@@ -284,25 +284,28 @@ CUT_CASE = (  # rows of every kind of cut: peaked, flat, ties at the cut, masked
     "    x[2::9, : V // 2] = float('-inf')\n"
     "    x[3, 5] = float('nan')\n"
     "    keys = torch.randint(0, 2**62, (n,), generator=g)\n"
-    "    ks = torch.randint(-1, 60, (n,), generator=g) * (torch.arange(n) % 3 == 0)\n"
-    "    ks[4] = V + 3\n"
+    "    ks = torch.randint(1, 60, (n,), generator=g) * (torch.arange(n) % 3 != 1)\n"
     "    ps = torch.rand(n, generator=g) * (torch.arange(n) % 3 != 0) + (torch.arange(n) % 3 == 0)\n"
     "    ps[5], ps[8] = 0.0, 1e-300\n"
-    "    return x, keys, ks, ps.float()\n")
+    "    return x, keys, ks.tolist(), ps.float()\n"
+    "def floor(x, ks):\n"
+    "    kth = torch.topk(x, max(ks), dim=-1).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])[:, 0]\n"
+    "    return torch.where(torch.tensor(ks) > 0, kth, float('-inf'))\n"
+    "def reference(x, keys, ks, ps):\n"
+    "    return race_torch(filter_batch(x, ks, ps.tolist()), keys)\n")
 
 
 def test_the_triton_race_cuts_top_k_and_top_p_as_the_sort_does():
-    """The kernel's top-k / top-p (a race, then a check of its winner, no sort; run by
-    Triton's interpreter here) draws what the sort's mask then the race draws, row by row."""
+    """The kernel's top-k (a floor) and top-p (a race, then a check of its winner, no sort;
+    run by Triton's interpreter here) draw what the sort's mask then the race draw, row by
+    row, rows with both included."""
     import json
     import os
     import subprocess
     import sys
 
-    from disagg.kernels.sample_race import race
-
     code = CUT_CASE + ("x, keys, ks, ps = case(48, 2500, 3)\n"
-                       "print(json.dumps(race(x, keys, ks, ps).tolist()))\n")
+                       "print(json.dumps(race(x, keys, floor(x, ks), ps).tolist()))\n")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
@@ -311,22 +314,22 @@ def test_the_triton_race_cuts_top_k_and_top_p_as_the_sort_does():
     scope: dict = {}
     exec(CUT_CASE, scope)
     x, keys, ks, ps = scope["case"](48, 2500, 3)
-    cpu = race(x, keys, ks, ps).tolist()
-    assert kernel == cpu
-    assert cpu[3] == cpu[5] == cpu[8] == -1  # a NaN; top-p 0 and one that rounds to it
-    assert len({t for t in cpu if t >= 0}) > 30
+    want = scope["reference"](x, keys, ks, ps).tolist()
+    assert kernel == want
+    assert scope["race"](x, keys, scope["floor"](x, ks), ps).tolist() == want  # the CPU path
+    assert want[3] == want[5] == want[8] == -1  # a NaN; top-p 0 and one that rounds to it
+    assert len({t for t in want if t >= 0}) > 30
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_compiled_race_cuts_as_the_cpu_does():
-    from disagg.kernels.sample_race import race
-
     scope: dict = {}
     exec(CUT_CASE, scope)
     x, keys, ks, ps = scope["case"](64, 151936, 4)
-    got = race(x.cuda(), keys.cuda(), ks.cuda(), ps.cuda()).cpu().tolist()
-    assert got == race(x, keys, ks, ps).tolist()
+    f = scope["floor"](x, ks)
+    got = scope["race"](x.cuda(), keys.cuda(), f.cuda(), ps.cuda()).cpu().tolist()
+    assert got == scope["reference"](x, keys, ks, ps).tolist()
 
 
 @pytest.mark.gpu

@@ -108,7 +108,8 @@ def test_json_dash_is_stdout_and_the_report_goes_to_stderr(tmp_path, monkeypatch
 async def fake_gateway(n_seen: list[int]) -> web.AppRunner:
     """/v1/completions streaming as the gateway does with n > 1: one event per choice's
     delta, 4 tokens a choice: "a" (one token), "bc" (two tokens in one event), a token of
-    empty text (no event), then the choice's finish; then the usage of every choice."""
+    empty text (no event, unless the request asked logprobs: then every event lists its
+    tokens), then the choice's finish; then the usage of every choice."""
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "m"}]})
@@ -123,10 +124,17 @@ async def fake_gateway(n_seen: list[int]) -> web.AppRunner:
         async def event(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-        for text, reason in (("a", None), ("bc", None), ("", "length")):
+        lps = "logprobs" in body  # then a token of empty text has its event, as the gateway's
+        steps = (("a", ["a"], None), ("bc", ["b", "c"], None), ("", [""], None),
+                 ("", [], "length"))
+        for text, tokens, reason in steps:
+            if not lps and not text and reason is None:
+                continue
             for k in range(n):
-                await event({"choices": [{"index": k, "text": text, "finish_reason": reason}],
-                             "usage": None})
+                choice = {"index": k, "text": text, "finish_reason": reason}
+                if lps:
+                    choice["logprobs"] = {"tokens": tokens} if tokens else None
+                await event({"choices": [choice], "usage": None})
                 await asyncio.sleep(0)
         await event({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
                                               "completion_tokens": 4 * n,
@@ -166,3 +174,22 @@ async def test_http_n2_output_tokens_are_every_choices_usage():
                                 q["chunk_tokens"], q["chunk_choices"]) for q in res["requests"])
     assert s["tpot_ms"]["p50"] == pytest.approx(1e3 * (tpots[1] + tpots[2]) / 2)
     json.loads(report.result_json(res))
+
+
+async def test_http_events_count_their_logprob_tokens_when_asked():
+    """With logprobs asked, a token of empty text is still an event (the first token is the
+    first event, whatever its text) and each event counts the tokens it lists."""
+    n_seen: list[int] = []
+    runner = await fake_gateway(n_seen)
+    try:
+        port = runner.addresses[0][1]
+        res = await serve.run_benchmark(parse(
+            "--http", f"http://127.0.0.1:{port}", "--n", "2", "--num-prompts", "2",
+            "--input-len", "5", "--output-len", "4", "--wait", "5", "--timeout", "10",
+            "--top-logprobs", "0"))
+    finally:
+        await runner.cleanup()
+    assert res["summary"]["completed"] == 2
+    for q in res["requests"]:
+        assert q["chunk_choices"] == [0, 1, 0, 1, 0, 1]
+        assert q["chunk_tokens"] == [1, 1, 2, 2, 1, 1]
