@@ -40,7 +40,7 @@ M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 C1, C2 = 0x85EBCA6B, 0xC2B2AE35
 INV24 = 1.0 / (1 << 24)
-BLOCK = 2048
+BLOCK = 1024
 
 
 def _fmix(x: torch.Tensor) -> torch.Tensor:
@@ -113,62 +113,70 @@ def _score(x, v, k0, k1):
 
 
 @triton.jit
+def _first_max(best, idx):
+    """The block's largest value and its smallest index (argmax's first-index rule)."""
+    m = tl.max(best, axis=0)
+    return m, tl.min(tl.where(best == m, idx, 0x7FFFFFFF), axis=0)
+
+
+@triton.jit
 def _race_kernel(x_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, stride_x,
                  BLOCK_V: tl.constexpr):
+    # each lane keeps its own running results over the row (no reduction inside the loops:
+    # a block-wide max and argmax every step serialised the loads); one reduction at the end
     row = tl.program_id(0)
     key = tl.load(keys_ptr + row)
     k0 = (key & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
     floor = tl.load(floor_ptr + row)  # top-k: below it is out (-inf: none)
     top_p = tl.load(p_ptr + row)  # >= 1: off
-    best = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], 0, tl.int32)
-    bad = tl.full([], 0, tl.int32)
-    finite = tl.full([], 0, tl.int32)
-    mx = tl.full([], float("-inf"), tl.float32)  # the kept tokens' max and sum of exp(x - max)
-    z = tl.full([], 0.0, tl.float32)
     base = x_ptr + row.to(tl.int64) * stride_x
+    lane = tl.arange(0, BLOCK_V)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK_V], tl.int32)
+    bad = tl.zeros([BLOCK_V], tl.int32)
+    finite = tl.zeros([BLOCK_V], tl.int32)
+    mx = tl.full([BLOCK_V], float("-inf"), tl.float32)  # the kept finite logits' max
     for v0 in range(0, vocab, BLOCK_V):
-        v = v0 + tl.arange(0, BLOCK_V)
+        v = v0 + lane
         inside = v < vocab
         x = tl.load(base + v, mask=inside, other=float("-inf"))
         keep = inside & (x >= floor)
         score = tl.where(keep, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
-        bad = tl.maximum(bad, tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0))
+        bad |= ((x != x) | (x == float("inf"))).to(tl.int32)
         isfin = keep & (tl.abs(x) < float("inf"))
-        finite = tl.maximum(finite, tl.max(isfin.to(tl.int32), axis=0))
-        m = tl.max(score, axis=0)
-        i = tl.argmax(score, axis=0).to(tl.int32) + v0
-        take = m > best
-        best_i = tl.where(take, i, best_i)
-        best = tl.where(take, m, best)
-        if top_p < 1.0:
-            new = tl.maximum(mx, tl.max(tl.where(isfin, x, float("-inf")), axis=0))
-            safe = tl.where(new == float("-inf"), 0.0, new)
-            z = z * tl.exp(mx - safe) + tl.sum(tl.where(isfin, tl.exp(x - safe), 0.0), axis=0)
-            mx = new
-    ok = (bad == 0) & (finite > 0) & (best > float("-inf"))
-    w = tl.where(ok, best_i, -1)
+        finite |= isfin.to(tl.int32)
+        take = score > best
+        best_i = tl.where(take, v, best_i)
+        best = tl.where(take, score, best)
+        mx = tl.maximum(mx, tl.where(isfin, x, float("-inf")))
+    top, w = _first_max(best, best_i)
+    ok = (tl.max(bad, axis=0) == 0) & (tl.max(finite, axis=0) > 0) & (top > float("-inf"))
+    w = tl.where(ok, w, -1)
+    m = tl.max(mx, axis=0)
     checking = ok & (top_p < 1.0)
     while checking:  # is w kept by top-p? the same pass races the tokens before it
         xw = tl.load(base + w)
-        mass = tl.full([], 0.0, tl.float32)
-        nb = tl.full([], float("-inf"), tl.float32)
-        nb_i = tl.full([], 0, tl.int32)
+        z = tl.zeros([BLOCK_V], tl.float32)
+        mass = tl.zeros([BLOCK_V], tl.float32)
+        nb = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        nb_i = tl.zeros([BLOCK_V], tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
-            v = v0 + tl.arange(0, BLOCK_V)
+            v = v0 + lane
             inside = v < vocab
             x = tl.load(base + v, mask=inside, other=float("-inf"))
-            before = inside & (x >= floor) & ((x > xw) | ((x == xw) & (v < w)))
-            mass += tl.sum(tl.where(before, tl.exp(x - mx), 0.0), axis=0)
+            keep = inside & (x >= floor)
+            e = tl.where(keep, tl.exp(x - m), 0.0)
+            z += e
+            before = keep & ((x > xw) | ((x == xw) & (v < w)))
+            mass += tl.where(before, e, 0.0)
             score = tl.where(before, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
-            m = tl.max(score, axis=0)
-            i = tl.argmax(score, axis=0).to(tl.int32) + v0
-            take = m > nb
-            nb_i = tl.where(take, i, nb_i)
-            nb = tl.where(take, m, nb)
-        kept = mass / z < top_p
-        w = tl.where(kept, w, tl.where(nb > float("-inf"), nb_i, -1))
+            take = score > nb
+            nb_i = tl.where(take, v, nb_i)
+            nb = tl.where(take, score, nb)
+        kept = tl.sum(mass, axis=0) / tl.sum(z, axis=0) < top_p
+        top, nxt = _first_max(nb, nb_i)
+        w = tl.where(kept, w, tl.where(top > float("-inf"), nxt, -1))
         checking = (~kept) & (w >= 0)
     tl.store(out_ptr + row, w.to(tl.int64))
 
