@@ -52,29 +52,31 @@ def draw_seed(seed: int, index: int) -> int:
 Draw = tuple[float, int, float, int, int]  # temperature (> 0), top_k, top_p, seed, output index
 
 
-def draw(logits: torch.Tensor, rows: Sequence[Draw]) -> torch.Tensor:
+def draw(logits: torch.Tensor, rows: Sequence[Draw], greedy: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """Row i of float32 ``logits [N, V]`` sampled as output token ``index`` of a request with
     ``(temperature, top_k, top_p, seed, index) = rows[i]``: ``[N]`` int64 on the logits'
     device, not waited for. The one way a sampled token is drawn, with or without drafts, and
-    row by row independent of the other rows (so of the batch).
+    row by row independent of the other rows (so of the batch). ``greedy``: the rows' argmax
+    if known (a row that is not a distribution takes it).
 
     The draw is the exponential race ``torch.multinomial`` runs for one sample (argmax of p_v /
     E_v, E_v ~ Exp(1)), its noise a counter-based function of ``draw_seed(seed, index)`` and
-    the token (``disagg.kernels.sample_race``): the batch shares one division, one
-    ``torch.topk`` (the rows with top-k: its k-th value is the row's floor) and one race
-    launch, which applies top-p itself on CUDA (no sort; ``filter_batch``'s on the CPU)."""
+    the token (``disagg.kernels.sample_race``): the batch shares one ``torch.topk`` (the rows
+    with top-k: its k-th value over the temperature is the row's floor) and one race launch,
+    which divides by the temperature and applies top-p itself on CUDA (no sort;
+    ``filter_batch``'s on the CPU)."""
     from disagg.kernels.sample_race import race
 
     dev, vocab = logits.device, logits.shape[-1]
     n = len(rows)
     temps = torch.tensor([r[0] for r in rows], dtype=torch.float32).to(dev, non_blocking=True)
-    scaled = logits / temps[:, None]
     ks = [k if 0 < k < vocab else 0 for _, k, _, _, _ in rows]
     floor = top_p = None
-    if any(ks):
+    if any(ks):  # the division is monotone: the k-th scaled logit is the k-th logit scaled
         at = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.int64)
         at = at.to(dev, non_blocking=True)
-        kth = torch.topk(scaled, max(ks), dim=-1).values.gather(1, at[:, None])[:, 0]
+        kth = torch.topk(logits, max(ks), dim=-1).values.gather(1, at[:, None])[:, 0] / temps
         on = torch.tensor([k > 0 for k in ks]).to(dev, non_blocking=True)
         floor = torch.where(on, kth, torch.full((n,), float("-inf"), device=dev))
     if any(r[2] < 1.0 for r in rows):
@@ -82,18 +84,20 @@ def draw(logits: torch.Tensor, rows: Sequence[Draw]) -> torch.Tensor:
                                                                            non_blocking=True)
     keys = torch.tensor([draw_seed(seed, index) for _, _, _, seed, index in rows],
                         dtype=torch.int64).to(dev, non_blocking=True)
-    tok = race(scaled, keys, floor, top_p)
-    return torch.where(tok >= 0, tok, logits.argmax(dim=-1))  # not a distribution: greedy
+    tok = race(logits, keys, floor, top_p, temps)
+    return torch.where(tok >= 0, tok, logits.argmax(dim=-1) if greedy is None else greedy)
 
 
 def draw_into(out: torch.Tensor, logits: torch.Tensor, at: list[int], rows: Sequence[Draw]
               ) -> torch.Tensor:
-    """``out`` (``[N]`` int64, e.g. the rows' argmax) with rows ``at`` replaced by ``draw``
-    of those rows of ``logits [N, V]`` with ``rows``; in place, on the device."""
+    """``out`` (``[N]`` int64: the rows' argmax) with rows ``at`` replaced by ``draw`` of those
+    rows of ``logits [N, V]`` with ``rows`` (a row that is not a distribution keeps its
+    argmax); in place, on the device."""
     if len(at) == out.shape[0]:
-        return out.copy_(draw(logits, rows))
+        return out.copy_(draw(logits, rows, out))
     idx = torch.tensor(at, dtype=torch.int64).to(logits.device, non_blocking=True)
-    return out.index_copy_(0, idx, draw(logits.index_select(0, idx), rows))
+    return out.index_copy_(0, idx, draw(logits.index_select(0, idx), rows,
+                                        out.index_select(0, idx)))
 
 
 def sample(logits: torch.Tensor, chunks: Sequence[SeqChunk],

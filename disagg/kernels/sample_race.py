@@ -120,7 +120,7 @@ def _first_max(best, idx):
 
 
 @triton.jit
-def _race_kernel(x_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, stride_x,
+def _race_kernel(x_ptr, t_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, stride_x,
                  BLOCK_V: tl.constexpr):
     # each lane keeps its own running results over the row (no reduction inside the loops:
     # a block-wide max and argmax every step serialised the loads); one reduction at the end
@@ -128,6 +128,7 @@ def _race_kernel(x_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, stride_x,
     key = tl.load(keys_ptr + row)
     k0 = (key & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    temp = tl.load(t_ptr + row)
     floor = tl.load(floor_ptr + row)  # top-k: below it is out (-inf: none)
     top_p = tl.load(p_ptr + row)  # >= 1: off
     base = x_ptr + row.to(tl.int64) * stride_x
@@ -136,11 +137,12 @@ def _race_kernel(x_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, stride_x,
     best_i = tl.zeros([BLOCK_V], tl.int32)
     bad = tl.zeros([BLOCK_V], tl.int32)
     finite = tl.zeros([BLOCK_V], tl.int32)
-    mx = tl.full([BLOCK_V], float("-inf"), tl.float32)  # the kept finite logits' max
+    mx = tl.full([BLOCK_V], float("-inf"), tl.float32)  # the kept logits' max and
+    z = tl.zeros([BLOCK_V], tl.float32)  # sum of exp(x - max), lane by lane (top-p only)
     for v0 in range(0, vocab, BLOCK_V):
         v = v0 + lane
         inside = v < vocab
-        x = tl.load(base + v, mask=inside, other=float("-inf"))
+        x = tl.div_rn(tl.load(base + v, mask=inside, other=float("-inf")), temp)
         keep = inside & (x >= floor)
         score = tl.where(keep, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
         bad |= ((x != x) | (x == float("inf"))).to(tl.int32)
@@ -149,67 +151,81 @@ def _race_kernel(x_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, stride_x,
         take = score > best
         best_i = tl.where(take, v, best_i)
         best = tl.where(take, score, best)
-        mx = tl.maximum(mx, tl.where(isfin, x, float("-inf")))
+        if top_p < 1.0:
+            new = tl.maximum(mx, tl.where(isfin, x, float("-inf")))
+            safe = tl.where(new == float("-inf"), 0.0, new)
+            z = z * tl.exp(mx - safe) + tl.where(isfin, tl.exp(x - safe), 0.0)
+            mx = new
     top, w = _first_max(best, best_i)
     ok = (tl.max(bad, axis=0) == 0) & (tl.max(finite, axis=0) > 0) & (top > float("-inf"))
     w = tl.where(ok, w, -1)
     m = tl.max(mx, axis=0)
+    total = tl.sum(tl.where(mx > float("-inf"), z * tl.exp(mx - m), 0.0), axis=0)
     checking = ok & (top_p < 1.0)
-    while checking:  # is w kept by top-p? the same pass races the tokens before it
-        xw = tl.load(base + w)
-        z = tl.zeros([BLOCK_V], tl.float32)
+    while checking:  # is w kept by top-p: is the mass before it below top_p?
+        xw = tl.div_rn(tl.load(base + w), temp)
         mass = tl.zeros([BLOCK_V], tl.float32)
-        nb = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        nb_i = tl.zeros([BLOCK_V], tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
             v = v0 + lane
             inside = v < vocab
-            x = tl.load(base + v, mask=inside, other=float("-inf"))
-            keep = inside & (x >= floor)
-            e = tl.where(keep, tl.exp(x - m), 0.0)
-            z += e
-            before = keep & ((x > xw) | ((x == xw) & (v < w)))
-            mass += tl.where(before, e, 0.0)
-            score = tl.where(before, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
-            take = score > nb
-            nb_i = tl.where(take, v, nb_i)
-            nb = tl.where(take, score, nb)
-        kept = tl.sum(mass, axis=0) / tl.sum(z, axis=0) < top_p
-        top, nxt = _first_max(nb, nb_i)
-        w = tl.where(kept, w, tl.where(top > float("-inf"), nxt, -1))
-        checking = (~kept) & (w >= 0)
+            x = tl.div_rn(tl.load(base + v, mask=inside, other=float("-inf")), temp)
+            before = inside & (x >= floor) & ((x > xw) | ((x == xw) & (v < w)))
+            mass += tl.where(before, tl.exp(x - m), 0.0)
+        dropped = tl.sum(mass, axis=0) / total >= top_p
+        if dropped:  # all top-p keeps lies before w: race that
+            nb = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            nb_i = tl.zeros([BLOCK_V], tl.int32)
+            for v0 in range(0, vocab, BLOCK_V):
+                v = v0 + lane
+                inside = v < vocab
+                x = tl.div_rn(tl.load(base + v, mask=inside, other=float("-inf")), temp)
+                before = inside & (x >= floor) & ((x > xw) | ((x == xw) & (v < w)))
+                score = tl.where(before, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
+                take = score > nb
+                nb_i = tl.where(take, v, nb_i)
+                nb = tl.where(take, score, nb)
+            top, nxt = _first_max(nb, nb_i)
+            w = tl.where(top > float("-inf"), nxt, -1)
+        checking = dropped & (w >= 0)
     tl.store(out_ptr + row, w.to(tl.int64))
 
 
 def race(x: torch.Tensor, keys: torch.Tensor, floor: torch.Tensor | None = None,
-         top_p: torch.Tensor | None = None) -> torch.Tensor:
-    """``race_torch``'s tokens among what top-k and top-p keep, when given (``floor`` float32
-    ``[N]``: the row's k-th largest logit, what is below it is out, -inf: no top-k; ``top_p``
-    float32 ``[N]``, >= 1: off; top-p's mass is over what the floor keeps): on CUDA one
-    Triton program a row, elsewhere the sort (``filter_batch``) and torch ops."""
+         top_p: torch.Tensor | None = None, temperature: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """``race_torch``'s tokens on ``x / temperature`` (float32 ``[N]``, default 1: the
+    division is the kernel's, rounded as torch's) among what top-k and top-p keep, when given
+    (``floor`` float32 ``[N]``: the row's k-th largest scaled logit, what is below it is out,
+    -inf: no top-k; ``top_p`` float32 ``[N]``, >= 1: off; top-p's mass is over what the floor
+    keeps): on CUDA one Triton program a row, elsewhere the sort (``filter_batch``) and torch
+    ops."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError(f"x must be float32 [N, V] with unit stride, got {x.dtype} "
                          f"{tuple(x.shape)}")
     n, vocab = x.shape
     if keys.shape != (n,) or keys.dtype != torch.int64 or keys.device != x.device:
         raise ValueError(f"keys must be int64 [{n}] on {x.device}")
-    for name, t in (("floor", floor), ("top_p", top_p)):
+    for name, t in (("floor", floor), ("top_p", top_p), ("temperature", temperature)):
         if t is not None and (t.shape != (n,) or t.dtype != torch.float32
                               or t.device != x.device):
             raise ValueError(f"{name} must be float32 [{n}] on {x.device}")
     if not (x.is_cuda or checks.interpreting()):
+        if temperature is not None:
+            x = x / temperature[:, None]
         if floor is not None:
             x = x.masked_fill(x < floor[:, None], float("-inf"))
         if top_p is not None:
             x = filter_batch(x, [0] * n, top_p.tolist())
         return race_torch(x, keys)
+    ones = None
+    if temperature is None or top_p is None:
+        ones = torch.ones(n, dtype=torch.float32, device=x.device)
     if floor is None:
         floor = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
-    if top_p is None:
-        top_p = torch.ones(n, dtype=torch.float32, device=x.device)
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if n:
         launch = {} if checks.interpreting() else {"num_warps": 8}
-        _race_kernel[(n,)](x, keys, floor, top_p, out, vocab, x.stride(0), BLOCK_V=BLOCK,
-                           **launch)
+        _race_kernel[(n,)](x, ones if temperature is None else temperature, keys, floor,
+                           ones if top_p is None else top_p, out, vocab, x.stride(0),
+                           BLOCK_V=BLOCK, **launch)
     return out

@@ -287,12 +287,13 @@ CUT_CASE = (  # rows of every kind of cut: peaked, flat, ties at the cut, masked
     "    ks = torch.randint(1, 60, (n,), generator=g) * (torch.arange(n) % 3 != 1)\n"
     "    ps = torch.rand(n, generator=g) * (torch.arange(n) % 3 != 0) + (torch.arange(n) % 3 == 0)\n"
     "    ps[5], ps[8] = 0.0, 1e-300\n"
-    "    return x, keys, ks.tolist(), ps.float()\n"
+    "    temps = 0.3 + torch.rand(n, generator=g) * 1.5\n"
+    "    return x, keys, ks.tolist(), ps.float(), temps\n"
     "def floor(x, ks):\n"
     "    kth = torch.topk(x, max(ks), dim=-1).values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])[:, 0]\n"
     "    return torch.where(torch.tensor(ks) > 0, kth, float('-inf'))\n"
-    "def reference(x, keys, ks, ps):\n"
-    "    return race_torch(filter_batch(x, ks, ps.tolist()), keys)\n")
+    "def reference(x, keys, ks, ps, temps):\n"
+    "    return race_torch(filter_batch(x / temps[:, None], ks, ps.tolist()), keys)\n")
 
 
 def test_the_triton_race_cuts_top_k_and_top_p_as_the_sort_does():
@@ -304,8 +305,9 @@ def test_the_triton_race_cuts_top_k_and_top_p_as_the_sort_does():
     import subprocess
     import sys
 
-    code = CUT_CASE + ("x, keys, ks, ps = case(48, 2500, 3)\n"
-                       "print(json.dumps(race(x, keys, floor(x, ks), ps).tolist()))\n")
+    code = CUT_CASE + ("x, keys, ks, ps, t = case(48, 2500, 3)\n"
+                       "f = floor(x / t[:, None], ks)\n"
+                       "print(json.dumps(race(x, keys, f, ps, t).tolist()))\n")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
@@ -313,10 +315,13 @@ def test_the_triton_race_cuts_top_k_and_top_p_as_the_sort_does():
     kernel = json.loads(out.stdout)
     scope: dict = {}
     exec(CUT_CASE, scope)
-    x, keys, ks, ps = scope["case"](48, 2500, 3)
-    want = scope["reference"](x, keys, ks, ps).tolist()
+    x, keys, ks, ps, t = scope["case"](48, 2500, 3)
+    want = scope["reference"](x, keys, ks, ps, t).tolist()
     assert kernel == want
-    assert scope["race"](x, keys, scope["floor"](x, ks), ps).tolist() == want  # the CPU path
+    f = scope["floor"](x / t[:, None], ks)
+    assert scope["race"](x, keys, f, ps, t).tolist() == want  # the CPU path
+    # the division keeps the order: the k-th logit over T is the k-th of the logits over T
+    assert torch.equal(scope["floor"](x, ks) / t, f)
     assert want[3] == want[5] == want[8] == -1  # a NaN; top-p 0 and one that rounds to it
     assert len({t for t in want if t >= 0}) > 30
 
@@ -326,10 +331,10 @@ def test_the_triton_race_cuts_top_k_and_top_p_as_the_sort_does():
 def test_the_compiled_race_cuts_as_the_cpu_does():
     scope: dict = {}
     exec(CUT_CASE, scope)
-    x, keys, ks, ps = scope["case"](64, 151936, 4)
-    f = scope["floor"](x, ks)
-    got = scope["race"](x.cuda(), keys.cuda(), f.cuda(), ps.cuda()).cpu().tolist()
-    assert got == scope["reference"](x, keys, ks, ps).tolist()
+    x, keys, ks, ps, t = scope["case"](64, 151936, 4)
+    f = scope["floor"](x / t[:, None], ks)
+    got = scope["race"](x.cuda(), keys.cuda(), f.cuda(), ps.cuda(), t.cuda()).cpu().tolist()
+    assert got == scope["reference"](x, keys, ks, ps, t).tolist()
 
 
 @pytest.mark.gpu
