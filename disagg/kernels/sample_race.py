@@ -137,8 +137,7 @@ def _race_kernel(x_ptr, t_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, strid
     best_i = tl.zeros([BLOCK_V], tl.int32)
     bad = tl.zeros([BLOCK_V], tl.int32)
     finite = tl.zeros([BLOCK_V], tl.int32)
-    mx = tl.full([BLOCK_V], float("-inf"), tl.float32)  # the kept logits' max and
-    z = tl.zeros([BLOCK_V], tl.float32)  # sum of exp(x - max), lane by lane (top-p only)
+    mx = tl.full([BLOCK_V], float("-inf"), tl.float32)  # the kept logits' max
     for v0 in range(0, vocab, BLOCK_V):
         v = v0 + lane
         inside = v < vocab
@@ -151,27 +150,25 @@ def _race_kernel(x_ptr, t_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, strid
         take = score > best
         best_i = tl.where(take, v, best_i)
         best = tl.where(take, score, best)
-        if top_p < 1.0:
-            new = tl.maximum(mx, tl.where(isfin, x, float("-inf")))
-            safe = tl.where(new == float("-inf"), 0.0, new)
-            z = z * tl.exp(mx - safe) + tl.where(isfin, tl.exp(x - safe), 0.0)
-            mx = new
+        mx = tl.maximum(mx, tl.where(isfin, x, float("-inf")))
     top, w = _first_max(best, best_i)
     ok = (tl.max(bad, axis=0) == 0) & (tl.max(finite, axis=0) > 0) & (top > float("-inf"))
     w = tl.where(ok, w, -1)
     m = tl.max(mx, axis=0)
-    total = tl.sum(tl.where(mx > float("-inf"), z * tl.exp(mx - m), 0.0), axis=0)
     checking = ok & (top_p < 1.0)
     while checking:  # is w kept by top-p: is the mass before it below top_p?
         xw = tl.div_rn(tl.load(base + w), temp)
+        z = tl.zeros([BLOCK_V], tl.float32)
         mass = tl.zeros([BLOCK_V], tl.float32)
         for v0 in range(0, vocab, BLOCK_V):
             v = v0 + lane
             inside = v < vocab
             x = tl.div_rn(tl.load(base + v, mask=inside, other=float("-inf")), temp)
-            before = inside & (x >= floor) & ((x > xw) | ((x == xw) & (v < w)))
-            mass += tl.where(before, tl.exp(x - m), 0.0)
-        dropped = tl.sum(mass, axis=0) / total >= top_p
+            keep = inside & (x >= floor)
+            e = tl.where(keep, tl.exp(x - m), 0.0)
+            z += e
+            mass += tl.where(keep & ((x > xw) | ((x == xw) & (v < w))), e, 0.0)
+        dropped = tl.sum(mass, axis=0) / tl.sum(z, axis=0) >= top_p
         if dropped:  # all top-p keeps lies before w: race that
             nb = tl.full([BLOCK_V], float("-inf"), tl.float32)
             nb_i = tl.zeros([BLOCK_V], tl.int32)
