@@ -65,7 +65,7 @@ w = pathlib.Path(sys.argv[1])
 def s(name):
     p = w / f"{name}.json"
     return json.loads(p.read_text())["summary"] if p.exists() else None
-for r in (1, 2):
+for r in range(1, 10):  # the rounds run (ROUNDS)
     base = s(f"b64_plain_r{r}")
     for k in ("plain", "json", "logprobs", "sampled"):
         x = s(f"b64_{k}_r{r}")

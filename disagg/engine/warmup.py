@@ -115,9 +115,12 @@ def _warm(model: Transformer, backend: AttentionBackend, page_size: int,
 
 
 def warm_race(vocab: int, device: torch.device) -> None:
-    """The seeded-sampling race kernel at the model's vocabulary (its one specialization:
-    the logits' width and row stride), so a node's first sampled request compiles nothing."""
+    """The seeded-sampling race kernel at the model's vocabulary (the logits' width and row
+    stride), without and with top-p (its two compiles), so a node's first sampled request
+    compiles nothing."""
     from disagg.kernels.sample_race import race
 
-    race(torch.zeros((1, vocab), dtype=torch.float32, device=device),
-         torch.zeros(1, dtype=torch.int64, device=device))
+    x = torch.zeros((1, vocab), dtype=torch.float32, device=device)
+    keys = torch.zeros(1, dtype=torch.int64, device=device)
+    race(x, keys)
+    race(x, keys, top_p=torch.full((1,), 0.5, dtype=torch.float32, device=device))

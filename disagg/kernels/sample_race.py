@@ -120,8 +120,48 @@ def _first_max(best, idx):
 
 
 @triton.jit
+def _dropped(base, vocab, temp, floor, top_p, m, w, BLOCK_V: tl.constexpr):
+    """Top-p drops token ``w``: the mass before it (stable descending order, over what the
+    floor keeps; ``m`` the kept logits' max) reaches ``top_p``."""
+    lane = tl.arange(0, BLOCK_V)
+    xw = tl.div_rn(tl.load(base + w), temp)
+    z = tl.zeros([BLOCK_V], tl.float32)
+    mass = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, vocab, BLOCK_V):
+        v = v0 + lane
+        inside = v < vocab
+        x = tl.div_rn(tl.load(base + v, mask=inside, other=float("-inf")), temp)
+        keep = inside & (x >= floor)
+        e = tl.where(keep, tl.exp(x - m), 0.0)
+        z += e
+        mass += tl.where(keep & ((x > xw) | ((x == xw) & (v < w))), e, 0.0)
+    return tl.sum(mass, axis=0) / tl.sum(z, axis=0) >= top_p
+
+
+@triton.jit
+def _race_before(base, vocab, temp, floor, k0, k1, w, BLOCK_V: tl.constexpr):
+    """The race's winner among the kept tokens before ``w`` in stable descending order (-1:
+    none)."""
+    lane = tl.arange(0, BLOCK_V)
+    xw = tl.div_rn(tl.load(base + w), temp)
+    nb = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    nb_i = tl.zeros([BLOCK_V], tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        v = v0 + lane
+        inside = v < vocab
+        x = tl.div_rn(tl.load(base + v, mask=inside, other=float("-inf")), temp)
+        before = inside & (x >= floor) & ((x > xw) | ((x == xw) & (v < w)))
+        score = tl.where(before, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
+        take = score > nb
+        nb_i = tl.where(take, v, nb_i)
+        nb = tl.where(take, score, nb)
+    top, nxt = _first_max(nb, nb_i)
+    return tl.where(top > float("-inf"), nxt, -1)
+
+
+@triton.jit
 def _race_kernel(x_ptr, t_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, stride_x,
-                 BLOCK_V: tl.constexpr):
+                 BLOCK_V: tl.constexpr, CHECK: tl.constexpr):
     # each lane keeps its own running results over the row (no reduction inside the loops:
     # a block-wide max and argmax every step serialised the loads); one reduction at the end
     row = tl.program_id(0)
@@ -155,35 +195,13 @@ def _race_kernel(x_ptr, t_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, strid
     ok = (tl.max(bad, axis=0) == 0) & (tl.max(finite, axis=0) > 0) & (top > float("-inf"))
     w = tl.where(ok, w, -1)
     m = tl.max(mx, axis=0)
-    checking = ok & (top_p < 1.0)
-    while checking:  # is w kept by top-p: is the mass before it below top_p?
-        xw = tl.div_rn(tl.load(base + w), temp)
-        z = tl.zeros([BLOCK_V], tl.float32)
-        mass = tl.zeros([BLOCK_V], tl.float32)
-        for v0 in range(0, vocab, BLOCK_V):
-            v = v0 + lane
-            inside = v < vocab
-            x = tl.div_rn(tl.load(base + v, mask=inside, other=float("-inf")), temp)
-            keep = inside & (x >= floor)
-            e = tl.where(keep, tl.exp(x - m), 0.0)
-            z += e
-            mass += tl.where(keep & ((x > xw) | ((x == xw) & (v < w))), e, 0.0)
-        dropped = tl.sum(mass, axis=0) / tl.sum(z, axis=0) >= top_p
-        if dropped:  # all top-p keeps lies before w: race that
-            nb = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            nb_i = tl.zeros([BLOCK_V], tl.int32)
-            for v0 in range(0, vocab, BLOCK_V):
-                v = v0 + lane
-                inside = v < vocab
-                x = tl.div_rn(tl.load(base + v, mask=inside, other=float("-inf")), temp)
-                before = inside & (x >= floor) & ((x > xw) | ((x == xw) & (v < w)))
-                score = tl.where(before, _score(x, v.to(tl.uint32), k0, k1), float("-inf"))
-                take = score > nb
-                nb_i = tl.where(take, v, nb_i)
-                nb = tl.where(take, score, nb)
-            top, nxt = _first_max(nb, nb_i)
-            w = tl.where(top > float("-inf"), nxt, -1)
-        checking = dropped & (w >= 0)
+    if CHECK:  # some row has top-p (its own compile: the pass is a top-level, pipelined loop)
+        if ok & (top_p < 1.0):  # is w kept by top-p: is the mass before it below top_p?
+            dropped = _dropped(base, vocab, temp, floor, top_p, m, w, BLOCK_V)
+            while dropped:  # all top-p keeps lies before w: race that, check its winner
+                w = _race_before(base, vocab, temp, floor, k0, k1, w, BLOCK_V)
+                dropped = (w >= 0) & _dropped(base, vocab, temp, floor, top_p, m,
+                                              tl.maximum(w, 0), BLOCK_V)
     tl.store(out_ptr + row, w.to(tl.int64))
 
 
@@ -224,5 +242,5 @@ def race(x: torch.Tensor, keys: torch.Tensor, floor: torch.Tensor | None = None,
         launch = {} if checks.interpreting() else {"num_warps": 8}
         _race_kernel[(n,)](x, ones if temperature is None else temperature, keys, floor,
                            ones if top_p is None else top_p, out, vocab, x.stride(0),
-                           BLOCK_V=BLOCK, **launch)
+                           BLOCK_V=BLOCK, CHECK=top_p is not None, **launch)
     return out

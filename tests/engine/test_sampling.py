@@ -348,3 +348,29 @@ def test_the_compiled_race_draws_what_the_cpu_draws():
     x = torch.randn(16, 151936, generator=g) * 2
     keys = torch.randint(0, 2**62, (16,), generator=g)
     assert race(x.cuda(), keys.cuda()).cpu().tolist() == race_torch(x, keys).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_race_warm_up_leaves_sampled_steps_nothing_to_compile():
+    """``warm_race`` compiles both of the race's variants (with and without top-p), so a
+    sampled step of any kind compiles nothing after it."""
+    from triton import knobs
+
+    from disagg.engine.sampling import draw
+    from disagg.engine.warmup import warm_race
+    from disagg.kernels import compile_watch
+
+    warm_race(1000, torch.device("cuda"))
+    if not compile_watch.arm("test"):
+        pytest.skip("no Triton post-compile hook")
+    before = compile_watch.compiled_after_ready
+    try:
+        logits = torch.randn(3, 1000, device="cuda")
+        for rows in ([(0.7, 0, 0.9, 1, 0)], [(1.0, 5, 1.0, 2, 0)], [(0.5, 0, 1.0, 2, 3)],
+                     [(0.7, 0, 0.9, 1, 0), (1.0, 5, 1.0, 2, 0), (1.2, 3, 0.5, 3, 1)]):
+            draw(logits[:len(rows)], rows)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compile_watch.compiled_after_ready == before
