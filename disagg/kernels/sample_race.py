@@ -40,7 +40,7 @@ M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 C1, C2 = 0x85EBCA6B, 0xC2B2AE35
 INV24 = 1.0 / (1 << 24)
-BLOCK = 4096  # 16 logits a thread of 8 warps: loads in flight, few steps
+BLOCK = 1024
 
 
 def _fmix(x: torch.Tensor) -> torch.Tensor:
@@ -195,15 +195,13 @@ def _race_kernel(x_ptr, t_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, strid
     ok = (tl.max(bad, axis=0) == 0) & (tl.max(finite, axis=0) > 0) & (top > float("-inf"))
     w = tl.where(ok, w, -1)
     m = tl.max(mx, axis=0)
-    if CHECK:  # some row has top-p (a compile of its own)
-        # is w kept by top-p: is the mass before it below top_p? (every row of the launch
-        # makes this pass: under a runtime branch the loop's loads were not overlapped, 2x)
-        dropped = ok & (top_p < 1.0) & _dropped(base, vocab, temp, floor, top_p, m,
-                                                tl.maximum(w, 0), BLOCK_V)
-        while dropped:  # all top-p keeps lies before w: race that, check its winner
-            w = _race_before(base, vocab, temp, floor, k0, k1, w, BLOCK_V)
-            dropped = (w >= 0) & _dropped(base, vocab, temp, floor, top_p, m,
-                                          tl.maximum(w, 0), BLOCK_V)
+    if CHECK:  # some row has top-p (its own compile: the pass is a top-level, pipelined loop)
+        if ok & (top_p < 1.0):  # is w kept by top-p: is the mass before it below top_p?
+            dropped = _dropped(base, vocab, temp, floor, top_p, m, w, BLOCK_V)
+            while dropped:  # all top-p keeps lies before w: race that, check its winner
+                w = _race_before(base, vocab, temp, floor, k0, k1, w, BLOCK_V)
+                dropped = (w >= 0) & _dropped(base, vocab, temp, floor, top_p, m,
+                                              tl.maximum(w, 0), BLOCK_V)
     tl.store(out_ptr + row, w.to(tl.int64))
 
 
