@@ -195,7 +195,7 @@ def _race_kernel(x_ptr, t_ptr, keys_ptr, floor_ptr, p_ptr, out_ptr, vocab, strid
     ok = (tl.max(bad, axis=0) == 0) & (tl.max(finite, axis=0) > 0) & (top > float("-inf"))
     w = tl.where(ok, w, -1)
     m = tl.max(mx, axis=0)
-    if CHECK:  # some row has top-p (its own compile: the pass is a top-level, pipelined loop)
+    if CHECK:  # some row has top-p (a compile of its own)
         if ok & (top_p < 1.0):  # is w kept by top-p: is the mass before it below top_p?
             dropped = _dropped(base, vocab, temp, floor, top_p, m, w, BLOCK_V)
             while dropped:  # all top-p keeps lies before w: race that, check its winner
