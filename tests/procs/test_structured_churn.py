@@ -48,13 +48,18 @@ def admitted(kind: str, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def addr(tmp_path_factory):
+def served(tmp_path_factory):
     path = make_tiny_model("llama", tmp_path_factory.mktemp("churn") / "llama")
     add_byte_bpe_tokenizer(path)
     a, proc = node("mixed", path, tmp_path_factory.mktemp("churn-node"), "--num-pages", "48",
                    "--max-model-len", "256", "--overlap-schedule", "on")
     with running([proc]):
-        yield a
+        yield a, proc
+
+
+@pytest.fixture
+def addr(served):
+    return served[0]
 
 
 def test_constrained_requests_under_churn(addr):
@@ -148,3 +153,62 @@ def test_constrained_rows_share_no_state_across_restarted_clients(addr):
                                                       for _ in range(2))
     assert (ids_a, text_a, fin_a.reason) == (ids_b, text_b, fin_b.reason)
     wait_for(lambda: pools_full(addr), what="pool whole")
+
+
+LONG = StructuredOutput("regex", "[a-z]{200}", param="guided_regex")  # long, then it ends
+
+
+def test_constrained_streams_end_cleanly_when_their_executor_dies(served):
+    """An executor killed while constrained rows stream (the last test here: it restarts the
+    module's node): each stream either ran to its end, admitted by its grammar, or ends with
+    the executor's ``internal`` error; nothing hangs, the restarted node's pool is whole, and
+    it serves constrained requests again, the same seeded output as before the kill."""
+    import os
+    import signal
+
+    addr, proc = served
+    sp = SamplingParams(max_tokens=240, temperature=0.9, seed=5, structured=LONG)
+    before = complete(addr, [4, 5, 6], sp)
+    assert before[2].reason == "stop" and re.fullmatch("[a-z]{200}", before[1])
+    ends: dict[str, tuple[str, str]] = {}
+
+    async def one(client: AsyncClient, rid: str, seen: asyncio.Event) -> None:
+        text: list[str] = []
+        try:
+            async for msg in client.generate(prompt_token_ids=[7, 8, 9 + int(rid[1:])],
+                                             request_id=rid, sampling=sp, timeout=60):
+                if isinstance(msg, TokenChunk):
+                    text.append(msg.text)
+                    seen.set()
+                elif isinstance(msg, Finished):
+                    ends[rid] = (msg.reason, "".join(text))
+        except RequestError as e:
+            ends[rid] = (e.error.code, e.error.message)
+
+    async def run() -> None:
+        client = AsyncClient(addr)
+        seen = [asyncio.Event() for _ in range(6)]
+        try:
+            tasks = [asyncio.ensure_future(one(client, f"k{i}", seen[i])) for i in range(6)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in seen)), 60)
+            kids = proc.children()
+            assert len(kids) == 1, kids
+            os.kill(kids[0], signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), 90)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert len(ends) == 6
+    for rid, (reason, text) in ends.items():
+        if reason == "stop":
+            assert re.fullmatch("[a-z]{200}", text), (rid, text)
+        else:
+            assert reason == "internal" and "killed by SIGKILL" in text, (rid, reason, text)
+    assert any(reason == "internal" for reason, _ in ends.values()), ends
+    wait_for(lambda: sum("ready:" in line for line in proc.log_path.read_text().splitlines())
+             >= 2 or proc.proc.poll() is not None, timeout=120, what="the node restarted")
+    assert proc.proc.poll() is None, proc.log_path.read_text()[-3000:]
+    after = complete(addr, [4, 5, 6], sp)
+    assert (after[0], after[1], after[2].reason) == (before[0], before[1], before[2].reason)
+    wait_for(lambda: pools_full(addr), what="the pool whole after the kill")
