@@ -19,10 +19,12 @@ tail_trace = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tail_trace)
 
 CODE = """
+import gc
 from disagg import trace
 print(trace.enabled())
 trace.mark("d.send", "0.", 1, value=17)  # key parts joined: 0.1
 trace.mark("dm.kv", "0.1", at=12.5)
+gc.collect()
 """
 
 
@@ -39,9 +41,16 @@ def test_marks_are_written_only_when_tracing_is_on(tmp_path):
     assert run_marks(tmp_path, False) == "False" and not (tmp_path / "t").exists()
     assert run_marks(tmp_path, True) == "True"
     [f] = (tmp_path / "t").glob("*.trace")
-    lines = [ln.split(" ") for ln in f.read_text().splitlines()]
+    every = [ln.split(" ") for ln in f.read_text().splitlines()]
+    lines = [ln for ln in every if not ln[1].startswith("gc.")]
     assert [ln[1:] for ln in lines] == [["d.send", "0.1", "17"], ["dm.kv", "0.1", ""]]
     assert float(lines[1][0]) == 12.5
+    # the collector's runs are marked too: gc.collect() is a generation-2 start, then its stop
+    # with the objects it collected
+    at = [ln[1:3] for ln in every].index(["dm.kv", "0.1"])
+    after = [ln[1:] for ln in every[at + 1:]]
+    assert after[0] == ["gc.start", "2", ""] and after[1][:2] == ["gc.stop", "2"], after
+    assert after[1][2].isdigit()
 
 
 def write(path: Path, rows: list[tuple[float, str, str, str]]) -> None:
