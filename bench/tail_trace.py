@@ -27,7 +27,7 @@ def read(directory: str) -> list[tuple[float, str, str, str]]:
     for f in pathlib.Path(directory).glob("*.trace"):
         for line in f.read_text().splitlines():
             parts = line.split(" ")
-            if len(parts) < 3:
+            if len(parts) < 3 or parts[1].startswith("gc."):  # the collector's runs: no hop
                 continue
             key = parts[2]
             if parts[1].startswith("c."):  # cuda-ipc marks name the immediate: key and units
