@@ -89,7 +89,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "@FILE): SamplingParams.structured, guided_json over --http")
     ap.add_argument("--top-logprobs", type=int, default=None, metavar="K",
                     help="ask every output token's logprob and K alternatives (0-20; --http: "
-                         "completions logprobs, 0-5)")
+                         "completions logprobs, 0-5; then every token is an event, so TTFT is "
+                         "the first token's even when its text is empty, which the gateway "
+                         "sends no event for otherwise)")
     ap.add_argument("--n", type=int, default=1,
                     help="completions per request (--http only: one prefill, n decodes; TTFT "
                          "is the first token of any)")
