@@ -7,19 +7,20 @@ function of the row's key (``disagg.engine.sampling.draw_seed`` of the request's
 output index) and v alone: a counter-based hash (murmur3's 32-bit finalizer, twice, over v and
 the key's two halves; 24 bits make the uniform), so a row draws the same token alone or in any
 batch, on the CPU (``race_torch``, torch ops) and on CUDA (``race``'s Triton kernel: one program
-a row reads its logits once) alike.
+a row, which divides by the row's temperature itself) alike.
 
 Top-k and top-p need no sort. Top-k is a floor per row (its k-th largest logit, which the
 caller takes with ``torch.topk``: its ties stay). Top-p keeps a prefix of the row in its
 stable descending order, so the race's winner over the row is the winner over what top-p
 keeps whenever it is kept itself, and otherwise all that is kept lies before it. The kernel
-races the row (above the floor), then checks the winner: kept if the probability mass before
-it in that order (over what the floor keeps) is below ``top_p``; if not, the same pass has
-raced the tokens before it, and the check repeats on that winner. A winner is dropped with
-the mass top-p leaves out (1 - ``top_p``), so a row takes about 2 passes over its logits.
-The CPU path masks with ``filter_batch`` (the sort, the reference) and races what is left;
-the two agree up to the rounding of the mass at the cut. The hash runs in uint32 on the
-device (int64 products cost several instructions each).
+races the row (above the floor) in one pass, then checks the winner in a second: kept if the
+probability mass before it in that order (over what the floor keeps) is below ``top_p``. If
+not, a third pass races the tokens before it, and the check repeats on that winner. A winner
+is dropped with the mass top-p leaves out (1 - ``top_p``), so a row takes about 2 passes over
+its logits. The CPU path masks with ``filter_batch`` (the sort, the reference) and races what
+is left; the two agree up to the rounding of the mass at the cut. The hash runs in uint32 on
+the device (int64 products cost several instructions each), and each lane keeps its own
+running results until one reduction after the loop.
 
 A row that is not a distribution one can draw from (a NaN or +inf logit, or no finite one:
 nothing left after top-k/top-p) gets -1: the caller takes its greedy token instead
