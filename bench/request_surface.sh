@@ -39,7 +39,7 @@ b64() {  # name, extra flags
 kinds=${KINDS:-plain json logprobs}; [ -n "${NO_LOGPROBS:-}" ] && kinds=${kinds/logprobs/}
 # one unmeasured batch-64 run first (WARM_RUN=0: none): in every H100 node run of 2026-12-07
 # the first plain run was slower than the plain run of the next round (7.55-7.80 against
-# 7.29-7.51 ms TPOT) while the other kinds held still, which made round 1's ratios look better
+# 7.28-7.51 ms TPOT) while the other kinds held still, which made round 1's ratios look better
 [ "${WARM_RUN:-1}" = 0 ] || b64 "warm"
 for round in ${ROUNDS:-1 2}; do  # two rounds, interleaved, so a drift shows
   for kind in $kinds; do
