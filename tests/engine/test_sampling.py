@@ -245,14 +245,23 @@ def test_the_race_draws_tokens_with_their_probabilities():
     assert freq[3] == 0 and (freq - want).abs().max() < 0.025, (freq, want)
 
 
-def test_the_triton_race_draws_what_the_torch_race_draws():
-    """The CUDA kernel (run by Triton's interpreter here) and the CPU path agree token for
-    token, rows that cannot be drawn from included."""
+def interpreted(code: str) -> object:
+    """What ``code`` prints (JSON) when run under Triton's interpreter in a child process."""
     import json
     import os
     import subprocess
     import sys
 
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_the_triton_race_draws_what_the_torch_race_draws():
+    """The CUDA kernel (run by Triton's interpreter here) and the CPU path agree token for
+    token, rows that cannot be drawn from included."""
     code = (
         "import json, torch\n"
         "from disagg.kernels.sample_race import race, race_torch\n"
@@ -264,11 +273,7 @@ def test_the_triton_race_draws_what_the_torch_race_draws():
         "x[4, 99] = float('inf')\n"
         "keys = torch.randint(0, 2**62, (7,), generator=g)\n"
         "print(json.dumps([race(x, keys).tolist(), race_torch(x, keys).tolist()]))\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    kernel, torch_path = json.loads(out.stdout)
+    kernel, torch_path = interpreted(code)
     assert kernel == torch_path
     assert kernel[2] == kernel[3] == kernel[4] == -1 and kernel[1] >= 4000
 
@@ -300,19 +305,10 @@ def test_the_triton_race_cuts_top_k_and_top_p_as_the_sort_does():
     """The kernel's top-k (a floor) and top-p (a race, then a check of its winner, no sort;
     run by Triton's interpreter here) draw what the sort's mask then the race draw, row by
     row, rows with both included."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     code = CUT_CASE + ("x, keys, ks, ps, t = case(48, 2500, 3)\n"
                        "f = floor(x / t[:, None], ks)\n"
                        "print(json.dumps(race(x, keys, f, ps, t).tolist()))\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    kernel = json.loads(out.stdout)
+    kernel = interpreted(code)
     scope: dict = {}
     exec(CUT_CASE, scope)
     x, keys, ks, ps, t = scope["case"](48, 2500, 3)

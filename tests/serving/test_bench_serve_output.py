@@ -151,16 +151,23 @@ async def fake_gateway(n_seen: list[int]) -> web.AppRunner:
     return runner
 
 
-async def test_http_n2_output_tokens_are_every_choices_usage():
+async def bench_fake_gateway(*args: str) -> tuple[list[int], dict[str, Any]]:
+    """``disagg-bench serve --http`` with ``args`` against ``fake_gateway``: (the n each
+    request asked, the result)."""
     n_seen: list[int] = []
     runner = await fake_gateway(n_seen)
     try:
         port = runner.addresses[0][1]
         res = await serve.run_benchmark(parse(
-            "--http", f"http://127.0.0.1:{port}", "--n", "2", "--num-prompts", "4",
-            "--input-len", "5", "--output-len", "4", "--wait", "5", "--timeout", "10"))
+            "--http", f"http://127.0.0.1:{port}", "--input-len", "5", "--output-len", "4",
+            "--wait", "5", "--timeout", "10", *args))
     finally:
         await runner.cleanup()
+    return n_seen, res
+
+
+async def test_http_n2_output_tokens_are_every_choices_usage():
+    n_seen, res = await bench_fake_gateway("--n", "2", "--num-prompts", "4")
     assert n_seen == [2] * 4
     s = res["summary"]
     assert s["completed"] == 4
@@ -179,16 +186,7 @@ async def test_http_n2_output_tokens_are_every_choices_usage():
 async def test_http_events_count_their_logprob_tokens_when_asked():
     """With logprobs asked, a token of empty text is still an event (the first token is the
     first event, whatever its text) and each event counts the tokens it lists."""
-    n_seen: list[int] = []
-    runner = await fake_gateway(n_seen)
-    try:
-        port = runner.addresses[0][1]
-        res = await serve.run_benchmark(parse(
-            "--http", f"http://127.0.0.1:{port}", "--n", "2", "--num-prompts", "2",
-            "--input-len", "5", "--output-len", "4", "--wait", "5", "--timeout", "10",
-            "--top-logprobs", "0"))
-    finally:
-        await runner.cleanup()
+    _, res = await bench_fake_gateway("--n", "2", "--num-prompts", "2", "--top-logprobs", "0")
     assert res["summary"]["completed"] == 2
     for q in res["requests"]:
         assert q["chunk_choices"] == [0, 1, 0, 1, 0, 1]
