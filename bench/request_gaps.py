@@ -13,20 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
-
-def read(directory: Path) -> list[tuple[float, str, str, str, str]]:
-    """Every mark: (time, pid, event, key, value), in time order."""
-    out = []
-    for f in directory.glob("*.trace"):
-        for line in f.read_text().splitlines():
-            parts = line.split(" ", 3)
-            if len(parts) >= 3:
-                out.append((float(parts[0]), f.stem, parts[1], parts[2],
-                            parts[3] if len(parts) > 3 else ""))
-    return sorted(out)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tail_trace  # noqa: E402  (this directory)
 
 
 def main() -> None:
@@ -35,7 +27,7 @@ def main() -> None:
     ap.add_argument("--match", default="", help="a regex over request ids")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    marks = read(a.dir)
+    marks = tail_trace.marks(a.dir)
     pauses = []  # (start, end, pid, generation)
     open_gc: dict[str, tuple[float, str]] = {}
     steps = []  # (plan_in, replied, pid)

@@ -22,18 +22,27 @@ from typing import Any
 from disagg.remote.transfer_plan import UNIT_BITS
 
 
-def read(directory: str) -> list[tuple[float, str, str, str]]:
-    events = []
+def marks(directory: str | pathlib.Path) -> list[tuple[float, str, str, str, str]]:
+    """Every mark of every process's file, in time order: (time, pid, event, key, value)."""
+    out = []
     for f in pathlib.Path(directory).glob("*.trace"):
         for line in f.read_text().splitlines():
-            parts = line.split(" ")
-            if len(parts) < 3 or parts[1].startswith("gc."):  # the collector's runs: no hop
-                continue
-            key = parts[2]
-            if parts[1].startswith("c."):  # cuda-ipc marks name the immediate: key and units
-                key = f"k{int(key[1:]) >> UNIT_BITS}"
-            events.append((float(parts[0]), parts[1], key, parts[3] if len(parts) > 3 else ""))
-    events.sort()
+            parts = line.split(" ", 3)
+            if len(parts) >= 3:
+                out.append((float(parts[0]), f.stem, parts[1], parts[2],
+                            parts[3] if len(parts) > 3 else ""))
+    return sorted(out)
+
+
+def read(directory: str) -> list[tuple[float, str, str, str]]:
+    """The hop marks (``marks`` less the collector's, and the pid): (time, event, key, value)."""
+    events = []
+    for t, _, ev, key, value in marks(directory):
+        if ev.startswith("gc."):  # the collector's runs: no hop
+            continue
+        if ev.startswith("c."):  # cuda-ipc marks name the immediate: key and units
+            key = f"k{int(key[1:]) >> UNIT_BITS}"
+        events.append((t, ev, key, value))
     return events
 
 

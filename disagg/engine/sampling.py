@@ -3,8 +3,9 @@
 
 Each sampled token is ``draw``: a draw whose noise is a function of ``(request seed, output
 index)`` and the token alone (``disagg.kernels.sample_race``), so a request gets the same
-tokens whether it runs alone or in a batch, after a preemption, and with speculative decoding (which verifies a sampled draft by comparing it with
-this same draw, ``disagg.engine.speculative``).
+tokens whether it runs alone or in a batch, after a preemption, and with speculative decoding
+(which verifies a sampled draft by comparing it with this same draw,
+``disagg.engine.speculative``).
 
 Logits processors (``process_logits``) run on the device over the batch's float32 logits
 before anything picks a token, in this order: ``repetition_penalty`` on every token id seen in

@@ -94,7 +94,6 @@ def filter_batch(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[flo
     return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
-
 @triton.jit
 def _fmix_u32(x):
     """fmix32 on uint32 (products wrap mod 2**32, as the torch path's masked int64 ones)."""

@@ -288,13 +288,11 @@ class SchedulerActor:
         self.side.emitting(seq)
         if seq.trace is not None and seq.trace.name != "stream":  # its first token is out
             seq.trace.enter("stream")
-        if len(seq.output_ids) == len(update.new_token_ids):
+        first = len(seq.output_ids) == len(update.new_token_ids)  # its first chunk
+        if first:
             trace.mark("r.first", seq.request_id)
         text = live.detok.push(update.new_token_ids)
-        prompt_lps = None
-        if seq.params.prompt_logprobs is not None and len(seq.output_ids) == len(
-                update.new_token_ids):  # its first chunk
-            prompt_lps = seq.prompt_lps
+        prompt_lps = seq.prompt_lps if first and seq.params.prompt_logprobs is not None else None
         await self.send(live.identity, TokenChunk(seq.request_id, update.new_token_ids, text,
                                                   logprobs=update.logprobs,
                                                   prompt_logprobs=prompt_lps))
