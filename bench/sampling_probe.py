@@ -11,7 +11,11 @@ peaked (a trained model's: top-p keeps a few tokens). Kernel rows are CUDA-graph
 calls (``bench/fp8_gemm.py``'s ``graph_us``); the sort path and ``draw`` (which build tensors
 from host lists) are timed with events over 20 calls after a warm-up.
 
-    python3 bench/sampling_probe.py --out DIR [--batch 64] [--vocab 151936]
+    python3 bench/sampling_probe.py --out DIR [--batch 64] [--vocab 151936] [--sweep]
+
+``--sweep`` also times the race kernel alone and with top-p at every (logits per loop step,
+warps) pair of ``SWEEP_BLOCKS`` x ``SWEEP_WARPS`` (the module's ``BLOCK`` / ``WARPS``), each
+checked against the sort path's tokens.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_gemm import graph_us  # noqa: E402  (this directory)
 
 from disagg.engine.sampling import draw, draw_seed  # noqa: E402
+from disagg.kernels import sample_race  # noqa: E402
 from disagg.kernels.sample_race import filter_batch, race  # noqa: E402
 
 SCALES = {"flat": 0.05, "moderate": 1.0, "peaked": 4.0}
+SWEEP_BLOCKS = (1024, 2048, 4096, 8192)
+SWEEP_WARPS = (4, 8, 16)
 
 
 def event_us(fn, reps: int = 20) -> float:
@@ -70,6 +77,33 @@ def probe(x: torch.Tensor, keys: torch.Tensor, a: argparse.Namespace) -> dict:
     }
 
 
+def sweep(x: torch.Tensor, keys: torch.Tensor, top_p: float) -> dict:
+    """The race kernel's time alone and with top-p at each (BLOCK, WARPS), and whether its
+    tokens equal the sort path's."""
+    b, dev = x.shape[0], x.device
+    no_floor = torch.full((b,), float("-inf"), device=dev)
+    no_p = torch.ones(b, dtype=torch.float32, device=dev)
+    on_p = torch.full((b,), top_p, dtype=torch.float32, device=dev)
+    want = race(filter_batch(x, [0] * b, [top_p] * b), keys).tolist()
+    keep = sample_race.BLOCK, sample_race.WARPS
+    out = {}
+    try:
+        for block in SWEEP_BLOCKS:
+            for warps in SWEEP_WARPS:
+                sample_race.BLOCK, sample_race.WARPS = block, warps
+                try:
+                    same = race(x, keys, no_floor, on_p).tolist() == want
+                    out[f"{block}x{warps}"] = {
+                        "race": graph_us(lambda i: race(x, keys, no_floor, no_p), 1),
+                        "race_top_p": graph_us(lambda i: race(x, keys, no_floor, on_p), 1),
+                        "equals_sort_path": same}
+                except Exception as e:  # noqa: BLE001  (out of registers: say so, go on)
+                    out[f"{block}x{warps}"] = {"error": repr(e)[:200]}
+    finally:
+        sample_race.BLOCK, sample_race.WARPS = keep
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -78,6 +112,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="time every (BLOCK, WARPS) pair")
     a = ap.parse_args()
     dev = torch.device("cuda:0")
     b, v = a.batch, a.vocab
@@ -92,6 +127,11 @@ def main() -> None:
         result["us"][name] = r
         print(name, {k: round(val, 1) if isinstance(val, float) else val
                      for k, val in r.items()}, flush=True)
+        if a.sweep:
+            r["sweep"] = sweep(x, keys, a.top_p)
+            for cfg, t in r["sweep"].items():
+                print(" ", name, cfg, {k: round(val, 1) if isinstance(val, float) else val
+                                        for k, val in t.items()}, flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "sampling_probe.json").write_text(json.dumps(result, indent=1))
 

@@ -41,7 +41,8 @@ M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 C1, C2 = 0x85EBCA6B, 0xC2B2AE35
 INV24 = 1.0 / (1 << 24)
-BLOCK = 1024
+BLOCK = 1024  # logits a program loads per loop step (bench/sampling_probe.py --sweep)
+WARPS = 8
 
 
 def _fmix(x: torch.Tensor) -> torch.Tensor:
@@ -239,7 +240,7 @@ def race(x: torch.Tensor, keys: torch.Tensor, floor: torch.Tensor | None = None,
         floor = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if n:
-        launch = {} if checks.interpreting() else {"num_warps": 8}
+        launch = {} if checks.interpreting() else {"num_warps": WARPS}
         _race_kernel[(n,)](x, ones if temperature is None else temperature, keys, floor,
                            ones if top_p is None else top_p, out, vocab, x.stride(0),
                            BLOCK_V=BLOCK, CHECK=top_p is not None, **launch)
