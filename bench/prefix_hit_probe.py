@@ -4,8 +4,9 @@ tokens over 2k cached ones took 39 ms from the plan's arrival to its launch.
 
 On the 8B shape with random weights, eager steps as a mixed node runs a prefix hit: NEW fresh
 tokens over CTX cached ones (one sequence, or SEQS sequences at once), timed end to end
-(``execute``: host work, launch and the device) and from launch to return (host only), beside
-the same NEW tokens with nothing cached, plus a torch-profiler table of the 4k hit. Then the
+(``execute``: host work, launch and the device) and from launch to return (host only), eager
+and replayed from the decode graphs with every token a row (``cuda_graphs.rows_step``, whatever
+its key-row budget), plus torch-profiler tables of the eager 4k hit. Then the
 attention alone, per layer: the chunked-prefill kernel on a NEW-token chunk over CTX (what the
 step runs) against the split decode kernel on NEW rows, each seeing its own causal prefix (the
 same output: checked).
@@ -28,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experiment_engine import QWEN3_8B, median_ms  # noqa: E402  (this directory)
 from fp8_gemm import graph_us  # noqa: E402
 
-CASES = ((0, 16, 1), (2048, 16, 1), (4096, 16, 1), (4096, 64, 1), (2048, 16, 7), (8192, 16, 1))
+CASES = ((0, 17, 1), (0, 130, 1), (2048, 16, 1), (4096, 16, 1), (4096, 64, 1), (4096, 128, 1),
+         (2048, 16, 7), (8192, 16, 1), (8192, 64, 1))
 
 
 def step_plan(step: int, ctx: int, new: int, seqs: int, pages: list[int], page: int):
@@ -85,6 +87,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     from torch.profiler import ProfilerActivity, profile
 
+    from disagg.engine import cuda_graphs
     from disagg.engine.attention import get_backend
     from disagg.engine.kv_memory import KVAllocation, KVLayout
     from disagg.engine.runner import ModelRunner
@@ -114,11 +117,18 @@ def main() -> None:
     random.Random(1).shuffle(pages)
     for i, (ctx, new, seqs) in enumerate(CASES):
         plan = step_plan(10 + i, ctx, new, seqs, pages, page)
-        runner.execute(plan)  # first use
-        r = {"step_ms": median_ms(lambda p=plan: runner.execute(p), 10),
-             "launch_host_ms": host_launch_ms(runner, plan)}
+        r = {}
+        for how, budget in (("eager", 0), ("rows", 1 << 30)):
+            cuda_graphs.ROWS_KV_BUDGET = budget
+            replays = runner.graphs.replays
+            first = runner.execute(plan)[0]  # first use
+            r[how] = {"step_ms": median_ms(lambda p=plan: runner.execute(p), 10),
+                      "launch_host_ms": host_launch_ms(runner, plan),
+                      "replayed": runner.graphs.replays > replays, "tokens": first}
+        r["same_tokens"] = r["eager"].pop("tokens") == r["rows"].pop("tokens")
         res["steps"][f"{seqs}x({ctx}+{new})"] = r
-        print("step", seqs, ctx, new, {k: round(x, 2) for k, x in r.items()}, flush=True)
+        print("step", seqs, ctx, new, r, flush=True)
+    cuda_graphs.ROWS_KV_BUDGET = 0
     plan = step_plan(99, 4096, 16, 1, pages, page)
     runner.execute(plan)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -16,6 +16,16 @@ each layer's attention; ``set_base`` is a stream-ordered fill the runner issues 
 Each graph also computes the float32 logits and their argmax, so a greedy step costs one replay
 and one device-to-host copy. CUDA only; the runner never builds this on CPU.
 
+Small prompt steps (``rows_step``): a step whose chunks carry several tokens (a short prompt,
+the fresh tokens after a prefix hit, chunks beside decodes) replays the same graphs with every
+token as a row of its own: the row's table is its sequence's and its length its position + 1,
+so it attends to its causal prefix, and every row's K/V is appended before any row attends (as
+in a decode step, layer by layer). Only the sampled chunks' last rows are picked. The eager step
+it replaces is host-bound for such steps (~13 ms for 17-130 tokens of the 8B shape on an
+H200, docs/BENCHMARKS.md), the replay is one launch; the cost moves to attention, which reads a
+sequence's context once per row (mostly from L2: a sequence's rows read the same pages at the
+same time), so a step is taken only while its prompt rows' lengths sum to at most ``ROWS_KV_BUDGET``.
+
 Speculative decoding (``q_len`` = 1 + K > 1): a second set of graphs runs decode steps whose
 sequences carry drafts, every sequence padded to exactly ``q_len`` query rows (padding rows:
 token 0, ``slot_mapping`` -1, after the real ones, so causal attention keeps them out of the
@@ -26,17 +36,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from disagg.config import env
 from disagg.kernels.interface import AttentionBackend, AttentionMetadata
 from disagg.model.transformer import Transformer
+from disagg.protocol.executor import SeqChunk
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# the most key rows (summed over the step's rows, each its position + 1) a step replayed as rows
+# may read: 16 rows over 8k, or 128 fresh prompt tokens many times over (DISAGG_ROWS_KV_BUDGET;
+# 0 turns rows steps off)
+ROWS_KV_BUDGET = int(env("ROWS_KV_BUDGET") or 1 << 17)
 
 
 def buckets_for(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> list[int]:
@@ -52,6 +68,29 @@ def pick_bucket(n: int, buckets: list[int]) -> int | None:
         if b >= n:
             return b
     return None
+
+
+def rows_step(chunks: Sequence[SeqChunk], positions: np.ndarray, tables: np.ndarray,
+              hidden_rows: list[int], max_rows: int, max_pages: int,
+              kv_budget: int | None = None) -> np.ndarray | None:
+    """The per-row block tables (``[T, w]``: each token's sequence's row of ``tables``) of a
+    step that a decode graph may run with every token as a row, or None: when no chunk has
+    more than one token (a decode step: the graphs take it as it is), when a chunk wants
+    something a decode graph does not compute (hidden rows, prompt logprobs, drafts), or when
+    the step is too big (more than ``max_rows`` tokens, tables wider than ``max_pages``, rows
+    whose lengths sum past ``kv_budget``, default ``ROWS_KV_BUDGET``: the rows of chunks of
+    more than one token; a decode row reads what it would in a decode step)."""
+    t = int(positions.shape[0])
+    kv_budget = ROWS_KV_BUDGET if kv_budget is None else kv_budget
+    if t <= len(chunks) or t > max_rows or hidden_rows or int(tables.shape[1]) > max_pages:
+        return None
+    if any(c.prompt_rows or c.num_draft or c.draft_tokens or c.want_hidden for c in chunks):
+        return None
+    lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
+    multi = np.repeat(lens > 1, lens)  # decode rows read what a decode step reads anyway
+    if int(positions[multi].sum()) + int(multi.sum()) > kv_budget:
+        return None
+    return np.repeat(tables, lens, axis=0)
 
 
 class DecodeGraphs:

@@ -5,8 +5,9 @@ KV cache and the attention backend; keeps no per-request state between steps.
 
 Host work per step is vectorised (numpy over the flattened plan: one pass builds token ids,
 positions, slots, block tables and checks the bounds). On CUDA, ``enable_cuda_graphs`` makes
-decode-only steps replay a captured graph (``disagg.engine.cuda_graphs``); prefill and mixed steps run
-eagerly.
+decode-only steps replay a captured graph (``disagg.engine.cuda_graphs``), and so do small steps
+with prompt chunks, every token a row of its own (``cuda_graphs.rows_step``); larger prefill and
+mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -287,6 +288,30 @@ class ModelRunner:
         rows = torch.from_numpy(np.flatnonzero(real.ravel())).to(self.device, non_blocking=True)
         return self._verify(logits.index_select(0, rows), list(chunks))
 
+    def _rows_graph_step(self, plan: StepPlan, host: HostStep, fill: Fill | None,
+                         waits: list[Any]) -> Launched | None:
+        """Replay a decode graph for a small step with prompt chunks, each token a row
+        (``cuda_graphs.rows_step``), or None when the step is not one."""
+        from disagg.engine.cuda_graphs import rows_step
+
+        g = self.graphs
+        if g is None or (tables := rows_step(plan.chunks, host.positions, host.tables,
+                                             host.hidden_rows, g.buckets[-1],
+                                             g.max_pages)) is None:
+            return None
+        if waits:
+            waits[-1].wait()  # a replay waits for the whole reload (its last layer)
+        logits, greedy = g.run(host.token_ids, host.positions, host.slots, tables, fill)
+        sampled = [c for c in plan.chunks if c.sample]
+        if not sampled:
+            return Launched([], None)
+        rows = torch.tensor(host.sample_rows, dtype=torch.int64).to(self.device,
+                                                                    non_blocking=True)
+        logits, greedy = logits.index_select(0, rows), greedy.index_select(0, rows)
+        if any(c.late_mask for c in plan.chunks):
+            return self._late_pick(plan.chunks, logits, greedy, fill)
+        return self._pick(plan.chunks, sampled, logits, greedy, fill)
+
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
         """Run one step and wait for it: ``launch(plan).wait()``."""
         return self.launch(plan).wait()
@@ -361,6 +386,9 @@ class ModelRunner:
             return self._pick(plan.chunks, plan.chunks, logits, greedy, fill)
         if graphs_ok and self.spec_graphs is not None and (
                 out := self._spec_graph_step(plan, host)):
+            return out
+        if graphs_ok and self.drafter is None and (
+                out := self._rows_graph_step(plan, host, fill, waits)):
             return out
         input_ids, positions, meta = self._to_device(host, plan.num_decodes)
         if fill is not None:
