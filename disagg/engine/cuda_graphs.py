@@ -20,7 +20,8 @@ Small prompt steps (``rows_step``): a step whose chunks carry several tokens (a 
 the fresh tokens after a prefix hit, chunks beside decodes) replays the same graphs with every
 token as a row of its own: the row's table is its sequence's and its length its position + 1,
 so it attends to its causal prefix, and every row's K/V is appended before any row attends (as
-in a decode step, layer by layer). Only the sampled chunks' last rows are picked. The eager step
+in a decode step, layer by layer). Only the sampled chunks' last rows are picked, and a prefill
+node's context rows are copied from the graph's final hidden states. The eager step
 it replaces is host-bound for such steps (~13 ms for 17-130 tokens of the 8B shape on an
 H200, docs/BENCHMARKS.md), the replay is one launch; the cost moves to attention, which reads a
 sequence's context once per row (mostly from L2: a sequence's rows read the same pages at the
@@ -75,16 +76,17 @@ def rows_step(chunks: Sequence[SeqChunk], positions: np.ndarray, tables: np.ndar
               kv_budget: int | None = None) -> np.ndarray | None:
     """The per-row block tables (``[T, w]``: each token's sequence's row of ``tables``) of a
     step that a decode graph may run with every token as a row, or None: when no chunk has
-    more than one token (a decode step: the graphs take it as it is), when a chunk wants
-    something a decode graph does not compute (hidden rows, prompt logprobs, drafts), or when
+    more than one token and no hidden row is wanted (a decode step: the graphs take it as it
+    is), when a chunk wants what a decode graph does not compute (prompt logprobs, drafts), or
+    when
     the step is too big (more than ``max_rows`` tokens, tables wider than ``max_pages``, rows
     whose lengths sum past ``kv_budget``, default ``ROWS_KV_BUDGET``: the rows of chunks of
     more than one token; a decode row reads what it would in a decode step)."""
     t = int(positions.shape[0])
     kv_budget = ROWS_KV_BUDGET if kv_budget is None else kv_budget
-    if t <= len(chunks) or t > max_rows or hidden_rows or int(tables.shape[1]) > max_pages:
+    if (t == len(chunks) and not hidden_rows) or t > max_rows or int(tables.shape[1]) > max_pages:
         return None
-    if any(c.prompt_rows or c.num_draft or c.draft_tokens or c.want_hidden for c in chunks):
+    if any(c.prompt_rows or c.num_draft or c.draft_tokens for c in chunks):
         return None
     lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
     multi = np.repeat(lens > 1, lens)  # decode rows read what a decode step reads anyway
@@ -136,8 +138,16 @@ class DecodeGraphs:
         self._pad_positions = np.tile(np.arange(q, dtype=np.int64), n)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> logits, argmax
+        self.hidden: dict[int, torch.Tensor] = {}  # bucket -> the final hidden states
+        self._last = 0  # the last replay's bucket
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
+
+    def hidden_rows(self, rows: list[int]) -> torch.Tensor:
+        """A copy of the last replay's final hidden states at ``rows`` (a prefill's context
+        rows)."""
+        idx = torch.tensor(rows, dtype=torch.int64).to(self.input_ids.device, non_blocking=True)
+        return self.hidden[self._last].index_select(0, idx)
 
     def fits(self, num_seqs: int, max_pages: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_pages <= self.max_pages
@@ -149,7 +159,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:b], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
             num_decodes=b if q == 1 else 0, max_q_len=q, max_seq_len=self.max_model_len)
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = b * self.q_len
         ids = self.input_ids[:t]
         if self.q_len == 1:  # follow rows: the previous replay's token (overlap; no drafts)
@@ -159,9 +169,9 @@ class DecodeGraphs:
                             self.layer_hook)
         logits = self.model.logits(hidden)
         if self.q_len > 1:
-            return logits, logits.argmax(dim=-1)
+            return logits, logits.argmax(dim=-1), hidden
         self.sampled[:t].copy_(logits.argmax(dim=-1))
-        return logits, self.sampled[:t]
+        return logits, self.sampled[:t], hidden
 
     @torch.inference_mode()
     def capture_all(self) -> float:
@@ -178,9 +188,10 @@ class DecodeGraphs:
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = self._forward(b)
+                    logits, tokens, hidden = self._forward(b)
                 self.graphs[b] = graph
-                self.outputs[b] = out
+                self.outputs[b] = logits, tokens
+                self.hidden[b] = hidden
         torch.cuda.current_stream().wait_stream(stream)
         # load the follow fill's kernels now, not at the first overlapped step (lazy loading)
         idx = torch.zeros(1, dtype=torch.int64, device=self.input_ids.device)
@@ -242,6 +253,7 @@ class DecodeGraphs:
         self._buffer[:size].copy_(staged[:size], non_blocking=True)
         self.graphs[b].replay()
         self.replays += 1
+        self._last = b
         logits, tokens = self.outputs[b]
         return logits[:t], tokens[:t]
 

@@ -302,15 +302,16 @@ class ModelRunner:
         if waits:
             waits[-1].wait()  # a replay waits for the whole reload (its last layer)
         logits, greedy = g.run(host.token_ids, host.positions, host.slots, tables, fill)
+        ctx = g.hidden_rows(host.hidden_rows) if host.hidden_rows else None
         sampled = [c for c in plan.chunks if c.sample]
         if not sampled:
-            return Launched([], None)
+            return Launched([], ctx)
         rows = torch.tensor(host.sample_rows, dtype=torch.int64).to(self.device,
                                                                     non_blocking=True)
         logits, greedy = logits.index_select(0, rows), greedy.index_select(0, rows)
         if any(c.late_mask for c in plan.chunks):
-            return self._late_pick(plan.chunks, logits, greedy, fill)
-        return self._pick(plan.chunks, sampled, logits, greedy, fill)
+            return self._late_pick(plan.chunks, logits, greedy, fill, ctx)
+        return self._pick(plan.chunks, sampled, logits, greedy, fill, ctx)
 
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
         """Run one step and wait for it: ``launch(plan).wait()``."""

@@ -44,9 +44,16 @@ def test_a_prefix_hit_chunk_becomes_rows_with_its_sequences_table():
     assert (rows[0] == tables[0]).all() and all((rows[i] == tables[1]).all() for i in range(1, 6))
 
 
+def test_a_prefill_nodes_chunks_with_context_rows_become_rows():
+    chunks = chunks_of((0, 8), (5, 1))  # a prompt's chunk; a 2-token prompt's one token
+    pos, tables = host_of(chunks)
+    assert rows_step(chunks, pos, tables, [7, 8], 64, 16) is not None
+    assert rows_step(chunks[1:], pos[8:], tables[1:], [0], 64, 16) is not None
+    assert rows_step(chunks[1:], pos[8:], tables[1:], [], 64, 16) is None  # a decode
+
+
 @pytest.mark.parametrize(("chunks", "hidden", "max_rows", "max_pages", "budget"), [
     (chunks_of((7, 1), (9, 1)), [], 64, 16, 1 << 17),  # decodes only: the graphs as they are
-    (chunks_of((0, 8)), [7], 64, 16, 1 << 17),  # a hidden row wanted (a prefill node's)
     (chunks_of((0, 65)), [], 64, 32, 1 << 17),  # more tokens than the largest bucket
     (chunks_of((60, 4)), [], 64, 8, 1 << 17),  # a table wider than the graphs'
     (chunks_of((100, 4)), [], 64, 64, 400),  # 101 + 102 + 103 + 104 key rows > 400
@@ -74,6 +81,7 @@ class EagerRows:
         self.buckets = [max_rows]
         self.max_pages = max_pages
         self.rows_steps = 0
+        self.last_hidden: torch.Tensor | None = None
 
     def fits(self, num_seqs: int, max_pages: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_pages <= self.max_pages
@@ -95,7 +103,12 @@ class EagerRows:
         with torch.inference_mode():
             hidden = r.model(ids, torch.from_numpy(positions.copy()), r.kv, meta, r.backend)
             logits = r.model.logits(hidden)
+        self.last_hidden = hidden
         return logits, logits.argmax(dim=-1)
+
+    def hidden_rows(self, rows: list[int]) -> torch.Tensor:
+        assert self.last_hidden is not None
+        return self.last_hidden[rows].clone()
 
 
 def conversation(llm: LLM) -> list[list[int]]:
@@ -144,3 +157,28 @@ def test_the_budget_counts_prompt_rows_not_the_decodes_beside_them():
     pos, tables = host_of(chunks)
     assert rows_step(chunks, pos, tables, [], 64, 512, 11 + 12 + 13 + 14) is not None
     assert rows_step(chunks, pos, tables, [], 64, 512, 11 + 12 + 13 + 13) is None
+
+
+def test_a_prefill_nodes_context_rows_from_rows_steps_equal_the_eager_steps(tiny_models):
+    """A prefill node's step (the prompt less its last token, its context row wanted, nothing
+    sampled) gives the eager step's context rows, and the cache rows after it are equal."""
+    from disagg.engine.attention import get_backend
+    from disagg.engine.runner import ModelRunner
+    from disagg.protocol.executor import StepPlan
+
+    model = load_model(tiny_models["qwen2"], "float32")
+    arch = model.arch
+    shape = (arch.num_layers, 16, 2, arch.num_kv_heads, PAGE, arch.head_dim)
+    plan = StepPlan(1, [SeqChunk(0, list(range(20, 31)), 0, [3, 1, 4], False, True),
+                        SeqChunk(1, [40, 41], 0, [7], False, True)], 0)
+    got = []
+    for rows in (False, True):
+        runner = ModelRunner(model, torch.zeros(shape), get_backend("torch", model.device))
+        if rows:
+            runner.graphs = stand_in = EagerRows(runner)  # type: ignore[assignment]
+        _, ctx, _ = runner.execute(plan)
+        assert ctx is not None and ctx.shape == (2, arch.hidden_size)
+        got.append((ctx, runner.kv[:, [3, 1, 4, 7]].clone()))
+    assert stand_in.rows_steps == 1
+    torch.testing.assert_close(got[1][0], got[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1][1], got[0][1], rtol=1e-5, atol=1e-5)
