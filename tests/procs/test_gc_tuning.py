@@ -29,6 +29,32 @@ def test_freeze_can_be_turned_off():
     assert run("0") == [0, 0]
 
 
+THRESHOLD_CODE = """
+import gc
+from disagg.gc_tuning import freeze_startup_objects
+before = gc.get_threshold()
+freeze_startup_objects("test")
+print(*before, *gc.get_threshold())
+"""
+
+
+def test_serving_thresholds_are_set_after_the_freeze_and_can_be_given():
+    from disagg.gc_tuning import SERVING_THRESHOLDS
+
+    assert run(None, THRESHOLD_CODE) == [700, 10, 10, *SERVING_THRESHOLDS]
+    assert run("1000,5,7", THRESHOLD_CODE, "DISAGG_GC_THRESHOLDS")[3:] == [1000, 5, 7]
+
+
+def test_bad_thresholds_are_refused_by_name():
+    import pytest
+
+    with pytest.raises(subprocess.CalledProcessError) as e:
+        subprocess.run([sys.executable, "-c", THRESHOLD_CODE], capture_output=True, text=True,
+                       env={**os.environ, "DISAGG_GC_THRESHOLDS": "1,2"}, timeout=60,
+                       check=True)
+    assert "DISAGG_GC_THRESHOLDS='1,2'" in e.value.stderr
+
+
 MALLOC_CODE = """
 import ctypes, sys
 from disagg.gc_tuning import keep_large_buffers

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from disagg.actors.router.router_front import Flight
-from disagg.actors.sockets import monitor_events
+from disagg.actors.sockets import monitor_events, readable
 from disagg.protocol import Error, Pong, Stats
 from disagg.serving.metrics import Metrics
 from disagg.serving.routing import LoadBalancer
@@ -86,10 +86,11 @@ class RouterPeers:
         """The next frame from ``addr``; a connection of its that went down meanwhile (its
         process is gone, and with it what it held of ours) kills it at once."""
         while True:
-            try:
-                return await sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                pass
+            if readable(sock):  # (an Again would leave a reference cycle: sockets.readable)
+                try:
+                    return await sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
             events = dict(await poller.poll())
             if monitor in events:
                 for event, _ in await monitor_events(monitor):
