@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from disagg.engine.runner import ModelRunner, flatten_plan
+from disagg.engine.host_step import flatten_plan
+from disagg.engine.runner import ModelRunner
 from disagg.protocol.executor import SeqChunk, StepPlan
 
 

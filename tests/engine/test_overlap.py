@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from disagg.engine.cache import PagePool
-from disagg.engine.runner import flatten_plan
+from disagg.engine.host_step import flatten_plan
 from disagg.engine.scheduling import BatchScheduler, Sequence, Status
 from disagg.llm import LLM
 from disagg.model.loader import load_model

@@ -10,7 +10,7 @@ import pytest
 
 from disagg.engine.cache import slot_mapping
 from disagg.engine.cuda_graphs import buckets_for, pick_bucket
-from disagg.engine.runner import flatten_plan
+from disagg.engine.host_step import flatten_plan
 from disagg.protocol.executor import SeqChunk, StepPlan
 
 
