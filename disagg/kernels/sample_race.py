@@ -41,8 +41,8 @@ M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 C1, C2 = 0x85EBCA6B, 0xC2B2AE35
 INV24 = 1.0 / (1 << 24)
-BLOCK = 1024  # logits a program loads per loop step (bench/sampling_probe.py --sweep)
-WARPS = 8
+BLOCK = 2048  # logits a program loads per loop step (bench/sampling_probe.py --sweep)
+WARPS = 16
 
 
 def _fmix(x: torch.Tensor) -> torch.Tensor:
