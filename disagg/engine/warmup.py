@@ -48,9 +48,10 @@ def graphs_refusal(cfg: NodeConfig, tp: TensorParallel, backend: Any,
                    model: Any) -> str | None:
     """None when this executor captures decode CUDA graphs, else why not (a line to log; empty
     where they are off by role, device or ``--enforce-eager``)."""
-    if not (cfg.devices[0].startswith("cuda") and cfg.executor.cuda_graphs):
-        return ""
-    if cfg.role == "prefill" and cfg.scheduler.speculative_method:  # its draft runs eagerly
+    # a prefill node could replay them for its small steps too (``rows_step`` takes context
+    # rows and the graphs bump the layer counter), but that is not yet run on a GPU
+    if not (cfg.devices[0].startswith("cuda") and cfg.executor.cuda_graphs
+            and cfg.role != "prefill"):
         return ""
     if tp.size > 1:
         return "CUDA graphs are not used with --tp > 1 yet; running decode eagerly"

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from disagg.config import ExecutorConfig, NodeConfig, SchedulerConfig
+from disagg.config import ExecutorConfig, NodeConfig
 from disagg.engine.warmup import graphs_refusal
 from disagg.model.ep import ExpertParallel
 from disagg.model.tp import TensorParallel
@@ -29,12 +29,8 @@ def test_graphs_are_captured_only_where_the_executor_can_replay_them():
     one = TensorParallel()
     assert graphs_refusal(cuda, one, triton, dense) is None
     assert graphs_refusal(NodeConfig(devices=["cpu"]), one, triton, dense) == ""
-    # a prefill node replays them for its small steps, every token a row (rows_step)
     assert graphs_refusal(NodeConfig(devices=["cuda:0"], role="prefill"), one, triton,
-                          dense) is None
-    spec = NodeConfig(devices=["cuda:0"], role="prefill",
-                      scheduler=SchedulerConfig(speculative_method="ngram"))
-    assert graphs_refusal(spec, one, triton, dense) == ""
+                          dense) == ""
     eager = NodeConfig(devices=["cuda:0"], executor=ExecutorConfig(cuda_graphs=False))
     assert graphs_refusal(eager, one, triton, dense) == ""
     assert "--tp > 1" in str(graphs_refusal(cuda, TensorParallel(0, 2), triton, dense))
