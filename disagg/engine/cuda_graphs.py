@@ -21,11 +21,12 @@ the fresh tokens after a prefix hit, chunks beside decodes) replays the same gra
 token as a row of its own: the row's table is its sequence's and its length its position + 1,
 so it attends to its causal prefix, and every row's K/V is appended before any row attends (as
 in a decode step, layer by layer). Only the sampled chunks' last rows are picked, and a prefill
-node's context rows are copied from the graph's final hidden states. The eager step
-it replaces is host-bound for such steps (~13 ms for 17-130 tokens of the 8B shape on an
-H200, docs/BENCHMARKS.md), the replay is one launch; the cost moves to attention, which reads a
+node's context rows are copied from the graph's final hidden states. The eager step it
+replaces is host-bound (14-16 ms for the 8B shape on an H200 whatever its size,
+docs/BENCHMARKS.md), the replay is one launch; the cost moves to attention, which reads a
 sequence's context once per row (mostly from L2: a sequence's rows read the same pages at the
-same time), so a step is taken only while its prompt rows' lengths sum to at most ``ROWS_KV_BUDGET``.
+same time), so a step is taken only while its prompt rows' lengths sum to at most
+``ROWS_KV_BUDGET``.
 
 Speculative decoding (``q_len`` = 1 + K > 1): a second set of graphs runs decode steps whose
 sequences carry drafts, every sequence padded to exactly ``q_len`` query rows (padding rows:
@@ -53,7 +54,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # the most key rows (summed over the prompt rows, each its position + 1) a step replayed as rows
 # may read (DISAGG_ROWS_KV_BUDGET; 0 turns rows steps off). On an H200 (8B shape, bf16) such a
 # replay took ~5.2 ms + ~23 us per 1,000 key rows (16 fresh tokens over 4k: 6.5 ms, 64: 11.2,
-# 128: 17.4) against 14-16 ms eager whatever the size (host-bound launches): even at 300k
+# 128: 17.4) against 14-16 ms eager whatever the size (host-bound launches); 300k key rows is
+# ~12 ms
 ROWS_KV_BUDGET = int(env("ROWS_KV_BUDGET") or 300_000)
 
 
@@ -79,10 +81,9 @@ def rows_step(chunks: Sequence[SeqChunk], positions: np.ndarray, tables: np.ndar
     step that a decode graph may run with every token as a row, or None: when no chunk has
     more than one token and no hidden row is wanted (a decode step: the graphs take it as it
     is), when a chunk wants what a decode graph does not compute (prompt logprobs, drafts), or
-    when
-    the step is too big (more than ``max_rows`` tokens, tables wider than ``max_pages``, rows
-    whose lengths sum past ``kv_budget``, default ``ROWS_KV_BUDGET``: the rows of chunks of
-    more than one token; a decode row reads what it would in a decode step)."""
+    when the step is too big (more than ``max_rows`` tokens, tables wider than ``max_pages``,
+    rows whose lengths sum past ``kv_budget``, default ``ROWS_KV_BUDGET``: the rows of chunks
+    of more than one token; a decode row reads what it would in a decode step)."""
     t = int(positions.shape[0])
     kv_budget = ROWS_KV_BUDGET if kv_budget is None else kv_budget
     if (t == len(chunks) and not hidden_rows) or t > max_rows or int(tables.shape[1]) > max_pages:
