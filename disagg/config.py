@@ -24,6 +24,21 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+def env_ints(name: str, count: int, want: str) -> tuple[int, ...] | None:
+    """``DISAGG_<name>`` as ``count`` comma-separated integers, None when unset or empty;
+    ValueError naming the variable and ``want`` (what the integers are) otherwise."""
+    raw = (env(name) or "").strip()
+    if not raw:
+        return None
+    try:
+        values = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != count:
+        raise ValueError(f"{ENV_PREFIX}{name}={raw!r}: want {want}")
+    return values
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the flag."""
 

@@ -26,13 +26,15 @@ import logging
 import os
 import time
 
-from disagg.config import env
+from disagg.config import env, env_ints
 
 log = logging.getLogger(__name__)
 
 
 def freeze_startup_objects(who: str) -> int:
-    """Collect once, then freeze what survives; returns the objects frozen (0 when disabled)."""
+    """Collect once, freeze what survives and set the serving thresholds
+    (``serving_thresholds``); returns the objects frozen (0 when disabled: the collector is
+    then left as it is)."""
     if os.environ.get("DISAGG_GC_FREEZE", "1") == "0":
         return 0
     t0 = time.perf_counter()
@@ -54,15 +56,12 @@ SERVING_THRESHOLDS = (50_000, 20, 100)
 
 def serving_thresholds() -> tuple[int, int, int]:
     """``SERVING_THRESHOLDS``, or ``DISAGG_GC_THRESHOLDS=g0,g1,g2``."""
-    raw = (env("GC_THRESHOLDS") or "").strip()
-    if not raw:
+    given = env_ints("GC_THRESHOLDS", 3, "three integers g0,g1,g2, each >= 0")
+    if given is None:
         return SERVING_THRESHOLDS
-    try:
-        g0, g1, g2 = (int(x) for x in raw.split(","))
-    except ValueError:
-        raise ValueError(f"DISAGG_GC_THRESHOLDS={raw!r}: want three integers g0,g1,g2") from None
-    if min(g0, g1, g2) < 0:
-        raise ValueError(f"DISAGG_GC_THRESHOLDS={raw!r}: thresholds are >= 0")
+    if min(given) < 0:
+        raise ValueError(f"DISAGG_GC_THRESHOLDS={env('GC_THRESHOLDS')!r}: thresholds are >= 0")
+    g0, g1, g2 = given
     return g0, g1, g2
 
 

@@ -14,12 +14,13 @@ Reference: ``reference.paged_decode_attention``.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import triton
 import triton.language as tl
 
-from disagg.config import env
+from disagg.config import env_ints
 from disagg.kernels import checks
 
 LOG2E = 1.4426950408889634
@@ -37,14 +38,8 @@ DECODE_TILES: dict[torch.dtype, tuple[int, int, int]] = {
 
 
 def _tile_override() -> tuple[int, int, int] | None:
-    raw = (env("DECODE_TILE") or "").strip()
-    if not raw:
-        return None
-    try:
-        block_n, warps, stages = (int(x) for x in raw.split(","))
-    except ValueError:
-        raise ValueError(f"DISAGG_DECODE_TILE={raw!r}: want block_n,warps,stages") from None
-    return block_n, warps, stages
+    return cast("tuple[int, int, int] | None",
+                env_ints("DECODE_TILE", 3, "block_n,warps,stages"))
 
 
 _OVERRIDE = _tile_override()
