@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from disagg.config import NodeConfig
+from disagg.config import NodeConfig, env
 from disagg.engine.decode_splits import decode_split_launches
 from disagg.kernels.interface import AttentionBackend
 from disagg.kernels.warm_pool import WarmReport, run_parallel
@@ -44,14 +44,20 @@ def warm_threads(executors: int, cores: int | None = None) -> int:
     return max(1, min(MAX_THREADS, cores // max(1, executors)))
 
 
+def prefill_graphs(cfg: NodeConfig) -> bool:
+    """Whether a prefill node captures the decode graphs too, to replay its small prompt steps
+    as rows (``cuda_graphs.rows_step`` takes context rows; the graphs bump the layer counter).
+    Off unless ``DISAGG_PREFILL_GRAPHS=1``: not yet run on a GPU (docs/NOTES.md). A prefill
+    node that drafts (speculative prefill) stays eager either way."""
+    return env("PREFILL_GRAPHS", "0") == "1" and not cfg.scheduler.speculative_method
+
+
 def graphs_refusal(cfg: NodeConfig, tp: TensorParallel, backend: Any,
                    model: Any) -> str | None:
     """None when this executor captures decode CUDA graphs, else why not (a line to log; empty
     where they are off by role, device or ``--enforce-eager``)."""
-    # a prefill node could replay them for its small steps too (``rows_step`` takes context
-    # rows and the graphs bump the layer counter), but that is not yet run on a GPU
     if not (cfg.devices[0].startswith("cuda") and cfg.executor.cuda_graphs
-            and cfg.role != "prefill"):
+            and (cfg.role != "prefill" or prefill_graphs(cfg))):
         return ""
     if tp.size > 1:
         return "CUDA graphs are not used with --tp > 1 yet; running decode eagerly"

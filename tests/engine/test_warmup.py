@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from disagg.config import ExecutorConfig, NodeConfig
+from disagg.config import ExecutorConfig, NodeConfig, SchedulerConfig
 from disagg.engine.warmup import graphs_refusal
 from disagg.model.ep import ExpertParallel
 from disagg.model.tp import TensorParallel
@@ -39,6 +39,20 @@ def test_graphs_are_captured_only_where_the_executor_can_replay_them():
     assert "triton" in str(graphs_refusal(cuda, one, SimpleNamespace(name="torch"), dense))
     moe32 = SimpleNamespace(arch=SimpleNamespace(moe=object()), dtype=torch.float32)
     assert "MoE" in str(graphs_refusal(cuda, one, triton, moe32))
+
+
+def test_prefill_nodes_capture_graphs_only_when_asked_and_not_drafting(monkeypatch):
+    triton = SimpleNamespace(name="triton")
+    dense = SimpleNamespace(arch=SimpleNamespace(moe=None), dtype=torch.bfloat16)
+    prefill = NodeConfig(devices=["cuda:0"], role="prefill")
+    drafting = NodeConfig(devices=["cuda:0"], role="prefill", scheduler=SchedulerConfig(
+        speculative_method="draft", num_speculative_tokens=2))
+    monkeypatch.setenv("DISAGG_PREFILL_GRAPHS", "0")
+    assert graphs_refusal(prefill, TensorParallel(), triton, dense) == ""
+    monkeypatch.setenv("DISAGG_PREFILL_GRAPHS", "1")
+    assert graphs_refusal(prefill, TensorParallel(), triton, dense) is None
+    assert graphs_refusal(drafting, TensorParallel(), triton, dense) == ""
+    assert "--tp > 1" in str(graphs_refusal(prefill, TensorParallel(0, 2), triton, dense))
 
 
 @pytest.mark.gpu
