@@ -2,7 +2,7 @@
 with FP8 pages on both sides is token-exact with a mixed node with FP8 pages, its prefiller
 ships a quarter of the page bytes of a float32 pair (the CPU model dtype) over the same
 prompts and units (the context rows stay the model's dtype), and a decoder with float32 pages refuses the FP8 prefiller by name (and
-uses its float32 one)."""
+uses its float32 one). FP8 pages also go to and come back from the host KV tier as FP8 bytes."""
 
 from __future__ import annotations
 
@@ -95,6 +95,35 @@ def test_fp8_pages_with_prefix_caching_and_drafts_across_the_split(model, m_addr
             client.close()
         assert stats(d_addr).spec_draft_tokens > 0
         for addr in (m_addr, p_addr, d_addr):
+            wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
+
+
+def test_fp8_pages_in_the_host_tier_of_a_mixed_node_and_a_prefiller(model, m_addr, tmp_path):
+    """FP8 pages behind a tiny device pool (#38 with #33): the host tier keeps them as FP8
+    bytes (a quarter of float32's page, so four times the slots in the same MiB), a mixed node
+    serves later turns from it and a prefiller ships a decoder's prefix straight from it, and
+    every turn's tokens equal the FP8 mixed node's that neither caches nor drafts."""
+    tier = ("--num-pages", "10", "--kv-host-cache-mb", "1", *FP8)
+    x_addr, x = node("mixed", model, tmp_path, *tier)
+    p_addr, p8 = node("prefill", model, tmp_path, *tier)
+    d_addr, d8 = node("decode", model, tmp_path, "--num-pages", "32", "--no-prefix-caching",
+                      *FP8, "--prefill-peer", p_addr, "--heartbeat", "0.2")
+    page_bytes = (TINY["num_hidden_layers"] * 2 * TINY["num_key_value_heads"] * PAGE
+                  * TINY["hidden_size"] // TINY["num_attention_heads"])  # one byte an element
+    histories = [[3 + 29 * c + i for i in range(3 * PAGE + 1)] for c in range(4)]
+    with running([x, p8, d8], [d_addr]):
+        for turn in range(3):
+            for c, hist in enumerate(histories):
+                want = tokens(m_addr, hist, NEW)
+                assert tokens(x_addr, hist, NEW) == want, f"mixed, turn {turn} conversation {c}"
+                assert tokens(d_addr, hist, NEW) == want, f"split, turn {turn} conversation {c}"
+                hist += want + [5 + c, 6 + turn]
+        for addr in (x_addr, p_addr):
+            s = stats(addr)
+            assert s.host_cache_pages_total == (1 << 20) // page_bytes, addr
+            assert s.tier_hit_tokens_host > 0 and s.kv_bytes_from_host > 0, addr
+        assert stats(p_addr).kv_pages_from_host > 0  # shipped to the decoder from host memory
+        for addr in (m_addr, x_addr, p_addr, d_addr):
             wait_for(lambda a=addr: pools_full(a), what=f"full pool on {addr}")
 
 
