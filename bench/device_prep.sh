@@ -2,7 +2,8 @@
 # Prepares, on a machine with a package registry, what a lent GPU machine (no registry, no
 # libfabric headers; docs GPU notes) needs to run this tree's benches, in paths git ignores:
 #   .whl/          cp312 manylinux wheels: msgspec, pyzmq, cffi, pycparser, xgrammar and the
-#                  imports (apache-tvm-ffi, pydantic and its parts, typing-extensions; NOTES)
+#                  imports (apache-tvm-ffi, pydantic and its parts, typing-extensions; NOTES),
+#                  pytest-asyncio (the image has pytest but not it; the gpu tests need it)
 #   .fabinc/rdma/  libfabric's headers (Debian's libfabric-dev), for `python3 -m
 #                  disagg.fabric.build` there with DISAGG_FABRIC_INCLUDE=$PWD/.fabinc
 #   .device/smodel/ the Qwen3-8B shape's config.json (eos 2) with the embedded model's tokenizer
@@ -25,7 +26,8 @@ if [ ! -d .whl ]; then
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 -d .whl msgspec pyzmq cffi pycparser \
     "xgrammar==$("$PY" -c 'import importlib.metadata as m; print(m.version("xgrammar"))')" \
-    apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection typing-extensions
+    apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection typing-extensions \
+    pytest-asyncio
 fi
 
 if [ ! -d .fabinc/rdma ]; then

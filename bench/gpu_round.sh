@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The open one-GPU measurements of issues 33/34/38/39, part by part, each a run of this tree's
+# own entry points (nothing is measured here itself):
+#   gputests  the gpu tests of the transfer path and of rows steps with prefill nodes capturing
+#             the decode graphs (DISAGG_PREFILL_GRAPHS=1, off by default)
+#   ttft0 ttft1  bench/ttft_tail.sh's short prompts (SHORT_LENS, and LONG_LENS 1024) with
+#             DISAGG_PREFILL_GRAPHS 0 / 1: the split's short TTFT against the mixed node's
+#   surface   bench/request_surface.sh at batch 64, plain / JSON-schema / sampled, ROUNDS
+#             rounds, with DISAGG_TRACE's collector marks (SURFACE_MODEL: config and tokenizer)
+#   tiers_bf16 tiers_fp8  bench/kv_tiers.sh with bf16 pages / FP8 pages (half the bytes a
+#             host hit reloads)
+# Results under WORK/<part>, one line each in WORK/summary.txt. Prepare on a machine with a
+# registry first: `bash bench/device_prep.sh` (wheels, headers, .device/smodel).
+# A part may take most of a 600 s device call (T_PART, default 560 s, bounds each): name the
+# parts that fit, one call after another on the machine kept warm (within its idle release).
+# A device call, carry [".whl", ".fabinc", ".device"]:
+#   bash bench/gpu_round.sh /tmp/r ttft0 ttft1 > $OUT/log.txt 2>&1; cp /tmp/r/summary.txt $OUT/;
+#   tar czf $OUT/r.tgz --exclude=trace --exclude=model --exclude='*.safetensors' -C /tmp r
+#   bash bench/gpu_round.sh WORK PART...
+set -u
+WORK=${1:?usage: gpu_round.sh WORK PART...}
+shift
+PARTS=${*:?name the parts: gputests ttft0 ttft1 surface tiers_bf16 tiers_fp8}
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+export PYTHONUNBUFFERED=1
+SUMMARY=$WORK/summary.txt
+note() { echo "$*"; echo "$*" >> "$SUMMARY"; }
+has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+T00=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T00 )) s]"; }
+SURFACE_MODEL=${SURFACE_MODEL:-$ROOT/.device/smodel}
+
+# ---- setup: missing wheels, the libfabric binding
+if ! python3 -c "import msgspec, zmq, xgrammar" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1
+then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || note "setup: wheel install failed"
+  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -d .fabinc ]; then
+  DISAGG_FABRIC_INCLUDE=$ROOT/.fabinc timeout 120 python3 -m disagg.fabric.build \
+    > "$WORK/fabric_build.log" 2>&1 || note "setup: libfabric binding not built"
+fi
+note "$(stamp) setup done; parts: $PARTS; $(python3 -c 'import torch; print(torch.__version__, \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")' 2>&1 | tail -1)"
+
+if has gputests; then
+  DISAGG_PREFILL_GRAPHS=1 timeout "${T_PART:-560}" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu -x tests/procs/test_gpu_transfer.py tests/engine/test_rows_step.py \
+    > "$WORK/gpu_tests.log" 2>&1
+  note "$(stamp) gpu tests with DISAGG_PREFILL_GRAPHS=1 rc=$? ($(tail -1 "$WORK/gpu_tests.log"))"
+fi
+
+for g in 0 1; do
+  has "ttft$g" || continue
+  DISAGG_PREFILL_GRAPHS=$g LONG_LENS=${LONG_LENS:-1024} SHORT_LENS=${SHORT_LENS:-"17 64 130"} \
+    timeout "${T_PART:-560}" bash bench/ttft_tail.sh "$WORK/ttft$g" > "$WORK/ttft$g.log" 2>&1
+  note "$(stamp) ttft_tail with DISAGG_PREFILL_GRAPHS=$g rc=$?"
+  [ -f "$WORK/ttft$g/summary.txt" ] && sed "s/^/  ttft$g /" "$WORK/ttft$g/summary.txt" \
+    | tee -a "$SUMMARY"
+  grep -h "graph\|Triton compiled" "$WORK/ttft$g"/prefill*.log 2>/dev/null | head -5 \
+    | sed "s/^/  ttft$g prefill log: /" | tee -a "$SUMMARY"
+done
+
+if has surface; then
+  mkdir -p "$WORK/surface"
+  DISAGG_TRACE=$WORK/surface/trace KINDS=${KINDS:-"plain json sampled"} \
+    ROUNDS=${ROUNDS:-"1 2 3"} NS=${NS-} timeout "${T_PART:-560}" \
+    bash bench/request_surface.sh "$WORK/surface" "$SURFACE_MODEL" > "$WORK/surface.log" 2>&1
+  note "$(stamp) surface rc=$?"
+  grep -E "^round|^n=|late compiles" "$WORK/surface.log" | tee -a "$SUMMARY"
+fi
+
+for kv in bf16 fp8; do
+  has "tiers_$kv" || continue
+  extra=${EXTRA:-}; [ "$kv" = fp8 ] && extra="$extra --kv-cache-dtype fp8_e4m3"
+  EXTRA=$extra timeout "${T_PART:-560}" bash bench/kv_tiers.sh "$WORK/tiers_$kv" \
+    > "$WORK/tiers_$kv.log" 2>&1
+  note "$(stamp) tiers ($kv pages) rc=$?"
+  tail -6 "$WORK/tiers_$kv.log" | sed "s/^/  $kv /" | tee -a "$SUMMARY"
+done
+note "$(stamp) done"
