@@ -7,6 +7,7 @@
 #             DISAGG_PREFILL_GRAPHS 0 / 1: the split's short TTFT against the mixed node's
 #   surface   bench/request_surface.sh at batch 64, plain / JSON-schema / sampled, ROUNDS
 #             rounds, with DISAGG_TRACE's collector marks (SURFACE_MODEL: config and tokenizer)
+#   surface_swi  the same with DISAGG_SWITCH_INTERVAL_US=${SWITCH_US:-500} (Python's is 5000)
 #   tiers_bf16 tiers_fp8  bench/kv_tiers.sh with bf16 pages / FP8 pages (half the bytes a
 #             host hit reloads)
 # Results under WORK/<part>, one line each in WORK/summary.txt. Prepare on a machine with a
@@ -20,7 +21,7 @@
 set -u
 WORK=${1:?usage: gpu_round.sh WORK PART...}
 shift
-PARTS=${*:?name the parts: gputests ttft0 ttft1 surface tiers_bf16 tiers_fp8}
+PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi tiers_bf16 tiers_fp8}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -67,14 +68,17 @@ for g in 0 1; do
     | sed "s/^/  ttft$g prefill log: /" | tee -a "$SUMMARY"
 done
 
-if has surface; then
-  mkdir -p "$WORK/surface"
-  DISAGG_TRACE=$WORK/surface/trace KINDS=${KINDS:-"plain json sampled"} \
-    ROUNDS=${ROUNDS:-"1 2 3"} NS=${NS-} timeout "${T_PART:-560}" \
-    bash bench/request_surface.sh "$WORK/surface" "$SURFACE_MODEL" > "$WORK/surface.log" 2>&1
-  note "$(stamp) surface rc=$?"
-  grep -E "^round|^n=|late compiles" "$WORK/surface.log" | tee -a "$SUMMARY"
-fi
+for part in surface surface_swi; do
+  has "$part" || continue
+  mkdir -p "$WORK/$part"
+  swi=; [ "$part" = surface_swi ] && swi=${SWITCH_US:-500}
+  DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_TRACE=$WORK/$part/trace \
+    KINDS=${KINDS:-"plain json sampled"} ROUNDS=${ROUNDS:-"1 2 3"} NS=${NS-} \
+    timeout "${T_PART:-560}" bash bench/request_surface.sh "$WORK/$part" "$SURFACE_MODEL" \
+    > "$WORK/$part.log" 2>&1
+  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us)"
+  grep -E "^round|^n=|late compiles" "$WORK/$part.log" | sed "s/^/  $part /" | tee -a "$SUMMARY"
+done
 
 for kv in bf16 fp8; do
   has "tiers_$kv" || continue

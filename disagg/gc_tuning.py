@@ -15,6 +15,13 @@ faults on the way in and a TLB shootdown on the way out: 89 us to allocate, fill
 raises the mmap threshold to its ceiling (32 MiB) and the trim threshold to 128 MiB, so such
 buffers come from, and go back to, the heap. Set ``DISAGG_MALLOC_TUNING=0`` to leave glibc's
 defaults.
+
+And the interpreter's thread switch: a thread that wants the GIL waits up to
+``sys.getswitchinterval()`` (5 ms) while another runs Python, so a grammar pass's threads
+(``disagg.engine.grammar_pass``), back from an xgrammar call while the event loop is busy, can
+stall a constrained step by that much. ``set_switch_interval`` applies
+``DISAGG_SWITCH_INTERVAL_US`` (microseconds) to the node process; unset leaves Python's
+default (not yet measured on a GPU host: docs/NOTES.md).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import ctypes.util
 import gc
 import logging
 import os
+import sys
 import time
 
 from disagg.config import env, env_ints
@@ -87,3 +95,18 @@ def keep_large_buffers(who: str) -> bool:
                                                                      TRIM_THRESHOLD))
     log.info("%s: large buffers %s", who, "kept on the heap" if ok else "left to glibc (mallopt failed)")
     return ok
+
+
+def set_switch_interval(who: str) -> float | None:
+    """Set the interpreter's thread switch interval from ``DISAGG_SWITCH_INTERVAL_US``
+    (an integer, 50 to 100000 microseconds); returns it in seconds, None when unset."""
+    given = env_ints("SWITCH_INTERVAL_US", 1, "an integer number of microseconds")
+    if given is None:
+        return None
+    (us,) = given
+    if not 50 <= us <= 100_000:
+        raise ValueError(f"DISAGG_SWITCH_INTERVAL_US={us}: want 50 to 100000 (Python's "
+                         "default is 5000)")
+    sys.setswitchinterval(us / 1e6)
+    log.info("%s: thread switch interval %d us", who, us)
+    return us / 1e6

@@ -33,7 +33,7 @@ from disagg.actors.scheduler.scheduler import SchedulerActor, SchedulerSetup
 from disagg.config import ConfigError, NodeConfig
 from disagg.engine.kv_tiers import KVTiers
 from disagg.engine.speculative import speculation
-from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers
+from disagg.gc_tuning import freeze_startup_objects, keep_large_buffers, set_switch_interval
 from disagg.model.config import ModelArch
 from disagg.model.default import resolve_model
 from disagg.model.ep import ExpertParallel, check_layout
@@ -156,6 +156,7 @@ class Node:
         self._tasks = {name: asyncio.create_task(self._guard(run(), name)) for name, run in actors}
         freeze_startup_objects(f"{cfg.role} node")
         keep_large_buffers(f"{cfg.role} node")
+        set_switch_interval(f"{cfg.role} node")
         phases.add("node_actors", time.monotonic() - t1)
         log.info("start phases: %s (%.1f s in all)", phases.line(), time.monotonic() - t0)
         self.summary = (f"{cfg.role} node serving {arch.architecture} on {self.address} "

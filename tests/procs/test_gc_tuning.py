@@ -55,6 +55,26 @@ def test_bad_thresholds_are_refused_by_name():
     assert "DISAGG_GC_THRESHOLDS='1,2'" in e.value.stderr
 
 
+SWITCH_CODE = """
+import sys
+from disagg.gc_tuning import set_switch_interval
+before = sys.getswitchinterval()
+print(round(before * 1e6), round((set_switch_interval("test") or 0) * 1e6),
+      round(sys.getswitchinterval() * 1e6))
+"""
+
+
+def test_switch_interval_is_left_alone_unless_given_and_bad_values_are_refused_by_name():
+    import pytest
+
+    assert run(None, SWITCH_CODE) == [5000, 0, 5000]
+    assert run("500", SWITCH_CODE, "DISAGG_SWITCH_INTERVAL_US") == [5000, 500, 500]
+    for bad in ("0", "1,2", "fast"):
+        with pytest.raises(subprocess.CalledProcessError) as e:
+            run(bad, SWITCH_CODE, "DISAGG_SWITCH_INTERVAL_US")
+        assert "DISAGG_SWITCH_INTERVAL_US" in e.value.stderr, bad
+
+
 MALLOC_CODE = """
 import ctypes, sys
 from disagg.gc_tuning import keep_large_buffers
