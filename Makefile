@@ -4,6 +4,8 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
+# test processes (pytest-xdist, each test file on one of them); 0 runs them in this process
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test lint typecheck clean
 
@@ -31,7 +33,7 @@ typecheck: install
 	$(VENV)/bin/mypy disagg
 
 test: install lint typecheck
-	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: install
 	$(PY) examples/demo.py
