@@ -246,16 +246,15 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    start = max(1024, low - 12000)
     # pytest-xdist workers (gw0, gw1, ...) draw from disjoint slices: their picks cannot meet
     count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) % count if worker[2:].isdigit() else 0
-    span = (low - start) // count
-    start, low = start + index * span, start + (index + 1) * span
+    span = (low - max(1024, low - 12000)) // count
+    first = max(1024, low - 12000) + index * span
     rng = random.SystemRandom()
     for _ in range(1000):
-        port = rng.randrange(start, low)
+        port = rng.randrange(first, first + span)
         if port in _PORTS:  # handed out to an earlier node of this test process
             continue
         with socket.socket() as s:
