@@ -6,7 +6,8 @@
 #   ttft0 ttft1  bench/ttft_tail.sh's short prompts (SHORT_LENS, and LONG_LENS 1024) with
 #             DISAGG_PREFILL_GRAPHS 0 / 1: the split's short TTFT against the mixed node's
 #   surface   bench/request_surface.sh at batch 64, plain / JSON-schema / sampled, ROUNDS
-#             rounds, with DISAGG_TRACE's collector marks (SURFACE_MODEL: config and tokenizer)
+#             rounds, traced (DISAGG_TRACE): the collector's marks, and where a constrained
+#             step's time goes (bench/grammar_gaps.py) (SURFACE_MODEL: config and tokenizer)
 #   surface_swi  the same with DISAGG_SWITCH_INTERVAL_US=${SWITCH_US:-500} (Python's is 5000)
 #   tiers_bf16 tiers_fp8  bench/kv_tiers.sh with bf16 pages / FP8 pages (half the bytes a
 #             host hit reloads)
@@ -78,6 +79,8 @@ for part in surface surface_swi; do
     > "$WORK/$part.log" 2>&1
   note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us)"
   grep -E "^round|^n=|late compiles" "$WORK/$part.log" | sed "s/^/  $part /" | tee -a "$SUMMARY"
+  python3 bench/grammar_gaps.py "$WORK/$part/trace" --json "$WORK/$part/grammar_gaps.json" \
+    2>&1 | sed "s/^/  $part gaps /" | tee -a "$SUMMARY"
 done
 
 for kv in bf16 fp8; do

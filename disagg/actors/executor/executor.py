@@ -219,9 +219,10 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
     tev = "x" if cfg.role == "prefill" else "dx"
 
     def answer(step_id: int, launched: Launched | Exception) -> None:
-        sock.send_multipart(reply(enc, runner, step_id, launched))
-        if tkey:
+        frames = reply(enc, runner, step_id, launched)
+        if tkey:  # (before the send: the scheduler may act on it before this process runs on)
             trace.mark(f"{tev}.replied", tkey, step_id)
+        sock.send_multipart(frames)
 
     try:
         while True:
@@ -253,6 +254,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
                     else:
                         answer(plan.step_id, launched)
                 case Masks(step_id, slots, row_bytes):  # the deferred step's late masks
+                    if tkey:
+                        trace.mark(f"{tev}.masks_in", tkey, step_id)
                     if deferred is not None and deferred[0] == step_id:
                         rows = frames[1].buffer if len(frames) > 1 else memoryview(b"")
                         deferred = (step_id, finish(deferred[1], slots, row_bytes, rows))

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future
 from typing import Protocol
 
+from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorGroup
 from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.engine.core import Collect, Command, EngineCore, Launch, Run, Step
@@ -84,6 +85,10 @@ class Stepper:
         if ahead is not None:  # its grammar work starts at once, on the pass's threads
             tokens = result.token_ids if result.error is None else []
             masks = self.port.core.grammar_pass(step, ahead, tokens)
+            if masks is not None and trace.enabled():  # (bench/grammar_gaps.py)
+                sid = ahead.plan.step_id
+                trace.mark("g.pass", "d", sid, value=step.plan.step_id)  # (whose tokens)
+                masks.add_done_callback(lambda _, sid=sid: trace.mark("g.pass_done", "d", sid))
         late = (ahead, masks) if ahead is not None and masks is not None else None
         await self._apply(step, result, hidden, self._sent.pop(step.plan.step_id), late)
 
@@ -106,6 +111,7 @@ class Stepper:
             ahead, masks = late
             block = await asyncio.wait_for(asyncio.wrap_future(masks), PASS_TIMEOUT_S)
             await port.executors.masks(ahead.plan.step_id, block)
+            trace.mark("g.masks_out", "d", ahead.plan.step_id)
         if result.error is not None:
             for c in batch.chunks:
                 if c.seq.status is Status.RUNNING:  # not ended by an earlier failed step

@@ -1,0 +1,92 @@
+"""Where a constrained step's time goes on a node (#34's host-bound JSON-schema TPOT), from
+the hop marks of a traced run (``DISAGG_TRACE=DIR``; ``bench/gpu_round.sh``'s surface parts
+trace). A step launched before its predecessor's tokens were back waits for its rows' grammar
+masks (``late_mask``); for each such step S, with P the predecessor whose tokens its masks
+follow:
+
+  back    P's reply sent by the executor (``dx.replied``) -> its grammar pass started on the
+          scheduler (``g.pass``): the result's trip and the scheduler's wake-up
+  pass    the pass on its threads: tokens accepted, masks filled (``g.pass_done``)
+  out     the pass done -> the masks sent (``g.masks_out``): the step landing, the scheduler's
+          hooks, the event loop noticing the pass
+  hop     masks sent -> in the executor (``dx.masks_in``)
+  answer  masks in -> S's reply sent (``dx.replied``): the masks applied and S's tokens
+          picked, the next plan launched, the tokens' copy to the host
+  cycle   P's reply -> S's reply: the TPOT the batch sees
+
+and, for comparison, the cycle between consecutive replies of steps without masks. Medians
+and p90 in ms over the steps after the first ``--skip``.
+
+    python3 bench/grammar_gaps.py DIR [--skip 20] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parent))  # (last: bench/kernels.py is no package)
+import tail_trace  # noqa: E402  (this directory)
+
+PARTS = ("back", "pass", "out", "hop", "answer", "cycle")
+
+
+def gaps(marks: list[tuple[float, str, str, str, str]], skip: int = 0) -> dict[str, Any]:
+    """The parts above, per constrained step, from ``tail_trace.marks`` output."""
+    at: dict[tuple[str, int], float] = {}
+    pred: dict[int, int] = {}
+    for t, _, ev, key, value in marks:
+        if not (key.startswith("d") and key[1:].isdigit()):
+            continue
+        sid = int(key[1:])
+        at.setdefault((ev, sid), t)
+        if ev == "g.pass" and value.strip().isdigit():
+            pred[sid] = int(value)
+    rows = []
+    for s in sorted(pred)[skip:]:
+        p = pred[s]
+        need = [("dx.replied", p), ("g.pass", s), ("g.pass_done", s), ("g.masks_out", s),
+                ("dx.masks_in", s), ("dx.replied", s)]
+        if any(k not in at for k in need):
+            continue
+        t = [at[k] for k in need]
+        rows.append(dict(zip(PARTS, [1e3 * (b - a) for a, b in pairwise(t)]
+                             + [1e3 * (t[-1] - t[0])], strict=True)))
+    replied = sorted((sid, t) for (ev, sid), t in at.items() if ev == "dx.replied")
+    plain = [1e3 * (t1 - t0) for (s0, t0), (s1, t1) in pairwise(replied)
+             if s1 == s0 + 1 and s1 not in pred]
+    return {"steps": rows, "plain_cycle": plain[skip:]}
+
+
+def describe(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"n": 0}
+    q = sorted(values)
+    return {"n": len(q), "p50": statistics.median(q), "p90": q[min(len(q) - 1, int(0.9 * len(q)))]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--skip", type=int, default=20, help="first constrained steps left out")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    g = gaps(tail_trace.marks(a.dir), a.skip)
+    out = {part: describe([r[part] for r in g["steps"]]) for part in PARTS}
+    out["plain_cycle"] = describe(g["plain_cycle"])
+    for name, d in out.items():
+        if d["n"]:
+            print(f"{name:12s} p50 {d['p50']:7.3f} ms  p90 {d['p90']:7.3f} ms  ({d['n']} steps)")
+        else:
+            print(f"{name:12s} no steps")
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
