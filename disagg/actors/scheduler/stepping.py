@@ -47,6 +47,13 @@ class StepPort(Protocol):
     async def pages_changed(self) -> None: ...
 
 
+def _trace_pass(masks: Future[MaskBlock], sid: int, after: int) -> None:
+    """Hop marks of a grammar pass (``bench/grammar_gaps.py``): started now, for step
+    ``sid``'s masks after step ``after``'s tokens, and ended (marked on its thread)."""
+    trace.mark("g.pass", "d", sid, value=after)
+    masks.add_done_callback(lambda _: trace.mark("g.pass_done", "d", sid))
+
+
 class Stepper:
     def __init__(self, port: StepPort):
         self.port = port
@@ -85,10 +92,8 @@ class Stepper:
         if ahead is not None:  # its grammar work starts at once, on the pass's threads
             tokens = result.token_ids if result.error is None else []
             masks = self.port.core.grammar_pass(step, ahead, tokens)
-            if masks is not None and trace.enabled():  # (bench/grammar_gaps.py)
-                sid = ahead.plan.step_id
-                trace.mark("g.pass", "d", sid, value=step.plan.step_id)  # (whose tokens)
-                masks.add_done_callback(lambda _, sid=sid: trace.mark("g.pass_done", "d", sid))
+            if masks is not None and trace.enabled():
+                _trace_pass(masks, ahead.plan.step_id, step.plan.step_id)
         late = (ahead, masks) if ahead is not None and masks is not None else None
         await self._apply(step, result, hidden, self._sent.pop(step.plan.step_id), late)
 
