@@ -13,6 +13,9 @@ follow:
   answer  masks in -> S's reply sent (``dx.replied``): the masks applied and S's tokens
           picked, the next plan launched, the tokens' copy to the host
   cycle   P's reply -> S's reply: the TPOT the batch sees
+  plan    S's masks sent -> the next plan in the executor (``dx.plan_in`` of S + 1): P's
+          tokens applied and streamed, the next step planned and sent (its forward pass must
+          be queued before S's ends, or the device waits)
 
 and, for comparison, the cycle between consecutive replies of steps without masks. Medians
 and p90 in ms over the steps after the first ``--skip``.
@@ -33,7 +36,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))  # (last: bench/kernels.py is no package)
 import tail_trace  # noqa: E402  (this directory)
 
-PARTS = ("back", "pass", "out", "hop", "answer", "cycle")
+PARTS = ("back", "pass", "out", "hop", "answer", "cycle", "plan")
 
 
 def gaps(marks: list[tuple[float, str, str, str, str]], skip: int = 0) -> dict[str, Any]:
@@ -55,8 +58,11 @@ def gaps(marks: list[tuple[float, str, str, str, str]], skip: int = 0) -> dict[s
         if any(k not in at for k in need):
             continue
         t = [at[k] for k in need]
-        rows.append(dict(zip(PARTS, [1e3 * (b - a) for a, b in pairwise(t)]
-                             + [1e3 * (t[-1] - t[0])], strict=True)))
+        row = dict(zip(PARTS[:-1], [1e3 * (b - a) for a, b in pairwise(t)]
+                       + [1e3 * (t[-1] - t[0])], strict=True))
+        if ("dx.plan_in", s + 1) in at:
+            row["plan"] = 1e3 * (at["dx.plan_in", s + 1] - at["g.masks_out", s])
+        rows.append(row)
     replied = sorted((sid, t) for (ev, sid), t in at.items() if ev == "dx.replied")
     plain = [1e3 * (t1 - t0) for (s0, t0), (s1, t1) in pairwise(replied)
              if s1 == s0 + 1 and s1 not in pred]
@@ -77,7 +83,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     g = gaps(tail_trace.marks(a.dir), a.skip)
-    out = {part: describe([r[part] for r in g["steps"]]) for part in PARTS}
+    out = {part: describe([r[part] for r in g["steps"] if part in r]) for part in PARTS}
     out["plain_cycle"] = describe(g["plain_cycle"])
     for name, d in out.items():
         if d["n"]:

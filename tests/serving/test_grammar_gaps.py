@@ -1,6 +1,6 @@
 """``bench/grammar_gaps.py``: a constrained step's parts from the hop marks (its predecessor's
-reply, the grammar pass, the masks out and in, its own reply), and the plain steps' cycle; no
-nodes."""
+reply, the grammar pass, the masks out and in, its own reply, the next plan in), and the plain
+steps' cycle; no nodes."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def test_parts_of_constrained_steps_and_the_plain_cycle():
         mark(0.013, "g.pass", 4, "3"), mark(0.015, "g.pass_done", 4),
         mark(0.0155, "g.masks_out", 4), mark(0.01575, "dx.masks_in", 4),
         mark(0.020, "dx.replied", 4),
+        mark(0.0175, "dx.plan_in", 5),  # the next plan: 2 ms after step 4's masks went out
         # step 5 lacks its masks_in mark (a run cut off): left out
         mark(0.021, "g.pass", 5, "4"), mark(0.022, "g.pass_done", 5),
         mark(0.023, "g.masks_out", 5),
@@ -35,7 +36,8 @@ def test_parts_of_constrained_steps_and_the_plain_cycle():
     ])
     g = grammar_gaps.gaps(marks)
     [row] = g["steps"]
-    want = {"back": 1.0, "pass": 2.0, "out": 0.5, "hop": 0.25, "answer": 4.25, "cycle": 8.0}
+    want = {"back": 1.0, "pass": 2.0, "out": 0.5, "hop": 0.25, "answer": 4.25, "cycle": 8.0,
+            "plan": 2.0}
     assert row == pytest.approx(want)
     assert g["plain_cycle"] == pytest.approx([6.0, 6.0])
     assert grammar_gaps.gaps(marks, skip=1)["steps"] == []
