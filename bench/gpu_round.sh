@@ -7,7 +7,8 @@
 #             DISAGG_PREFILL_GRAPHS 0 / 1: the split's short TTFT against the mixed node's
 #   surface   bench/request_surface.sh at batch 64, plain / JSON-schema / sampled, ROUNDS
 #             rounds, traced (DISAGG_TRACE): the collector's marks, and where a constrained
-#             step's time goes (bench/grammar_gaps.py) (SURFACE_MODEL: config and tokenizer)
+#             step's time goes (bench/grammar_gaps.py); then its n=1 / n=8 runs of a 2k prompt
+#             (NS="" skips them) (SURFACE_MODEL: config and tokenizer)
 #   surface_swi  the same with DISAGG_SWITCH_INTERVAL_US=${SWITCH_US:-500} (Python's is 5000)
 #   tiers_bf16 tiers_fp8  bench/kv_tiers.sh with bf16 pages / FP8 pages (half the bytes a
 #             host hit reloads)
@@ -74,7 +75,7 @@ for part in surface surface_swi; do
   mkdir -p "$WORK/$part"
   swi=; [ "$part" = surface_swi ] && swi=${SWITCH_US:-500}
   DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_TRACE=$WORK/$part/trace \
-    KINDS=${KINDS:-"plain json sampled"} ROUNDS=${ROUNDS:-"1 2 3"} NS=${NS-} \
+    KINDS=${KINDS:-"plain json sampled"} ROUNDS=${ROUNDS:-"1 2 3"} \
     timeout "${T_PART:-560}" bash bench/request_surface.sh "$WORK/$part" "$SURFACE_MODEL" \
     > "$WORK/$part.log" 2>&1
   note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us)"
