@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The open one-GPU measurements of issues 33/34/38/39, part by part, each a run of this tree's
 # own entry points (nothing is measured here itself):
-#   gputests  the gpu tests of the transfer path and of rows steps with prefill nodes capturing
-#             the decode graphs (DISAGG_PREFILL_GRAPHS=1, off by default)
+#   gputests  the gpu tests of the transfer path (on one GPU; its cuda-ipc+graphs pair has a
+#             prefill node capture the decode graphs, DISAGG_PREFILL_GRAPHS=1, off by default)
+#             and of rows steps
 #   ttft0 ttft1  bench/ttft_tail.sh's short prompts (SHORT_LENS, and LONG_LENS 1024) with
 #             DISAGG_PREFILL_GRAPHS 0 / 1: the split's short TTFT against the mixed node's
 #   surface   bench/request_surface.sh at batch 64, plain / JSON-schema / sampled, ROUNDS
@@ -53,10 +54,10 @@ note "$(stamp) setup done; parts: $PARTS; $(python3 -c 'import torch; print(torc
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")' 2>&1 | tail -1)"
 
 if has gputests; then
-  DISAGG_PREFILL_GRAPHS=1 timeout "${T_PART:-560}" python3 -m pytest -q -p no:cacheprovider \
-    -m gpu -x tests/procs/test_gpu_transfer.py tests/engine/test_rows_step.py \
+  DISAGG_TEST_DECODE_DEVICE=cuda:0 timeout "${T_PART:-560}" python3 -m pytest -q \
+    -p no:cacheprovider -m gpu tests/procs/test_gpu_transfer.py tests/engine/test_rows_step.py \
     > "$WORK/gpu_tests.log" 2>&1
-  note "$(stamp) gpu tests with DISAGG_PREFILL_GRAPHS=1 rc=$? ($(tail -1 "$WORK/gpu_tests.log"))"
+  note "$(stamp) gpu tests rc=$? ($(tail -1 "$WORK/gpu_tests.log"))"
 fi
 
 for g in 0 1; do

@@ -1,5 +1,7 @@
 """Prefill node on GPU0, decode node on GPU1, KV over cuda-ipc (cuMem fd import) and over the
-fabric with host staging; greedy outputs must equal a mixed node's. Two GPUs of one host."""
+fabric with host staging, and a prefill node that replays the decode graphs for its small
+prompt steps (``DISAGG_PREFILL_GRAPHS=1``); greedy outputs must equal a mixed node's. Two GPUs
+of one host (or one: ``DISAGG_TEST_DECODE_DEVICE`` below)."""
 
 from __future__ import annotations
 
@@ -35,12 +37,13 @@ def prompt(n: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(n)]
 
 
-def start(role: str, model_dir, tmp, device: str, *extra: str) -> tuple[str, NodeProcess]:
+def start(role: str, model_dir, tmp, device: str, *extra: str, eager: bool = True,
+          env: dict[str, str] | None = None) -> tuple[str, NodeProcess]:
     addr = f"tcp://127.0.0.1:{free_port()}"
     args = ["--role", role, "--model", str(model_dir), "--listen", addr, "--devices", device,
             "--dtype", "float32", "--page-size", str(PAGE), "--num-pages", "128",
-            "--enforce-eager", "--heartbeat", "0.2", *extra]
-    return addr, NodeProcess(args, tmp / f"{role}-{addr.rsplit(':', 1)[1]}.log")
+            *(["--enforce-eager"] if eager else []), "--heartbeat", "0.2", *extra]
+    return addr, NodeProcess(args, tmp / f"{role}-{addr.rsplit(':', 1)[1]}.log", env=env)
 
 
 def run(addr: str) -> list[list[int]]:
@@ -86,6 +89,12 @@ def nodes(tmp_path_factory):
             d = start("decode", model_dir, tmp, DECODE_DEVICE, "--prefill-peer", p[0], *extra,
                       *more)
             pairs[name] = (p, d)
+    # a prefill node replaying the decode graphs for its small prompt steps (rows_step)
+    ipc = ["--transfer-backend", "cuda-ipc"]
+    p = start("prefill", model_dir, tmp, "cuda:0", *ipc, eager=False,
+              env={"DISAGG_PREFILL_GRAPHS": "1"})
+    pairs["cuda-ipc+graphs"] = (p, start("decode", model_dir, tmp, DECODE_DEVICE,
+                                         "--prefill-peer", p[0], *ipc))
     procs = [mixed[1]] + [x[1] for pair in pairs.values() for x in pair]
     LOGS[:] = [proc.log_path for proc in procs]
     try:
@@ -97,7 +106,8 @@ def nodes(tmp_path_factory):
             proc.stop()
 
 
-@pytest.mark.parametrize("backend", ["cuda-ipc", "fabric", "cuda-ipc+draft", "fabric+draft"])
+@pytest.mark.parametrize("backend", ["cuda-ipc", "fabric", "cuda-ipc+draft", "fabric+draft",
+                                     "cuda-ipc+graphs"])
 def test_prefill_gpu0_decode_gpu1_matches_mixed(nodes, backend):
     import time
 
@@ -119,6 +129,9 @@ def test_prefill_gpu0_decode_gpu1_matches_mixed(nodes, backend):
     assert stats(p_addr).kv_writes_sent > 0
     if backend.endswith("+draft"):  # drafts that saw the shipped prompt: nearly all accepted
         assert s.spec_accepted_tokens >= 0.8 * s.spec_draft_tokens > 0
+    if backend.endswith("+graphs"):  # the short prompts' steps replayed the decode graphs
+        log = next(path for path in LOGS if f"prefill-{p_addr.rsplit(':', 1)[1]}" in path.name)
+        assert "captured decode CUDA graphs" in log.read_text()
 
 
 def test_nothing_compiles_after_ready(nodes):
