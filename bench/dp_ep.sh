@@ -39,13 +39,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
 cd "$ROOT" || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-if ! "$PY" -c "import msgspec, zmq" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || echo "setup: wheel install failed"
-  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$ROOT/bench/device_env.sh"
+device_env "$ROOT" "$PY" || echo "setup: wheel install failed"
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 DEV0=${DEV0:-cuda:0}
 if [ -z "${DEV1:-}" ]; then if [ "$NGPU" -ge 2 ]; then DEV1=cuda:1; else DEV1=$DEV0; fi; fi

@@ -38,18 +38,9 @@ stamp() { echo "[$(( $(date +%s) - T00 )) s]"; }
 SURFACE_MODEL=${SURFACE_MODEL:-$ROOT/.device/smodel}
 
 # ---- setup: missing wheels, the libfabric binding
-if ! python3 -c "import msgspec, zmq, xgrammar" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1
-then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || note "setup: wheel install failed"
-  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
-if [ -d .fabinc ]; then
-  DISAGG_FABRIC_INCLUDE=$ROOT/.fabinc timeout 120 python3 -m disagg.fabric.build \
-    > "$WORK/fabric_build.log" 2>&1 || note "setup: libfabric binding not built"
-fi
+source "$ROOT/bench/device_env.sh"
+device_env "$ROOT" python3 "msgspec, zmq, xgrammar" || note "setup: wheel install failed"
+fabric_binding "$ROOT" "$WORK/fabric_build.log" || note "setup: libfabric binding not built"
 note "$(stamp) setup done; parts: $PARTS; $(python3 -c 'import torch; print(torch.__version__, \
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")' 2>&1 | tail -1)"
 

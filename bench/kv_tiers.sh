@@ -23,13 +23,8 @@ set -u
 WORK=${1:-/tmp/kv_tiers}
 HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(dirname "$HERE"); cd "$ROOT" || exit 1
 export PYTHONUNBUFFERED=1
-if ! python3 -c "import msgspec, zmq" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || echo "setup: wheel install failed"
-  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$ROOT/bench/device_env.sh"
+device_env "$ROOT" || echo "setup: wheel install failed"
 DEVICE=${DEVICE:-cuda:0}; DTYPE=${DTYPE:-bfloat16}; VOCAB=${VOCAB:-150000}
 PAGES=${PAGES:-2560}; HOST_MB=${HOST_MB:-32768}
 CONVS=${CONVS:-64}; TURNS=${TURNS:-8}; SYSTEM=${SYSTEM:-1024}; USER_LEN=${USER_LEN:-256}

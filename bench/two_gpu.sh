@@ -69,17 +69,10 @@ T00=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T00 )) s]"; }
 
 # ---- setup: missing wheels, the libfabric binding (cuda-ipc's `ce` copies use it)
-if ! python3 -c "import msgspec, zmq" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || note "setup: wheel install failed"
-  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
-if [ -d .fabinc ]; then
-  DISAGG_FABRIC_INCLUDE=$ROOT/.fabinc timeout 120 python3 -m disagg.fabric.build > "$WORK/fabric_build.log" 2>&1 \
-    || note "setup: libfabric binding not built (see fabric_build.log)"
-fi
+source "$ROOT/bench/device_env.sh"
+device_env "$ROOT" || note "setup: wheel install failed"
+fabric_binding "$ROOT" "$WORK/fabric_build.log" \
+  || note "setup: libfabric binding not built (see fabric_build.log)"
 python3 -c "import torch; n = torch.cuda.device_count(); print('torch', torch.__version__, \
 'cuda devices', n, [torch.cuda.get_device_name(i) for i in range(n)])" | tee -a "$SUMMARY"
 CUDA=$(python3 -c "import torch; print(int(torch.cuda.is_available()))")
