@@ -30,7 +30,6 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-import os
 import sys
 import time
 
@@ -43,7 +42,7 @@ def freeze_startup_objects(who: str) -> int:
     """Collect once, freeze what survives and set the serving thresholds
     (``serving_thresholds``); returns the objects frozen (0 when disabled: the collector is
     then left as it is)."""
-    if os.environ.get("DISAGG_GC_FREEZE", "1") == "0":
+    if env("GC_FREEZE", "1") == "0":
         return 0
     t0 = time.perf_counter()
     gc.collect()
@@ -82,7 +81,7 @@ TRIM_THRESHOLD = 128 << 20
 def keep_large_buffers(who: str) -> bool:
     """Serve large blocks (up to 32 MiB) from the heap and keep up to 128 MiB of free heap
     (glibc ``mallopt``); False where it does not apply (another libc, or disabled)."""
-    if os.environ.get("DISAGG_MALLOC_TUNING", "1") == "0":
+    if env("MALLOC_TUNING", "1") == "0":
         return False
     name = ctypes.util.find_library("c")
     try:

@@ -250,8 +250,9 @@ def free_port() -> int:
     count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) % count if worker[2:].isdigit() else 0
-    span = (low - max(1024, low - 12000)) // count
-    first = max(1024, low - 12000) + index * span
+    base = max(1024, low - 12000)
+    span = (low - base) // count
+    first = base + index * span
     rng = random.SystemRandom()
     for _ in range(1000):
         port = rng.randrange(first, first + span)
