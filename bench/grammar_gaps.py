@@ -14,13 +14,16 @@ follow:
           picked, the next plan launched, the tokens' copy to the host
   cycle   P's reply -> S's reply: the TPOT the batch sees
   plan    S's masks sent -> the next plan in the executor (``dx.plan_in`` of S + 1): P's
-          tokens applied and streamed, the next step planned and sent (its forward pass must
-          be queued before S's ends, or the device waits)
+          tokens applied and streamed, the next step planned and sent; negative where that
+          plan went out first, planned while the pass filled the masks (the executor holds
+          it until the masks have picked S)
 
 and, for comparison, the cycle between consecutive replies of steps without masks. Medians
-and p90 in ms over the steps after the first ``--skip``.
+and p90 in ms over the steps after the first ``--skip`` whose batch is at least
+``--min-width`` rows wide (default: half the widest seen, so that the warm-up's batch-1
+steps do not mix with a batch-64 run's).
 
-    python3 bench/grammar_gaps.py DIR [--skip 20] [--json OUT]
+    python3 bench/grammar_gaps.py DIR [--skip 20] [--min-width N] [--json OUT]
 """
 
 from __future__ import annotations
@@ -43,13 +46,15 @@ def gaps(marks: list[tuple[float, str, str, str, str]], skip: int = 0) -> dict[s
     """The parts above, per constrained step, from ``tail_trace.marks`` output."""
     at: dict[tuple[str, int], float] = {}
     pred: dict[int, int] = {}
+    width: dict[int, int] = {}  # rows in the step (marks of older runs: 0)
     for t, _, ev, key, value in marks:
         if not (key.startswith("d") and key[1:].isdigit()):
             continue
         sid = int(key[1:])
         at.setdefault((ev, sid), t)
-        if ev == "g.pass" and value.strip().isdigit():
-            pred[sid] = int(value)
+        if ev == "g.pass" and (v := value.split()) and all(x.isdigit() for x in v):
+            pred[sid] = int(v[0])
+            width[sid] = int(v[1]) if len(v) > 1 else 0
     rows = []
     for s in sorted(pred)[skip:]:
         p = pred[s]
@@ -62,6 +67,7 @@ def gaps(marks: list[tuple[float, str, str, str, str]], skip: int = 0) -> dict[s
                        + [1e3 * (t[-1] - t[0])], strict=True))
         if ("dx.plan_in", s + 1) in at:
             row["plan"] = 1e3 * (at["dx.plan_in", s + 1] - at["g.masks_out", s])
+        row["width"] = width[s]
         rows.append(row)
     replied = sorted((sid, t) for (ev, sid), t in at.items() if ev == "dx.replied")
     plain = [1e3 * (t1 - t0) for (s0, t0), (s1, t1) in pairwise(replied)
@@ -80,10 +86,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--skip", type=int, default=20, help="first constrained steps left out")
+    ap.add_argument("--min-width", type=int, help="rows a step has at least (default: half "
+                    "the widest)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     g = gaps(tail_trace.marks(a.dir), a.skip)
-    out = {part: describe([r[part] for r in g["steps"] if part in r]) for part in PARTS}
+    widest = max((r["width"] for r in g["steps"]), default=0)
+    least = a.min_width if a.min_width is not None else (widest + 1) // 2
+    steps = [r for r in g["steps"] if r["width"] >= least]
+    print(f"steps {least}-{widest} rows wide: {len(steps)} of {len(g['steps'])}")
+    out: dict[str, Any] = {part: describe([r[part] for r in steps if part in r])
+                           for part in PARTS}
     out["plain_cycle"] = describe(g["plain_cycle"])
     for name, d in out.items():
         if d["n"]:

@@ -28,9 +28,10 @@ device from the step before) and sent before the deferred result is taken, so th
 step N+1 (planning, messages, flattening, copies, launch) runs while the device computes step
 N. A constrained row's mask needs the token in flight: its follow chunk goes ``late_mask``;
 once the step before it is back the driver starts ``grammar_pass`` (its tokens accepted and
-the masks filled on threads, ``disagg.engine.grammar_pass``), sends the masks when it ends,
-then applies that step; the executor runs the forward pass meanwhile and picks when the
-masks come. A step that is not overlapped fills its constrained rows' masks with the plan,
+the masks filled on threads, ``disagg.engine.grammar_pass``), applies that step once the
+tokens are accepted and sends the masks when they are filled (the node's driver plans and
+sends the next step meanwhile: ``disagg.actors.scheduler.stepping``); the executor runs the
+forward pass meanwhile and picks when the masks come. A step that is not overlapped fills its constrained rows' masks with the plan,
 together on the same pass's threads (``GrammarPass.fill``; one such row fills its own). When
 the next step cannot be known ahead (new work arrived, a page is missing) the core
 answers ``Collect`` and plans normally afterwards. A sequence that stops in flight wastes its
@@ -43,14 +44,13 @@ counter from there (stride: layers + 1); the in-process engine has no counter (s
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from disagg.engine.grammar_pass import PASS_TIMEOUT_S, GrammarPass, MaskBlock
+from disagg.engine.grammar_pass import PASS_TIMEOUT_S, GrammarPass, Pass
 from disagg.engine.scheduling import Batch, BatchScheduler, SeqUpdate
 from disagg.protocol import TokenLogprobs
 from disagg.protocol.executor import StepPlan
@@ -172,12 +172,12 @@ class EngineCore:
         self.land(step)
         return self.sched.update(step.batch, tokens, counts, drafts, logprobs, prompt_logprobs)
 
-    def grammar_pass(self, then: Step, step: Step, tokens: list[int]
-                     ) -> concurrent.futures.Future[MaskBlock] | None:
+    def grammar_pass(self, then: Step, step: Step, tokens: list[int]) -> Pass | None:
         """Start the grammar work of the deferred ``then``, whose ``tokens`` just came back
         ([]: it failed), before they are applied: its constrained rows accept them and the
         masks ``step``'s follow chunks wait for (``SeqChunk.late_mask``) are filled, on the
-        pass's threads. None when ``step`` has no late chunk."""
+        pass's threads; ``apply`` may run once ``Pass.accepted`` is done. None when ``step``
+        has no late chunk."""
         rows = self.sched.grammar_rows(then.batch, step.batch, tokens)
         return None if rows is None else self.grammar.submit(rows)
 
@@ -234,8 +234,8 @@ def drive(core: EngineCore, runner: Runner) -> list[SeqUpdate]:
                 if then is not None:
                     done = launched.pop(then.plan.step_id)
                     tokens, _, counts = done.wait()
-                    if (masks := core.grammar_pass(then, step, tokens)) is not None:
-                        block = masks.result(timeout=PASS_TIMEOUT_S)
+                    if (late := core.grammar_pass(then, step, tokens)) is not None:
+                        block = late.masks.result(timeout=PASS_TIMEOUT_S)
                         sid = step.plan.step_id
                         launched[sid] = launched[sid].with_masks(block.by_slot())
                     updates += core.apply(then, tokens, counts, None, *done.logprob_maps())

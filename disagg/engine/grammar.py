@@ -329,8 +329,12 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.failed = False  # a token the grammar does not admit was fed (not expected)
         # a token accepted ahead of the scheduler's update (``GrammarPass``), with whether it
-        # was admitted: the update's ``accept`` of that token takes it instead of feeding it
-        self._ahead: tuple[int, bool] | None = None
+        # was admitted and whether the output is complete with it: the update's ``accept`` of
+        # that token takes it instead of feeding it
+        self._ahead: tuple[int, bool, bool] | None = None
+        # whether the output is complete, as of the last token accepted ahead: a pass's
+        # thread may still be filling this matcher's next mask, so nothing calls into it then
+        self._ended: bool | None = None
 
     def mask(self) -> bytes:
         """The packed bitmask (``bitmask_words(vocab_size)`` little-endian int32 words) of the
@@ -348,11 +352,13 @@ class GrammarState:
         where it was, ``failed`` is set). A token already accepted ahead is taken as it was
         (another token than that one: RuntimeError, the matcher would be a token ahead)."""
         if self._ahead is not None:
-            (ahead, ok), self._ahead = self._ahead, None
+            (ahead, ok, ended), self._ahead = self._ahead, None
             if ahead != token:
                 raise RuntimeError(f"grammar: token {token} applied where {ahead} was "
                                    "accepted ahead")
+            self._ended = ended
             return ok
+        self._ended = None
         ok = bool(self._matcher.accept_token(token))
         if not ok:
             self.failed = True
@@ -360,12 +366,20 @@ class GrammarState:
 
     def accepted_ahead(self, token: int, ok: bool) -> None:
         """``token`` was fed to the matcher ahead of the update that applies it (a
-        ``GrammarPass``), which admitted it or not (``ok``)."""
+        ``GrammarPass``, on its thread), which admitted it or not (``ok``)."""
         if not ok:
             self.failed = True
-        self._ahead = (token, ok)
+        self._ahead = (token, ok, self.failed or bool(self._matcher.is_terminated()))
 
     @property
     def terminated(self) -> bool:
-        """The output is complete (the grammar accepted a stop token, or failed)."""
-        return self.failed or bool(self._matcher.is_terminated())
+        """The output is complete (the grammar accepted a stop token, or failed); after a
+        token accepted ahead, as it was then (no call into the matcher, which the pass may
+        be filling a mask from)."""
+        if self.failed:
+            return True
+        if self._ahead is not None:
+            return self._ahead[2]
+        if self._ended is not None:
+            return self._ended
+        return bool(self._matcher.is_terminated())

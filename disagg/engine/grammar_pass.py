@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,16 @@ class Row:
 
 
 @dataclass(frozen=True, slots=True)
+class Pass:
+    """A pass under way: ``accepted`` resolves once every row's token is accepted (the
+    update may then apply them: ``GrammarState.terminated`` is known without the matcher),
+    ``masks`` once the masks are filled too; both fail with the first error of a thread."""
+
+    accepted: concurrent.futures.Future[None]
+    masks: concurrent.futures.Future[MaskBlock]
+
+
+@dataclass(frozen=True, slots=True)
 class MaskBlock:
     """The masks of one pass: row ``i`` of ``words`` (``bitmask_words(vocab)`` little-endian
     int32 words, ``row_bytes`` bytes) is slot ``slots[i]``'s. A row that asked for a mask and
@@ -82,9 +92,9 @@ class GrammarPass:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._local = threading.local()  # each thread's one-thread batch matcher
 
-    def submit(self, rows: list[Row]) -> concurrent.futures.Future[MaskBlock]:
-        """Start the pass over ``rows`` (matchers of one vocabulary); the future fails with
-        the first error of a thread."""
+    def submit(self, rows: list[Row]) -> Pass:
+        """Start the pass over ``rows`` (matchers of one vocabulary): each thread accepts its
+        share's tokens, then fills their masks."""
         vocab = rows[0].state.vocab_size if rows else 0
         if any(r.state.vocab_size != vocab for r in rows):
             raise ValueError("GrammarPass: matchers of different vocabularies")
@@ -94,36 +104,45 @@ class GrammarPass:
         buf = np.frombuffer(words, dtype=np.int32).reshape(len(want), width)
         index = {id(r): i for i, r in enumerate(want)}
         filled = [False] * len(want)
-        out: concurrent.futures.Future[MaskBlock] = concurrent.futures.Future()
-        out.set_running_or_notify_cancel()
+        out = Pass(concurrent.futures.Future(), concurrent.futures.Future())
+        out.accepted.set_running_or_notify_cancel()
+        out.masks.set_running_or_notify_cancel()
         k = min(self.threads, len(rows))
         if k == 0:
-            out.set_result(MaskBlock([], words, 4 * width))
+            out.accepted.set_result(None)
+            out.masks.set_result(MaskBlock([], words, 4 * width))
             return out
         shares = [rows[i::k] for i in range(k)]
-        left = [k]
+        left = [k, k]  # threads still accepting, still running
         lock = threading.Lock()
 
-        def ended(f: concurrent.futures.Future[None]) -> None:
+        def failed(e: BaseException) -> None:
+            with lock:
+                for f in (out.accepted, out.masks):
+                    if not f.done():
+                        f.set_exception(e)
+
+        def accepted() -> None:
             with lock:
                 left[0] -= 1
-                last = left[0] == 0
-            if out.done():
-                return
+                if left[0] == 0 and not out.accepted.done():
+                    out.accepted.set_result(None)
+
+        def ended(f: concurrent.futures.Future[None]) -> None:
             if (e := f.exception()) is not None:
-                with lock:
-                    if not out.done():
-                        out.set_exception(e)
+                failed(e)
                 return
-            if last:
-                keep = [i for i, ok in enumerate(filled) if ok]
-                block = (words if len(keep) == len(want)
-                         else bytearray(buf[keep].tobytes()))
-                out.set_result(MaskBlock([want[i].slot for i in keep], block, 4 * width))
+            with lock:
+                left[1] -= 1
+                if left[1] or out.masks.done():
+                    return
+            keep = [i for i, ok in enumerate(filled) if ok]
+            block = words if len(keep) == len(want) else bytearray(buf[keep].tobytes())
+            out.masks.set_result(MaskBlock([want[i].slot for i in keep], block, 4 * width))
 
         pool = self._threads()
         for share in shares:
-            pool.submit(self._work, share, index, buf, filled).add_done_callback(ended)
+            pool.submit(self._work, share, index, buf, filled, accepted).add_done_callback(ended)
         return out
 
     def fill(self, states: Sequence[GrammarState]) -> MaskBlock:
@@ -165,7 +184,7 @@ class GrammarPass:
 
     def run(self, rows: list[Row]) -> MaskBlock:
         """``submit`` waited for (the in-process engine)."""
-        return self.submit(rows).result(timeout=PASS_TIMEOUT_S)
+        return self.submit(rows).masks.result(timeout=PASS_TIMEOUT_S)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -179,9 +198,9 @@ class GrammarPass:
         return self._pool
 
     def _work(self, share: list[Row], index: dict[int, int], buf: np.ndarray,
-              filled: list[bool]) -> None:
-        """One thread's rows: accept each token, then fill the masks asked for of the rows
-        whose grammar goes on."""
+              filled: list[bool], accepted: Callable[[], None]) -> None:
+        """One thread's rows: accept each token (then say so), then fill the masks asked for
+        of the rows whose grammar goes on."""
         import xgrammar as xgr
 
         oks = xgr.BatchGrammarMatcher.batch_accept_token(
@@ -193,6 +212,7 @@ class GrammarPass:
             if r.mask and not r.state.terminated:
                 fill.append(r.state._matcher)
                 at.append(index[id(r)])
+        accepted()
         if not fill:
             return
         self._matcher().batch_fill_next_token_bitmask(fill, buf, at)

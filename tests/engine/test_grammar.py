@@ -226,10 +226,16 @@ def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
         for i in want:
             assert bytes(masks[10 + i]) == step[i].mask()
         for i in live:
-            assert ahead[i]._ahead == (picks[i], True)
+            assert ahead[i]._ahead == (picks[i], True, step[i].terminated)
             assert ahead[i].accept(picks[i]) and ahead[i]._ahead is None  # taken, not fed
             assert ahead[i].terminated == step[i].terminated
     assert ended  # some row asking for a mask ended with its token (EOS)
+    s = g.compile(sos[0])  # the pass says the tokens are accepted before the masks are filled
+    words = torch.frombuffer(bytearray(s.mask()), dtype=torch.int32)
+    first = unpack(words[None], 300)[0].nonzero().flatten().tolist()[0]
+    p = gp.submit([Row(s, first, 0, mask=True)])
+    p.masks.result(timeout=10)
+    assert p.accepted.done() and s._ahead == (first, True, False)
     with pytest.raises(RuntimeError, match="accepted ahead"):
         s = g.compile(sos[-1])
         s.accepted_ahead(ord("{"), True)

@@ -25,7 +25,7 @@ def test_parts_of_constrained_steps_and_the_plain_cycle():
         mark(0.000, "dx.replied", 1), mark(0.006, "dx.replied", 2),  # plain: 6 ms
         mark(0.012, "dx.replied", 3),                                 # plain: 6 ms
         # step 4 follows 3's tokens: back 1, pass 2, out 0.5, hop 0.25, answer 4.25 ms
-        mark(0.013, "g.pass", 4, "3"), mark(0.015, "g.pass_done", 4),
+        mark(0.013, "g.pass", 4, "3 64"), mark(0.015, "g.pass_done", 4),
         mark(0.0155, "g.masks_out", 4), mark(0.01575, "dx.masks_in", 4),
         mark(0.020, "dx.replied", 4),
         mark(0.0175, "dx.plan_in", 5),  # the next plan: 2 ms after step 4's masks went out
@@ -37,7 +37,7 @@ def test_parts_of_constrained_steps_and_the_plain_cycle():
     g = grammar_gaps.gaps(marks)
     [row] = g["steps"]
     want = {"back": 1.0, "pass": 2.0, "out": 0.5, "hop": 0.25, "answer": 4.25, "cycle": 8.0,
-            "plan": 2.0}
+            "plan": 2.0, "width": 64}
     assert row == pytest.approx(want)
     assert g["plain_cycle"] == pytest.approx([6.0, 6.0])
     assert grammar_gaps.gaps(marks, skip=1)["steps"] == []

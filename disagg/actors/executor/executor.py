@@ -1,10 +1,12 @@
 """Executor actor: one process per device.
 
-Receives: ``StepPlan``, ``Collect`` and ``Shutdown`` on a DEALER socket connected to the main
-process.
+Receives: ``StepPlan``, ``Masks``, ``Collect`` and ``Shutdown`` on a DEALER socket connected to
+the main process.
 Sends: ``ExecutorReady`` once (plus the KV memory fd over a unix socket, SCM_RIGHTS), then one
 ``StepResult`` per plan: at once, or for a deferred plan (``StepPlan.defer``, overlapped
-decoding) when the next command arrives, after that command's step has been launched.
+decoding) when the next command arrives, after that command's step has been launched (the
+order: ``disagg.actors.executor.step_order``, a plan held for the late masks of the step
+before it included).
 Owns: the model (shard), the KV cache allocation, the layer counter.
 
 The main-process side is ``disagg.actors.executor.executor_group.ExecutorGroup``.
@@ -13,6 +15,7 @@ The main-process side is ``disagg.actors.executor.executor_group.ExecutorGroup``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -28,6 +31,7 @@ import zmq
 
 from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorError, rendezvous_path
+from disagg.actors.executor.step_order import StepOrder
 from disagg.config import NodeConfig, env
 from disagg.engine.start_phases import (
     StartPhases,
@@ -212,7 +216,6 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
                                        None if counter is None else counter.handle(),
                                        [e.ipc_handle() for e in runner.reload_events],
                                        phases.ordered())))
-    deferred: tuple[int, Launched | Exception] | None = None  # answered on the next command
     # hop marks (disagg.trace) of the lead rank's steps: x.* / s<id> on a prefill node,
     # dx.* / d<id> on the others
     tkey = ("s" if cfg.role == "prefill" else "d") if trace.enabled() and rank == 0 else ""
@@ -223,6 +226,14 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
         if tkey:  # (before the send: the scheduler may act on it before this process runs on)
             trace.mark(f"{tev}.replied", tkey, step_id)
         sock.send_multipart(frames)
+
+    def launched(plan: StepPlan) -> Launched | Exception:
+        out = launch(runner, plan)
+        if tkey:
+            trace.mark(f"{tev}.launched", tkey, plan.step_id)
+        return out
+
+    order = StepOrder(launched, answer, awaits_masks)
 
     try:
         while True:
@@ -243,28 +254,16 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
                         trace.mark(f"{tev}.plan_in", tkey, plan.step_id)
                     if STEP_DELAY_S:
                         time.sleep(STEP_DELAY_S)
-                    launched = launch(runner, plan)  # before answering the deferred step, so
-                    if tkey:
-                        trace.mark(f"{tev}.launched", tkey, plan.step_id)
-                    if deferred is not None:  # this step's host work overlaps its device work
-                        answer(*deferred)
-                        deferred = None
-                    if plan.defer:
-                        deferred = (plan.step_id, launched)
-                    else:
-                        answer(plan.step_id, launched)
+                    order.plan(plan)  # (held while the step before waits for its masks)
                 case Masks(step_id, slots, row_bytes):  # the deferred step's late masks
                     if tkey:
                         trace.mark(f"{tev}.masks_in", tkey, step_id)
-                    if deferred is not None and deferred[0] == step_id:
-                        rows = frames[1].buffer if len(frames) > 1 else memoryview(b"")
-                        deferred = (step_id, finish(deferred[1], slots, row_bytes, rows))
-                    else:
+                    rows = frames[1].buffer if len(frames) > 1 else memoryview(b"")
+                    pick = functools.partial(finish, slots=slots, row_bytes=row_bytes, rows=rows)
+                    if not order.masks(step_id, pick):
                         log.error("ignoring grammar masks for step %d, not in flight", step_id)
                 case Collect():
-                    if deferred is not None:
-                        answer(*deferred)
-                        deferred = None
+                    order.collect()
                 case Shutdown():
                     return
     finally:
@@ -283,6 +282,11 @@ def launch(runner: ModelRunner, plan: StepPlan) -> Launched | Exception:
     except Exception as e:  # noqa: BLE001
         log.exception("step %d failed", plan.step_id)
         return e
+
+
+def awaits_masks(launched: Launched | Exception) -> bool:
+    """A launched step whose tokens wait for late grammar masks (``Launched.with_masks``)."""
+    return not isinstance(launched, Exception) and launched.picker is not None
 
 
 def finish(launched: Launched | Exception, slots: list[int], row_bytes: int,

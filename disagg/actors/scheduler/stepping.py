@@ -8,8 +8,13 @@ calls the scheduler side's hooks around each step (``before_step``: a prefill no
 its chunks; ``after_step``), logs slow steps, ends or hands to the side the sequences of a
 failed step, and streams every applied step's updates to the scheduler (``emit``). A
 deferred step's successor with constrained rows waits for their masks: the core's
-``grammar_pass`` starts as soon as the step's tokens are back, runs on its threads while the
-step lands, and its masks go out before the tokens are applied and streamed.
+``grammar_pass`` starts as soon as the step's tokens are back and runs on its threads while
+the step lands; its tokens are applied and streamed once accepted, and the next step is
+planned and sent while the masks are still being filled. The masks go out as soon as they
+are found filled, at the latest right after that next plan (an executor holds a plan that
+arrives before the masks of the step it follows: ``disagg.actors.executor.executor``), so
+the host's chain per constrained step is the result's trip, the pass and the masks' trip,
+with the planning beside the pass rather than after it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorGroup
 from disagg.actors.scheduler.sides import SchedulerSide
 from disagg.engine.core import Collect, Command, EngineCore, Launch, Run, Step
-from disagg.engine.grammar_pass import PASS_TIMEOUT_S, MaskBlock
+from disagg.engine.grammar_pass import PASS_TIMEOUT_S, MaskBlock, Pass
 from disagg.engine.scheduling import Sequence, SeqUpdate, Status
 from disagg.protocol.executor import StepResult
 
@@ -47,10 +52,10 @@ class StepPort(Protocol):
     async def pages_changed(self) -> None: ...
 
 
-def _trace_pass(masks: Future[MaskBlock], sid: int, after: int) -> None:
+def _trace_pass(masks: Future[MaskBlock], sid: int, after: int, width: int) -> None:
     """Hop marks of a grammar pass (``bench/grammar_gaps.py``): started now, for step
-    ``sid``'s masks after step ``after``'s tokens, and ended (marked on its thread)."""
-    trace.mark("g.pass", "d", sid, value=after)
+    ``sid`` (``width`` rows) after step ``after``'s tokens, and ended (on its thread)."""
+    trace.mark("g.pass", "d", sid, value=f"{after} {width}")
     masks.add_done_callback(lambda _: trace.mark("g.pass_done", "d", sid))
 
 
@@ -58,6 +63,7 @@ class Stepper:
     def __init__(self, port: StepPort):
         self.port = port
         self._sent: dict[int, float] = {}  # deferred steps sent: step id -> when (monotonic)
+        self._due: tuple[int, Future[MaskBlock]] | None = None  # late masks not sent yet
 
     async def run(self, cmd: Command) -> None:
         """Carry out one command of the core: a step run to the end, a deferred one sent
@@ -73,9 +79,11 @@ class Stepper:
                 await port.side.before_step(step.plan, step.batch)
                 await port.executors.submit(step.plan)
                 self._sent[step.plan.step_id] = time.monotonic()
+                await self._send_masks()  # the in-flight step's, planned beside their pass
                 if then is not None:
                     await self._take(then, step)
             case Collect(step):
+                await self._send_masks()
                 await port.executors.collect()
                 await self._take(step)
 
@@ -83,26 +91,38 @@ class Stepper:
         """The executors failed: nothing is in flight any more."""
         self.port.core.abandon()
         self._sent.clear()
+        self._due = None
+
+    async def _send_masks(self, wait: bool = True) -> None:
+        """Send the late masks not sent yet, waiting for their pass (``wait``) or only if it
+        is done."""
+        if self._due is None or not (wait or self._due[1].done()):
+            return
+        (sid, masks), self._due = self._due, None
+        block = await asyncio.wait_for(asyncio.wrap_future(masks), PASS_TIMEOUT_S)
+        await self.port.executors.masks(sid, block)
+        trace.mark("g.masks_out", "d", sid)
 
     async def _take(self, step: Step, ahead: Step | None = None) -> None:
         """Wait for a deferred step's result and apply it; ``ahead``: the step launched after
-        it, whose late masks are sent first (``_apply``)."""
+        it, whose late masks its grammar pass fills (``_apply``)."""
         result, hidden = await self.port.executors.result(step.plan.step_id)
-        masks = None
+        late = None
         if ahead is not None:  # its grammar work starts at once, on the pass's threads
             tokens = result.token_ids if result.error is None else []
-            masks = self.port.core.grammar_pass(step, ahead, tokens)
-            if masks is not None and trace.enabled():
-                _trace_pass(masks, ahead.plan.step_id, step.plan.step_id)
-        late = (ahead, masks) if ahead is not None and masks is not None else None
+            late = self.port.core.grammar_pass(step, ahead, tokens)
+            if late is not None:
+                self._due = (ahead.plan.step_id, late.masks)
+                if trace.enabled():
+                    _trace_pass(late.masks, ahead.plan.step_id, step.plan.step_id,
+                                len(ahead.plan.chunks))
         await self._apply(step, result, hidden, self._sent.pop(step.plan.step_id), late)
 
     async def _apply(self, step: Step, result: StepResult, hidden: bytes | None,
-                     started: float, late: tuple[Step, Future[MaskBlock]] | None = None
-                     ) -> None:
-        """Apply ``step``'s result; ``late``: the step launched after it and its grammar pass
-        under way, whose masks go to the executors once the step has landed and before its
-        tokens are applied and streamed (the next step's sampling waits for them)."""
+                     started: float, late: Pass | None = None) -> None:
+        """Apply ``step``'s result; ``late``: the grammar pass under way for the step launched
+        after it, whose tokens it accepts: they are applied and streamed once it has (the
+        masks go out as soon as they are found filled, or after the next plan)."""
         plan, batch = step.plan, step.batch
         took = time.monotonic() - started
         if took > SLOW_STEP_S:
@@ -113,10 +133,8 @@ class Stepper:
         port.core.land(step)  # before the side's hook: pages it parked are back
         await port.side.after_step(plan, batch, result, hidden)
         if late is not None:
-            ahead, masks = late
-            block = await asyncio.wait_for(asyncio.wrap_future(masks), PASS_TIMEOUT_S)
-            await port.executors.masks(ahead.plan.step_id, block)
-            trace.mark("g.masks_out", "d", ahead.plan.step_id)
+            await asyncio.wait_for(asyncio.wrap_future(late.accepted), PASS_TIMEOUT_S)
+            await self._send_masks(wait=False)
         if result.error is not None:
             for c in batch.chunks:
                 if c.seq.status is Status.RUNNING:  # not ended by an earlier failed step
@@ -125,4 +143,5 @@ class Stepper:
         for update in port.core.apply(step, result.token_ids, result.counts, result.drafts,
                                       result.logprobs, result.prompt_logprobs):
             await port.emit(update)
+        await self._send_masks(wait=False)
         await port.pages_changed()
