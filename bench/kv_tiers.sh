@@ -14,7 +14,7 @@
 # Prints: TTFT p50 of the later turns (turns 1..7) device-only vs host tier and their ratio
 # (issue: <= 0.4), TPOT p50 of both runs, the 4k host hit over the device hit (<= 1.3x), and
 # the steady requests' TPOT while reloading / copying out over without (<= 1.05x). Env: DEVICE, DTYPE, PAGES, HOST_MB, CONVS, TURNS, SYSTEM, USER_LEN, OUTLEN, CONC,
-# PREFIX, STEADY, STEADY_OUT, TPOT_PREFIXES, MODEL_DIR (a real model directory instead of random weights), EXTRA (node flags).
+# PREFIX, STEADY, STEADY_OUT, TPOT_PREFIXES, TPOT (0: no steady-TPOT windows), MODEL_DIR (a real model directory instead of random weights), EXTRA (node flags).
 # On a lent H200 (no package registry): carry [".whl"] (msgspec, pyzmq wheels; docs GPU.md);
 # they are installed into /tmp/site when missing. A CPU dry run of the whole script:
 #   DEVICE=cpu DTYPE=float32 MODEL_DIR=<tiny model> VOCAB=300 PAGES=64 HOST_MB=64 CONVS=6
@@ -58,7 +58,7 @@ for mode in device host; do
     --timeout 600 --wait 60 --label "multiturn $CONVS x $TURNS, $mode" \
     --json "$WORK/multiturn_$mode.json" || echo "bench ($mode) failed"
   windows=fresh; [ $mode = host ] && windows=device,host,fresh
-  timeout 900 python3 bench/kv_tiers_tpot.py --connect "tcp://127.0.0.1:$PORT" \
+  [ "${TPOT:-1}" = 0 ] || timeout 900 python3 bench/kv_tiers_tpot.py --connect "tcp://127.0.0.1:$PORT" \
     --windows "$windows" --steady "$STEADY" --steady-out "$STEADY_OUT" --prefix "$PREFIX" \
     --prefixes "$TPOT_PREFIXES" --flood $((PAGES * 16 * 2)) --vocab "$VOCAB" \
     --json "$WORK/tpot_$mode.json" || echo "tpot bench ($mode) failed"
