@@ -2,7 +2,7 @@
 # The open one-GPU measurements of issues 33/34/38/39, part by part, each a run of this tree's
 # own entry points (nothing is measured here itself):
 #   gputests  the gpu tests of the transfer path (on one GPU; its cuda-ipc+graphs pair has a
-#             prefill node capture the decode graphs, DISAGG_PREFILL_GRAPHS=1, off by default)
+#             prefill node capture the decode graphs, DISAGG_PREFILL_GRAPHS=1, the default)
 #             and of rows steps
 #   ttft0 ttft1  bench/ttft_tail.sh's short prompts (SHORT_LENS, and LONG_LENS 1024) with
 #             DISAGG_PREFILL_GRAPHS 0 / 1: the split's short TTFT against the mixed node's

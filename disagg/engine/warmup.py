@@ -47,9 +47,10 @@ def warm_threads(executors: int, cores: int | None = None) -> int:
 def prefill_graphs(cfg: NodeConfig) -> bool:
     """Whether a prefill node captures the decode graphs too, to replay its small prompt steps
     as rows (``cuda_graphs.rows_step`` takes context rows; the graphs bump the layer counter).
-    Off unless ``DISAGG_PREFILL_GRAPHS=1``: not yet run on a GPU (docs/NOTES.md). A prefill
-    node that drafts (speculative prefill) stays eager either way."""
-    return env("PREFILL_GRAPHS", "0") == "1" and not cfg.scheduler.speculative_method
+    On unless ``DISAGG_PREFILL_GRAPHS=0`` (on an H200 a split 17-token prompt's TTFT went from
+    36.8 to 16.2 ms, docs/BENCHMARKS.md). A prefill node that drafts (speculative prefill)
+    stays eager either way."""
+    return env("PREFILL_GRAPHS", "1") != "0" and not cfg.scheduler.speculative_method
 
 
 def graphs_refusal(cfg: NodeConfig, tp: TensorParallel, backend: Any,

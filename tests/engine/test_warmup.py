@@ -29,8 +29,6 @@ def test_graphs_are_captured_only_where_the_executor_can_replay_them():
     one = TensorParallel()
     assert graphs_refusal(cuda, one, triton, dense) is None
     assert graphs_refusal(NodeConfig(devices=["cpu"]), one, triton, dense) == ""
-    assert graphs_refusal(NodeConfig(devices=["cuda:0"], role="prefill"), one, triton,
-                          dense) == ""
     eager = NodeConfig(devices=["cuda:0"], executor=ExecutorConfig(cuda_graphs=False))
     assert graphs_refusal(eager, one, triton, dense) == ""
     assert "--tp > 1" in str(graphs_refusal(cuda, TensorParallel(0, 2), triton, dense))
@@ -41,7 +39,7 @@ def test_graphs_are_captured_only_where_the_executor_can_replay_them():
     assert "MoE" in str(graphs_refusal(cuda, one, triton, moe32))
 
 
-def test_prefill_nodes_capture_graphs_only_when_asked_and_not_drafting(monkeypatch):
+def test_prefill_nodes_capture_graphs_unless_told_not_to_or_drafting(monkeypatch):
     triton = SimpleNamespace(name="triton")
     dense = SimpleNamespace(arch=SimpleNamespace(moe=None), dtype=torch.bfloat16)
     prefill = NodeConfig(devices=["cuda:0"], role="prefill")
@@ -49,7 +47,7 @@ def test_prefill_nodes_capture_graphs_only_when_asked_and_not_drafting(monkeypat
         speculative_method="draft", num_speculative_tokens=2))
     monkeypatch.setenv("DISAGG_PREFILL_GRAPHS", "0")
     assert graphs_refusal(prefill, TensorParallel(), triton, dense) == ""
-    monkeypatch.setenv("DISAGG_PREFILL_GRAPHS", "1")
+    monkeypatch.delenv("DISAGG_PREFILL_GRAPHS")  # the default
     assert graphs_refusal(prefill, TensorParallel(), triton, dense) is None
     assert graphs_refusal(drafting, TensorParallel(), triton, dense) == ""
     assert "--tp > 1" in str(graphs_refusal(prefill, TensorParallel(0, 2), triton, dense))

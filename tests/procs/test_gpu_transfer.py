@@ -1,6 +1,7 @@
 """Prefill node on GPU0, decode node on GPU1, KV over cuda-ipc (cuMem fd import) and over the
 fabric with host staging, and a prefill node that replays the decode graphs for its small
-prompt steps (``DISAGG_PREFILL_GRAPHS=1``); greedy outputs must equal a mixed node's. Two GPUs
+prompt steps (``DISAGG_PREFILL_GRAPHS``, the default; the other nodes run with
+``--enforce-eager``); greedy outputs must equal a mixed node's. Two GPUs
 of one host (or one: ``DISAGG_TEST_DECODE_DEVICE`` below)."""
 
 from __future__ import annotations
