@@ -10,9 +10,11 @@ masks arrive, so this is on the critical path of every constrained step (at batc
 share of the rows and makes two xgrammar calls for it (``batch_accept_token``, then
 ``batch_fill_next_token_bitmask`` on a matcher of one thread), both of which release the GIL,
 filling straight into one contiguous buffer that goes to the executors as it is (a ``Masks``
-message's own frame). The driver starts it as soon as the tokens are back and does its other
-work for the step meanwhile; the scheduler's update then finds each token already accepted
-(``GrammarState.accept``).
+message's own frame). The driver starts it as soon as the tokens are back; once every thread
+has accepted its share (``Pass.accepted``) the scheduler's update may apply the tokens, finding
+each already accepted and whether it ended the output (``GrammarState.accept`` /
+``terminated``, no call into a matcher a thread may still be filling from), and the node's
+driver plans the next step while the masks are filled (``Pass.masks``).
 
 A step that is not overlapped (new prefills joining, a constrained request's first step) has
 no token in flight: ``GrammarPass.fill`` fills its constrained rows' masks on the same threads
