@@ -11,6 +11,8 @@
 #             step's time goes (bench/grammar_gaps.py); then its n=1 / n=8 runs of a 2k prompt
 #             (NS="" skips them) (SURFACE_MODEL: config and tokenizer)
 #   surface_swi  the same with DISAGG_SWITCH_INTERVAL_US=${SWITCH_US:-500} (Python's is 5000)
+#   surface_mba  the same with DISAGG_MASKS_BEFORE_APPLY=1: late masks sent before the tokens
+#             they follow are applied and the next step planned (the order before 2026-12-07)
 #   tiers_bf16 tiers_fp8  bench/kv_tiers.sh with bf16 pages / FP8 pages (half the bytes a
 #             host hit reloads)
 # Results under WORK/<part>, one line each in WORK/summary.txt. Prepare on a machine with a
@@ -24,7 +26,7 @@
 set -u
 WORK=${1:?usage: gpu_round.sh WORK PART...}
 shift
-PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi tiers_bf16 tiers_fp8}
+PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi surface_mba tiers_bf16 tiers_fp8}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -62,15 +64,16 @@ for g in 0 1; do
     | sed "s/^/  ttft$g prefill log: /" | tee -a "$SUMMARY"
 done
 
-for part in surface surface_swi; do
+for part in surface surface_swi surface_mba; do
   has "$part" || continue
   mkdir -p "$WORK/$part"
   swi=; [ "$part" = surface_swi ] && swi=${SWITCH_US:-500}
-  DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_TRACE=$WORK/$part/trace \
+  mba=0; [ "$part" = surface_mba ] && mba=1
+  DISAGG_MASKS_BEFORE_APPLY=$mba DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_TRACE=$WORK/$part/trace \
     KINDS=${KINDS:-"plain json sampled"} ROUNDS=${ROUNDS:-"1 2 3"} \
     timeout "${T_PART:-560}" bash bench/request_surface.sh "$WORK/$part" "$SURFACE_MODEL" \
     > "$WORK/$part.log" 2>&1
-  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us)"
+  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us, masks before apply: $mba)"
   grep -E "^round|^n=|late compiles" "$WORK/$part.log" | sed "s/^/  $part /" | tee -a "$SUMMARY"
   python3 bench/grammar_gaps.py "$WORK/$part/trace" --json "$WORK/$part/grammar_gaps.json" \
     2>&1 | sed "s/^/  $part gaps /" | tee -a "$SUMMARY"

@@ -139,11 +139,13 @@ def test_fence_of_a_prefiller_stopped_forever_is_lifted_after_the_deadline(model
     only the request's absolute deadline (plus the grace) lets the fenced pages go."""
     p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "96",
                      "--max-batch-tokens", "4", env=SLOW)
+    # a deadline (4 * (1 + 80/1024) s) that the first write beats on a loaded box too (with
+    # 2 s, a CI run with two test processes once saw the request fail before any write)
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "96", "--prefill-peer", p_addr,
-                     "--on-prefill-failure", "error", "--prefill-timeout", "2", *FAST_FAILURE)
+                     "--on-prefill-failure", "error", "--prefill-timeout", "4", *FAST_FAILURE)
     with running([p, d], [d_addr]):
         try:
-            r = Req(d_addr, prompt(81, 1))  # ~2 s of prefill; cap 2 * (1 + 80/1024) s
+            r = Req(d_addr, prompt(81, 1))  # ~2 s of prefill, stopped at its first write
             wait_for(lambda: stats(p_addr).kv_writes_sent > 0, what="prefill under way")
             p.proc.send_signal(signal.SIGSTOP)
             r.join()

@@ -42,14 +42,14 @@ class Pet(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(the gateway, the node's address): a mixed node whose constrained rows overlap their
-    decode steps (their masks follow each launched step, ``SeqChunk.late_mask``)."""
+    """(the gateway, the node's address, the model): a mixed node whose constrained rows
+    overlap their decode steps (their masks follow each launched step, ``SeqChunk.late_mask``)."""
     path = make_tiny_model("llama", tmp_path_factory.mktemp("bpe-chat") / "llama")
     add_byte_bpe_tokenizer(path, chat_template=HERMES)
     addr, proc = node("mixed", path, tmp_path_factory.mktemp("structured-node"),
                       "--num-pages", "256", "--max-model-len", "512", "--overlap-schedule", "on")
     with running([proc]), nodes.gateway(addr, path, "tiny") as g:
-        yield g, addr
+        yield g, addr, path
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +184,26 @@ def test_constrained_steps_overlap_with_their_masks_sent_late(served, oai):
                                seed=3, extra_body={"guided_regex": "[a-f]{12,20}!"})
     assert all(re.fullmatch("[a-f]{12,20}!", c.text) for c in r.choices), r.choices
     assert nodes.stats(served[1]).steps_overlapped > before
+
+
+def test_late_masks_sent_before_the_tokens_are_applied_give_the_same_outputs(
+        served, oai, tmp_path):
+    """``DISAGG_MASKS_BEFORE_APPLY=1`` (the late masks' old order, kept for an A/B on a GPU):
+    a node sending each late step's masks before applying the tokens they follow and planning
+    the next step draws the same seeded outputs as the default order (the next plan first,
+    held by the executor until the masks come)."""
+    ask = dict(model="tiny", prompt="y", max_tokens=24, temperature=1.0, n=3, seed=5,
+               extra_body={"guided_json": {"type": "object", "properties": {
+                   "a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+                   "required": ["a", "b"], "additionalProperties": False}})
+    want = [c.text for c in oai.completions.create(**ask).choices]
+    addr, proc = node("mixed", served[2], tmp_path, "--num-pages", "256", "--max-model-len",
+                      "512", "--overlap-schedule", "on", env={"DISAGG_MASKS_BEFORE_APPLY": "1"})
+    with running([proc]), nodes.gateway(addr, served[2], "tiny") as g, \
+            nodes.openai_client(g.url) as other:
+        got = [c.text for c in other.completions.create(**ask).choices]
+        assert nodes.stats(addr).steps_overlapped > 0
+    assert got == want and all(json.loads(t)["a"] in ("x", "yy") for t in want), (got, want)
 
 
 @pytest.mark.parametrize("kw, needle", [

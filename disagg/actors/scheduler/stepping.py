@@ -28,6 +28,7 @@ from typing import Protocol
 from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorGroup
 from disagg.actors.scheduler.sides import SchedulerSide
+from disagg.config import env
 from disagg.engine.core import Collect, Command, EngineCore, Launch, Run, Step
 from disagg.engine.grammar_pass import PASS_TIMEOUT_S, MaskBlock, Pass
 from disagg.engine.scheduling import Sequence, SeqUpdate, Status
@@ -36,6 +37,10 @@ from disagg.protocol.executor import StepResult
 log = logging.getLogger(__name__)
 
 SLOW_STEP_S = 0.5  # a step slower than this is logged (compiles, stalls)
+# DISAGG_MASKS_BEFORE_APPLY=1: the order before 2026-12-07 (a late step's masks sent before
+# the tokens they follow are applied and the next step planned), for an A/B on a GPU
+# (bench/gpu_round.sh surface_mba); the new order is not yet measured there
+MASKS_BEFORE_APPLY = env("MASKS_BEFORE_APPLY", "0") == "1"
 
 
 class StepPort(Protocol):
@@ -134,7 +139,7 @@ class Stepper:
         await port.side.after_step(plan, batch, result, hidden)
         if late is not None:
             await asyncio.wait_for(asyncio.wrap_future(late.accepted), PASS_TIMEOUT_S)
-            await self._send_masks(wait=False)
+            await self._send_masks(wait=MASKS_BEFORE_APPLY)
         if result.error is not None:
             for c in batch.chunks:
                 if c.seq.status is Status.RUNNING:  # not ended by an earlier failed step
