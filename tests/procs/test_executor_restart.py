@@ -459,7 +459,9 @@ def test_steady_load_on_a_decode_node_across_executor_kills_leaves_nothing_hung(
                                                                                 tmp_path, kills):
     # a decoder's restarts: every request in flight or arriving reaches a terminal message;
     # the dead executor's KV mapping and fabric registrations are released before the new one's
-    fast = ["--heartbeat", "0.2", "--peer-timeout", "1", "--prefill-timeout", "10",
+    # (the prefiller never dies here: a peer timeout of 1 s once declared it dead on a loaded
+    # box, 3 s after the decoder's restart, and failed requests with prefill_failed)
+    fast = ["--heartbeat", "0.2", "--peer-timeout", "3", "--prefill-timeout", "10",
             "--no-prefix-caching"]
     p_addr, p = node("prefill", model_dir, tmp_path, "--num-pages", "96", "--no-prefix-caching")
     d_addr, d = node("decode", model_dir, tmp_path, "--num-pages", "96", "--prefill-peer", p_addr,
