@@ -21,7 +21,7 @@ And the interpreter's thread switch: a thread that wants the GIL waits up to
 (``disagg.engine.grammar_pass``), back from an xgrammar call while the event loop is busy, can
 stall a constrained step by that much. ``set_switch_interval`` applies
 ``DISAGG_SWITCH_INTERVAL_US`` (microseconds) to the node process; unset leaves Python's
-default (not yet measured on a GPU host: docs/NOTES.md).
+default (500 us did not shorten the JSON-schema TPOT on an H200: docs/NOTES.md).
 """
 
 from __future__ import annotations

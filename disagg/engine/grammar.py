@@ -329,11 +329,11 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.failed = False  # a token the grammar does not admit was fed (not expected)
         # a token accepted ahead of the scheduler's update (``GrammarPass``), with whether it
-        # was admitted and whether the output is complete with it: the update's ``accept`` of
-        # that token takes it instead of feeding it
-        self._ahead: tuple[int, bool, bool] | None = None
-        # whether the output is complete, as of the last token accepted ahead: a pass's
-        # thread may still be filling this matcher's next mask, so nothing calls into it then
+        # was admitted: the update's ``accept`` of that token takes it instead of feeding it
+        self._ahead: tuple[int, bool] | None = None
+        # whether the output is complete, as the pass's thread saw it after the token it
+        # accepted ahead (None: ask the matcher): that thread may still be filling this
+        # matcher's next mask, so nothing calls into it then
         self._ended: bool | None = None
 
     def mask(self) -> bytes:
@@ -352,11 +352,10 @@ class GrammarState:
         where it was, ``failed`` is set). A token already accepted ahead is taken as it was
         (another token than that one: RuntimeError, the matcher would be a token ahead)."""
         if self._ahead is not None:
-            (ahead, ok, ended), self._ahead = self._ahead, None
+            (ahead, ok), self._ahead = self._ahead, None
             if ahead != token:
                 raise RuntimeError(f"grammar: token {token} applied where {ahead} was "
                                    "accepted ahead")
-            self._ended = ended
             return ok
         self._ended = None
         ok = bool(self._matcher.accept_token(token))
@@ -369,7 +368,8 @@ class GrammarState:
         ``GrammarPass``, on its thread), which admitted it or not (``ok``)."""
         if not ok:
             self.failed = True
-        self._ahead = (token, ok, self.failed or bool(self._matcher.is_terminated()))
+        self._ahead = (token, ok)
+        self._ended = self.failed or bool(self._matcher.is_terminated())
 
     @property
     def terminated(self) -> bool:
@@ -378,8 +378,6 @@ class GrammarState:
         be filling a mask from)."""
         if self.failed:
             return True
-        if self._ahead is not None:
-            return self._ahead[2]
         if self._ended is not None:
             return self._ended
         return bool(self._matcher.is_terminated())

@@ -226,7 +226,8 @@ def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
         for i in want:
             assert bytes(masks[10 + i]) == step[i].mask()
         for i in live:
-            assert ahead[i]._ahead == (picks[i], True, step[i].terminated)
+            assert ahead[i]._ahead == (picks[i], True)
+            assert ahead[i].terminated == step[i].terminated  # as the pass's thread saw it
             assert ahead[i].accept(picks[i]) and ahead[i]._ahead is None  # taken, not fed
             assert ahead[i].terminated == step[i].terminated
     assert ended  # some row asking for a mask ended with its token (EOS)
@@ -235,7 +236,7 @@ def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
     first = unpack(words[None], 300)[0].nonzero().flatten().tolist()[0]
     p = gp.submit([Row(s, first, 0, mask=True)])
     p.masks.result(timeout=10)
-    assert p.accepted.done() and s._ahead == (first, True, False)
+    assert p.accepted.done() and s._ahead == (first, True) and not s.terminated
     with pytest.raises(RuntimeError, match="accepted ahead"):
         s = g.compile(sos[-1])
         s.accepted_ahead(ord("{"), True)

@@ -34,9 +34,9 @@ class StepOrder(Generic[L]):
         self._answered: int | None = None  # the last step answered
 
     def plan(self, plan: StepPlan) -> None:
-        if self.held is not None:  # a second plan: the masks it waited for are not coming
-            held, self.held = self.held, None
-            self._run(held)  # (the deferred step's answer then says so)
+        # a plan still held: the masks it waited for are not coming (the deferred step's
+        # answer then says so)
+        self._release_held()
         if self.deferred is not None and self._awaits(self.deferred[1]):
             self.held = plan
         else:
@@ -50,22 +50,25 @@ class StepOrder(Generic[L]):
         if self.deferred is None or self.deferred[0] != step_id:
             return step_id == self._answered
         self.deferred = (step_id, pick(self.deferred[1]))
-        if self.held is not None:
-            plan, self.held = self.held, None
-            self._run(plan)
+        self._release_held()
         return True
 
     def collect(self) -> None:
         """Answer the deferred step now (its successor cannot be known ahead)."""
+        self._release_held()
+        self._answer_deferred()
+
+    def _release_held(self) -> None:
         if self.held is not None:
             plan, self.held = self.held, None
             self._run(plan)
+
+    def _answer_deferred(self) -> None:
         if self.deferred is not None:
-            self._reply(*self.deferred)
+            (sid, launched), self.deferred = self.deferred, None
+            self._reply(sid, launched)
 
     def _reply(self, step_id: int, launched: L) -> None:
-        if self.deferred is not None and self.deferred[0] == step_id:
-            self.deferred = None
         self._answered = step_id
         self._answer(step_id, launched)
 
@@ -73,8 +76,7 @@ class StepOrder(Generic[L]):
         """Launch ``plan``, then answer the deferred step before it (its host work overlaps
         this one's device work); a deferred plan is answered on the next command."""
         launched = self._launch(plan)
-        if self.deferred is not None:
-            self._reply(*self.deferred)
+        self._answer_deferred()
         if plan.defer:
             self.deferred = (plan.step_id, launched)
         else:
