@@ -81,9 +81,11 @@ async def pending(sock: zmq.asyncio.Socket) -> AsyncIterator[bytes]:
 
 
 async def pending_frames(sock: zmq.asyncio.Socket, limit: int | None = None,
-                         ) -> AsyncIterator[list[zmq.Frame]]:
+                         yield_every: int = 0) -> AsyncIterator[list[zmq.Frame]]:
     """Every multipart message already queued on ``sock`` (at most ``limit``), without
-    waiting; frames uncopied so ``source_fd`` can tell their connection."""
+    waiting; frames uncopied so ``source_fd`` can tell their connection. ``yield_every``
+    (> 0): let the event loop run its other ready callbacks after that many messages (a
+    receive of a queued message never suspends, so a long drain holds the loop)."""
     n = 0
     while (limit is None or n < limit) and readable(sock):
         try:
@@ -92,6 +94,8 @@ async def pending_frames(sock: zmq.asyncio.Socket, limit: int | None = None,
             return
         n += 1
         yield frames
+        if yield_every > 0 and n % yield_every == 0:
+            await asyncio.sleep(0)
 
 
 def source_fd(frame: zmq.Frame) -> int | None:

@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from disagg.actors.sockets import LoopPoller
+from disagg.actors.sockets import LoopPoller, pending_frames
 
 
 @pytest.fixture
@@ -109,3 +109,30 @@ def test_draining_an_empty_socket_leaves_no_cyclic_garbage(pair):
         gc.enable()
     assert got == [b"%d" % i for i in range(50)]
     assert found < 50, f"{found} objects in reference cycles after 100 empty drains"
+
+
+@pytest.mark.parametrize("every", [0, 8])
+def test_a_long_drain_lets_other_callbacks_run_every_few_messages(pair, every):
+    """``pending_frames(yield_every=N)``: a drain of 64 queued messages lets a callback that
+    became ready meanwhile (a late grammar step's masks done on their thread) run after at
+    most N more of them; without it (0), only after the last."""
+    a, b = pair
+
+    async def go() -> int | None:
+        for i in range(64):
+            await a.send_multipart([b"h", str(i).encode()])
+        seen: list[int] = []
+        ran_at: list[int] = []
+        async for frames in pending_frames(b, yield_every=every):
+            seen.append(int(frames[1].bytes))
+            if len(seen) == 3:  # ready now: runs at the drain's next turn of the loop
+                asyncio.get_running_loop().call_soon(lambda: ran_at.append(len(seen)))
+        assert seen == list(range(64))  # every message, in order
+        await asyncio.sleep(0)
+        return ran_at[0]
+
+    ran_at = asyncio.run(go())
+    if every:
+        assert ran_at <= 3 + every
+    else:
+        assert ran_at == 64

@@ -27,6 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from disagg.actors.sockets import LoopPoller
 from disagg.config import NodeConfig
 from disagg.engine.dp import merge_hidden, merge_results, split_plan
 from disagg.engine.grammar_pass import MaskBlock
@@ -135,6 +136,10 @@ class ExecutorGroup:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(self.control)
+        # the step results' wait: woken in one loop turn (a late grammar step's chain waits
+        # on its predecessor's result; pyzmq's poll took several turns)
+        self._results = LoopPoller()
+        self._results.register(self.sock)
         self.procs: list[subprocess.Popen[bytes]] = []
         self._fd_socks: list[socket.socket] = []
         self.ready: list[ExecutorReady] = []
@@ -277,7 +282,7 @@ class ExecutorGroup:
             if left <= 0:
                 raise ExecutorError(f"step {step_id} exceeded {self.cfg.step_timeout_s:.0f}s "
                                     "(--step-timeout)")
-            if await self.sock.poll(int(min(left, 1.0) * 1000) + 1):
+            if await self._results.poll(int(min(left, 1.0) * 1000) + 1):
                 frames = await self.sock.recv_multipart()
                 ident, msg = self._decode(frames[:2])
                 if msg is not None and ident not in self._identities:
@@ -343,4 +348,5 @@ class ExecutorGroup:
             if view is not None and not isinstance(view[1], mmap.mmap):  # import only by
                 view[1].close()  # close() (so: after the transfer engine let go of it)
         self.kv_views.clear()
+        self._results.close()
         self.sock.close()

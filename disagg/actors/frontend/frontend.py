@@ -30,6 +30,7 @@ from disagg.actors.sockets import (
     pending_frames,
     source_fd,
 )
+from disagg.config import env_ints
 from disagg.protocol import (
     Abort,
     ClientMessage,
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 READ_BATCH = 512  # client frames read per wake-up before replies get their turn
 FLUSH_MS = 20  # retry period for replies waiting on a slow reader
+# replies relayed between turns of the event loop (0: all at once): a step's 64 token chunks
+# relayed in one go held the loop ~1.5 ms, and a late grammar step's masks, filled meanwhile
+# on the pass's threads, waited behind them (NOTES.md, "late masks")
+RELAY_YIELD = (env_ints("RELAY_YIELD", 1, "replies relayed between yields, an integer") or (8,))[0]
 
 _CLIENT_DEC = msgspec.msgpack.Decoder(ClientMessage)
 
@@ -158,7 +163,7 @@ class FrontendActor:
     async def relay_replies(self) -> None:
         """Route every reply the scheduler has queued (the reply bytes as they are), then
         retry the replies waiting for slow readers."""
-        async for frames in pending_frames(self.scheduler):
+        async for frames in pending_frames(self.scheduler, yield_every=RELAY_YIELD):
             out = self._header_dec.decode(frames[0].buffer)
             if out.frames:
                 self.book.handled(out.identity, out.frames)
