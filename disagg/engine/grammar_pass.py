@@ -32,12 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from disagg.config import env
 from disagg.engine.grammar import bitmask_words
 
 if TYPE_CHECKING:
     from disagg.engine.grammar import GrammarState
 
 PASS_TIMEOUT_S = 60.0  # a pass waited for synchronously (in-process engine) longer: an error
+# DISAGG_GRAMMAR_ONE_FILL=1: the threads only accept; the last to finish fills every mask in
+# one call on xgrammar's own threads (one GIL hand-back instead of one per thread), for an A/B
+# on a GPU node, where the pass's threads wait for the interpreter while the loop plans
+ONE_FILL = env("GRAMMAR_ONE_FILL", "0") == "1"
 
 
 def default_threads() -> int:
@@ -93,6 +98,7 @@ class GrammarPass:
         self.threads = threads if threads and threads > 0 else default_threads()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._local = threading.local()  # each thread's one-thread batch matcher
+        self._wide: Any = None  # ONE_FILL's batch matcher on ``threads`` threads
 
     def submit(self, rows: list[Row]) -> Pass:
         """Start the pass over ``rows`` (matchers of one vocabulary): each thread accepts its
@@ -117,6 +123,7 @@ class GrammarPass:
         shares = [rows[i::k] for i in range(k)]
         left = [k, k]  # threads still accepting, still running
         lock = threading.Lock()
+        pending: tuple[list[Any], list[int]] = ([], [])  # ONE_FILL: every share's rows to fill
 
         def failed(e: BaseException) -> None:
             with lock:
@@ -124,11 +131,18 @@ class GrammarPass:
                     if not f.done():
                         f.set_exception(e)
 
-        def accepted() -> None:
+        def accepted(fill: list[Any], at: list[int]) -> tuple[list[Any], list[int]]:
+            """A thread's share accepted: the rows it fills (ONE_FILL: the last thread
+            fills every share's)."""
             with lock:
                 left[0] -= 1
                 if left[0] == 0 and not out.accepted.done():
                     out.accepted.set_result(None)
+                if not ONE_FILL:
+                    return fill, at
+                pending[0].extend(fill)
+                pending[1].extend(at)
+                return pending if left[0] == 0 else ([], [])
 
         def ended(f: concurrent.futures.Future[None]) -> None:
             if (e := f.exception()) is not None:
@@ -199,8 +213,8 @@ class GrammarPass:
                 self.threads, thread_name_prefix="grammar-pass")
         return self._pool
 
-    def _work(self, share: list[Row], index: dict[int, int], buf: np.ndarray,
-              filled: list[bool], accepted: Callable[[], None]) -> None:
+    def _work(self, share: list[Row], index: dict[int, int], buf: np.ndarray, filled: list[bool],
+              accepted: Callable[[list[Any], list[int]], tuple[list[Any], list[int]]]) -> None:
         """One thread's rows: accept each token (then say so), then fill the masks asked for
         of the rows whose grammar goes on."""
         import xgrammar as xgr
@@ -214,9 +228,18 @@ class GrammarPass:
             if r.mask and not r.state.terminated:
                 fill.append(r.state._matcher)
                 at.append(index[id(r)])
-        accepted()
+        fill, at = accepted(fill, at)
         if not fill:
             return
-        self._matcher().batch_fill_next_token_bitmask(fill, buf, at)
+        matcher = self._matcher() if not ONE_FILL else self._all_threads()
+        matcher.batch_fill_next_token_bitmask(fill, buf, at)
         for i in at:
             filled[i] = True
+
+    def _all_threads(self) -> Any:
+        """A batch matcher filling on as many of xgrammar's threads as the pass has."""
+        import xgrammar as xgr
+
+        if self._wide is None:
+            self._wide = xgr.BatchGrammarMatcher(self.threads)
+        return self._wide

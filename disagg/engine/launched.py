@@ -24,6 +24,8 @@ class Launched:
         # a step with late_mask chunks: its forward pass is queued, its tokens are picked by
         # ``with_masks`` once their masks arrive (until then there is nothing to wait for)
         self.picker: Callable[[Mapping[int, bytes | memoryview]], Launched] | None = None
+        # such a step's forward pass, recorded before its tokens are picked (None on a CPU)
+        self.forward: torch.cuda.Event | None = None
 
     def with_masks(self, masks: Mapping[int, bytes | memoryview]) -> Launched:
         """The step picked with its late chunks' grammar masks (by slot); a step that had
@@ -31,8 +33,13 @@ class Launched:
         if self.picker is None:
             return self
         out = self.picker(masks)
-        out.prompt = self.prompt
+        out.prompt, out.forward = self.prompt, self.forward
         return out
+
+    def forward_done(self) -> bool:
+        """The device has finished the step's forward pass (what its picking may still wait
+        for is then only the pick itself): always on a CPU."""
+        return self.forward is None or self.forward.query()
 
     def logprob_maps(self) -> tuple[dict[int, TokenLogprobs] | None,
                                     dict[int, list[TokenLogprobs]] | None]:

@@ -371,6 +371,9 @@ class ModelRunner:
 
         out = Launched([], ctx)
         out.picker = picker
+        if logits.is_cuda:  # (the executor answers a step whose forward was done first)
+            out.forward = torch.cuda.Event()
+            out.forward.record()
         return out
 
     def _verify(self, logits: torch.Tensor, sampled: list[SeqChunk],

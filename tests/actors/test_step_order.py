@@ -90,3 +90,26 @@ def test_collect_or_a_second_plan_never_leaves_a_held_plan_behind():
         o.plan(plan(sid))
     assert d2.log == ["launch 1", "launch 2", "answer 1 ready", "launch 3", "answer 2 masks",
                       "launch 4", "answer 3 ready"]
+
+
+def test_a_step_whose_forward_was_done_when_its_masks_came_is_answered_before_the_next_launch():
+    """``settled``: the device had finished the step's forward pass (the host's chain bounds
+    the step): its tokens go back at once, before a held plan's launch; masks that come first
+    get the step answered without waiting for the next plan. A step still in its forward pass
+    keeps the launch-first order (its successor queued behind it)."""
+    d = Device(late={2, 3, 5})
+    o = StepOrder(d.launch, d.answer, lambda ld: ld == "masks", lambda ld: ld == "picked")
+    o.plan(plan(1))
+    o.plan(plan(2))
+    o.plan(plan(3))  # held for step 2's masks
+    assert o.masks(2, d.pick)
+    assert d.log[3:] == ["pick", "answer 2 picked", "launch 3"] and o.held is None
+    assert o.deferred is not None and o.deferred[0] == 3
+    assert o.masks(3, d.pick)  # masks first: answered at once, nothing deferred
+    assert d.log[6:] == ["pick", "answer 3 picked"] and o.deferred is None
+    o.plan(plan(4))
+    assert d.log[8:] == ["launch 4"]
+    busy = StepOrder(d.launch, d.answer, lambda ld: ld == "masks", lambda ld: False)
+    busy.deferred, busy.held = (5, "masks"), plan(6)  # its forward still running
+    assert busy.masks(5, d.pick)
+    assert d.log[-3:] == ["pick", "launch 6", "answer 5 picked"]

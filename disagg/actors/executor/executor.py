@@ -63,6 +63,9 @@ POLL_MS = 1000  # idle wake-up to notice a dead parent; never a busy loop
 # tests: every step takes this long more (a node busy in long steps: its scheduler answers Stats
 # only between steps, its frontend Pongs at once)
 STEP_DELAY_S = float(env("TEST_STEP_DELAY_S") or 0)
+# DISAGG_ANSWER_AFTER_LAUNCH=1: a late grammar step is always answered after the next step is
+# launched (the order before 2026-12-07's eighth session; ``StepOrder``), for an A/B on a GPU
+ANSWER_AFTER_LAUNCH = env("ANSWER_AFTER_LAUNCH", "0") == "1"
 
 
 # ---------------------------------------------------------------------------- process side
@@ -233,7 +236,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
             trace.mark(f"{tev}.launched", tkey, plan.step_id)
         return out
 
-    order = StepOrder(launched, answer, awaits_masks)
+    order = StepOrder(launched, answer, awaits_masks, lambda ld: not ANSWER_AFTER_LAUNCH and not
+                      isinstance(ld, Exception) and ld.forward_done())  # answered first if done
 
     try:
         while True:

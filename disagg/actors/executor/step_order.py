@@ -9,7 +9,11 @@ the step after it reads those tokens on the device, so a plan that arrives befor
 of the deferred step it follows is held and launched right after they pick that step (the
 scheduler plans and sends it while the masks are still being filled:
 ``disagg.actors.scheduler.stepping``). Masks that arrive first are applied at once and the
-step waits for its successor's plan as any deferred step does.
+step waits for its successor's plan as any deferred step does; except when ``settled`` says
+the device had finished the step's forward pass when they came: the host's chain (tokens back,
+grammar pass, masks out) is then what bounds the step, and its tokens are answered at once,
+before a held plan is launched (that launch's host time is not added to the chain; the device
+has nothing queued to overlap with it anyway).
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ class StepOrder(Generic[L]):
     tokens), ``awaits_masks`` says whether a launched step still waits for late masks."""
 
     def __init__(self, launch: Callable[[StepPlan], L], answer: Callable[[int, L], None],
-                 awaits_masks: Callable[[L], bool]):
+                 awaits_masks: Callable[[L], bool],
+                 settled: Callable[[L], bool] = lambda _: False):
         self._launch, self._answer, self._awaits = launch, answer, awaits_masks
+        self._settled = settled  # a picked step whose forward pass was done (answered first)
         self.deferred: tuple[int, L] | None = None  # answered on the next command
         self.held: StepPlan | None = None  # came before the masks of the deferred step
         self._answered: int | None = None  # the last step answered
@@ -50,6 +56,8 @@ class StepOrder(Generic[L]):
         if self.deferred is None or self.deferred[0] != step_id:
             return step_id == self._answered
         self.deferred = (step_id, pick(self.deferred[1]))
+        if self._settled(self.deferred[1]):
+            self._answer_deferred()
         self._release_held()
         return True
 
