@@ -12,7 +12,10 @@
 #             (NS="" skips them) (SURFACE_MODEL: config and tokenizer)
 #   surface_swi  the same with DISAGG_SWITCH_INTERVAL_US=${SWITCH_US:-500} (Python's is 5000)
 #   surface_mba  the same with DISAGG_MASKS_BEFORE_APPLY=1: late masks sent before the tokens
-#             they follow are applied and the next step planned (the order before 2026-12-07)
+#             they follow are applied and the next step planned (the default again since
+#             2026-12-07's eighth session)
+#   surface_beside  the same with DISAGG_MASKS_BEFORE_APPLY=0: the next step planned beside
+#             the grammar pass (the default of 2026-12-07's seventh session)
 #   tiers_bf16 tiers_fp8  bench/kv_tiers.sh with bf16 pages / FP8 pages (half the bytes a
 #             host hit reloads)
 # Results under WORK/<part>, one line each in WORK/summary.txt. Prepare on a machine with a
@@ -26,7 +29,7 @@
 set -u
 WORK=${1:?usage: gpu_round.sh WORK PART...}
 shift
-PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi surface_mba tiers_bf16 tiers_fp8}
+PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi surface_mba surface_beside tiers_bf16 tiers_fp8}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -64,16 +67,16 @@ for g in 0 1; do
     | sed "s/^/  ttft$g prefill log: /" | tee -a "$SUMMARY"
 done
 
-for part in surface surface_swi surface_mba; do
+for part in surface surface_swi surface_mba surface_beside; do
   has "$part" || continue
   mkdir -p "$WORK/$part"
   swi=; [ "$part" = surface_swi ] && swi=${SWITCH_US:-500}
-  mba=0; [ "$part" = surface_mba ] && mba=1
+  mba=; [ "$part" = surface_mba ] && mba=1; [ "$part" = surface_beside ] && mba=0
   DISAGG_MASKS_BEFORE_APPLY=$mba DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_TRACE=$WORK/$part/trace \
     KINDS=${KINDS:-"plain json sampled"} ROUNDS=${ROUNDS:-"1 2 3"} \
     timeout "${T_PART:-560}" bash bench/request_surface.sh "$WORK/$part" "$SURFACE_MODEL" \
     > "$WORK/$part.log" 2>&1
-  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us, masks before apply: $mba)"
+  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us, masks before apply: ${mba:-default})"
   grep -E "^round|^n=|late compiles" "$WORK/$part.log" | sed "s/^/  $part /" | tee -a "$SUMMARY"
   python3 bench/grammar_gaps.py "$WORK/$part/trace" --json "$WORK/$part/grammar_gaps.json" \
     2>&1 | sed "s/^/  $part gaps /" | tee -a "$SUMMARY"

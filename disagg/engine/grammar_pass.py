@@ -13,8 +13,10 @@ filling straight into one contiguous buffer that goes to the executors as it is 
 message's own frame). The driver starts it as soon as the tokens are back; once every thread
 has accepted its share (``Pass.accepted``) the scheduler's update may apply the tokens, finding
 each already accepted and whether it ended the output (``GrammarState.accept`` /
-``terminated``, no call into a matcher a thread may still be filling from), and the node's
-driver plans the next step while the masks are filled (``Pass.masks``).
+``terminated``, no call into a matcher a thread may still be filling from); the node's driver
+sends the masks once filled (``Pass.masks``) and only then applies the tokens and plans the
+next step, unless ``DISAGG_MASKS_BEFORE_APPLY=0`` has it plan beside the pass
+(``disagg.actors.scheduler.stepping``).
 
 A step that is not overlapped (new prefills joining, a constrained request's first step) has
 no token in flight: ``GrammarPass.fill`` fills its constrained rows' masks on the same threads

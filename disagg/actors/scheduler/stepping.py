@@ -9,12 +9,15 @@ its chunks; ``after_step``), logs slow steps, ends or hands to the side the sequ
 failed step, and streams every applied step's updates to the scheduler (``emit``). A
 deferred step's successor with constrained rows waits for their masks: the core's
 ``grammar_pass`` starts as soon as the step's tokens are back and runs on its threads while
-the step lands; its tokens are applied and streamed once accepted, and the next step is
-planned and sent while the masks are still being filled. The masks go out as soon as they
-are found filled, at the latest right after that next plan (an executor holds a plan that
-arrives before the masks of the step it follows: ``disagg.actors.executor.executor``), so
-the host's chain per constrained step is the result's trip, the pass and the masks' trip,
-with the planning beside the pass rather than after it.
+the step lands. By default the masks go out as soon as they are filled, before the tokens are
+applied and the next step planned: the executor picks the step and, its forward pass done,
+answers it at once (``StepOrder``), so the planning overlaps the masks' trip and the result's
+rather than the pass, whose threads need the interpreter back from xgrammar. With
+``DISAGG_MASKS_BEFORE_APPLY=0`` the tokens are applied and streamed once accepted and the next
+step is planned and sent while the masks are still being filled, the masks going out as soon
+as they are found filled, at the latest right after that next plan (an executor holds a plan
+that arrives before the masks of the step it follows); on GPU hosts the pass then grew by
+about the Python the loop ran beside it (docs/BENCHMARKS.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -37,10 +40,9 @@ from disagg.protocol.executor import StepResult
 log = logging.getLogger(__name__)
 
 SLOW_STEP_S = 0.5  # a step slower than this is logged (compiles, stalls)
-# DISAGG_MASKS_BEFORE_APPLY=1: the order before 2026-12-07 (a late step's masks sent before
-# the tokens they follow are applied and the next step planned), for an A/B on a GPU
-# (bench/gpu_round.sh surface_mba); the new order is not yet measured there
-MASKS_BEFORE_APPLY = env("MASKS_BEFORE_APPLY", "0") == "1"
+# DISAGG_MASKS_BEFORE_APPLY=0: plan the next step beside the grammar pass (above), for an A/B
+# on a GPU (bench/gpu_round.sh surface_beside); measured no faster than the default there
+MASKS_BEFORE_APPLY = (env("MASKS_BEFORE_APPLY") or "1") == "1"  # (empty: the default)
 
 
 class StepPort(Protocol):
