@@ -11,7 +11,9 @@ follow:
           hooks, the event loop noticing the pass
   hop     masks sent -> in the executor (``dx.masks_in``)
   answer  masks in -> S's reply sent (``dx.replied``): the masks applied and S's tokens
-          picked, the next plan launched, the tokens' copy to the host
+          picked, the tokens' copy to the host, and the next plan launched first unless S's
+          forward pass was done when the masks came (``StepOrder``) or, masks first, the wait
+          for that plan when it was not
   cycle   P's reply -> S's reply: the TPOT the batch sees
   plan    S's masks sent -> the next plan in the executor (``dx.plan_in`` of S + 1): P's
           tokens applied and streamed, the next step planned and sent; negative where that

@@ -28,10 +28,11 @@ device from the step before) and sent before the deferred result is taken, so th
 step N+1 (planning, messages, flattening, copies, launch) runs while the device computes step
 N. A constrained row's mask needs the token in flight: its follow chunk goes ``late_mask``;
 once the step before it is back the driver starts ``grammar_pass`` (its tokens accepted and
-the masks filled on threads, ``disagg.engine.grammar_pass``), applies that step once the
-tokens are accepted and sends the masks when they are filled (the node's driver plans and
-sends the next step meanwhile: ``disagg.actors.scheduler.stepping``); the executor runs the
-forward pass meanwhile and picks when the masks come. A step that is not overlapped fills its constrained rows' masks with the plan,
+the masks filled on threads, ``disagg.engine.grammar_pass``), sends the masks when they are
+filled, then applies that step (``apply`` may run once the tokens are accepted: the node's
+driver can plan beside the fill, ``disagg.actors.scheduler.stepping``); the executor runs the
+forward pass meanwhile and picks when the masks come. A step that is not overlapped fills its
+constrained rows' masks with the plan,
 together on the same pass's threads (``GrammarPass.fill``; one such row fills its own). When
 the next step cannot be known ahead (new work arrived, a page is missing) the core
 answers ``Collect`` and plans normally afterwards. A sequence that stops in flight wastes its
