@@ -144,6 +144,7 @@ class SchedulerActor:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)
         self._stopping = False
+        self._waiter = LoopPoller()  # the inbox's and messenger's, registered for a run
         self.mbox = mbox
         self._mdec = msgspec.msgpack.Decoder(ToScheduler)
         self.messenger_stats = MessengerStats()
@@ -156,6 +157,11 @@ class SchedulerActor:
         (``disagg.engine.core``: one step, or with a step in flight its successor or
         ``Collect``); 3. run it on the executors (``disagg.actors.scheduler.stepping``); 4. stream
         tokens and finishes. Idle: block on the inbox."""
+        # one waiter for the run, woken in one loop turn (pyzmq's takes several); not one
+        # per wait: a node's open fds stay flat
+        for sock in (self.inbox, self.mbox):
+            if sock is not None:
+                self._waiter.register(sock, zmq.POLLIN)
         try:
             while not self._stopping:
                 idle = not self.core.has_work()
@@ -178,20 +184,15 @@ class SchedulerActor:
             self.stepper.abandon()
             await self.fail_all("internal", f"executor failure: {e}")
             raise
+        finally:
+            self._waiter.close()
 
     async def _drain(self, block: bool, timeout_ms: int | None = None) -> None:
         """Handle every queued client and messenger message; when ``block``, first wait
         (up to ``timeout_ms``, None = forever) for one to arrive."""
         socks = [s for s in (self.inbox, self.mbox) if s is not None]
-        if block:
-            poller = LoopPoller()  # woken in one loop turn (pyzmq's takes several)
-            for sock in socks:
-                poller.register(sock, zmq.POLLIN)
-            try:
-                if not await poller.poll(timeout_ms):
-                    return
-            finally:
-                poller.close()
+        if block and not await self._waiter.poll(timeout_ms):
+            return
         for sock in socks:
             async for data in pending(sock):
                 if sock is self.inbox:
