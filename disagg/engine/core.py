@@ -45,16 +45,20 @@ counter from there (stride: layers + 1); the in-process engine has no counter (s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from disagg.engine.grammar_pass import PASS_TIMEOUT_S, GrammarPass, Pass
 from disagg.engine.scheduling import Batch, BatchScheduler, SeqUpdate
 from disagg.protocol import TokenLogprobs
-from disagg.protocol.executor import StepPlan
+from disagg.protocol.executor import GrammarDef, StepPlan
+
+if TYPE_CHECKING:
+    from disagg.engine.grammar_mirror import MirrorBook
 
 COPY_WAIT_S = 60.0  # the in-process loop waits this long at most for tier copies alone
 
@@ -65,6 +69,8 @@ class Step:
 
     plan: StepPlan
     batch: Batch
+    # grammars the executors get before the plan (``MirrorBook``, DISAGG_EXECUTOR_MASKS=1)
+    defs: tuple[GrammarDef, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,12 +94,15 @@ Command = Run | Launch | Collect
 
 class EngineCore:
     def __init__(self, sched: BatchScheduler, overlap: bool = False, counter_stride: int = 0,
-                 grammar: GrammarPass | None = None):
+                 grammar: GrammarPass | None = None, mirror: MirrorBook | None = None):
         """``overlap``: defer decode-only steps (overlapped decoding); ``counter_stride``: the
         layer-counter values a step spans (``counter_base``); ``grammar``: the late masks'
-        pass (default: half the machine's threads, started on first use)."""
+        pass (default: half the machine's threads, started on first use); ``mirror``: the
+        executors fill the late masks themselves (``disagg.engine.grammar_mirror``), the
+        pass only accepts."""
         self.sched = sched
         self.grammar = grammar if grammar is not None else GrammarPass()
+        self.mirror = mirror
         self.overlap = overlap
         self.counter_stride = counter_stride
         self.in_flight: Step | None = None  # the newest deferred step, its result not asked for
@@ -131,10 +140,16 @@ class EngineCore:
     def _step(self, batch: Batch, defer: bool) -> Step:
         step_id = next(self._ids)
         masks = self._masks(batch)
-        return Step(StepPlan(step_id, [c.to_wire(masks.get(i)) for i, c in enumerate(batch.chunks)],
-                             batch.num_decodes,
+        wires = [c.to_wire(masks.get(i)) for i, c in enumerate(batch.chunks)]
+        defs: list[GrammarDef] = []
+        gone: list[int] = []
+        if self.mirror is not None:
+            wires = self.mirror.mark(batch.chunks, wires)
+            defs, gone = self.mirror.take()
+        return Step(StepPlan(step_id, wires, batch.num_decodes,
                              counter_base=step_id * self.counter_stride, defer=defer,
-                             reload_wait=self.sched.reload_pending()), batch)
+                             reload_wait=self.sched.reload_pending(), grammar_gone=gone),
+                    batch, tuple(defs))
 
     def _masks(self, batch: Batch) -> dict[int, bytes]:
         """The masks of ``batch``'s constrained chunks that fill theirs with the plan, by chunk
@@ -180,6 +195,8 @@ class EngineCore:
         pass's threads; ``apply`` may run once ``Pass.accepted`` is done. None when ``step``
         has no late chunk."""
         rows = self.sched.grammar_rows(then.batch, step.batch, tokens)
+        if rows is not None and self.mirror is not None:  # the executors fill the masks
+            rows = [dataclasses.replace(r, mask=False) for r in rows]
         return None if rows is None else self.grammar.submit(rows)
 
     def abandon(self) -> None:

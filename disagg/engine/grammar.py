@@ -259,6 +259,12 @@ class Grammars:
         running.add_done_callback(ended)
         return running
 
+    def vocab_json(self) -> bytes:
+        """The tokenizer's ``TokenizerInfo`` serialized (what an executor's copies of the
+        matchers compile against: ``disagg.engine.grammar_mirror``); built on first use."""
+        self._ensure()
+        return str(self._info.serialize_json()).encode()
+
     def _cached(self, key: Key) -> Any:
         with self._lock:
             compiled = self._cache.get(key)
@@ -324,6 +330,7 @@ class GrammarState:
     def __init__(self, compiled: Any, vocab_size: int):
         import xgrammar as xgr
 
+        self.compiled = compiled  # (its identity keys the executors' copies: grammar_mirror)
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size

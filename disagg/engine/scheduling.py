@@ -327,6 +327,7 @@ class BatchScheduler(OverlappedDecoding):
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
+        seq.grammar_synced = False
         seq.status = Status.WAITING
         self._insert_waiting(seq)
         self.num_preemptions += 1

@@ -69,6 +69,15 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # so it arrives after the step was launched, in a ``Masks`` message for this step; the
     # executor runs the step's forward pass at once and picks its tokens when the masks come
     late_mask: bool = False
+    # DISAGG_EXECUTOR_MASKS=1 (disagg.engine.grammar_mirror): a constrained sampling chunk's
+    # grammar (a GrammarDef key) for the executor's own copy of the request's matcher, which
+    # fills its late masks itself; -1 = none. grammar_replay: the output tokens before this
+    # chunk's (the copy starts over from them: the request's first chunk, or its first after a
+    # preemption); grammar_prev: a late chunk's output token two before the one it samples
+    # (the last the scheduler applied; -1: none), checked against the copy's
+    grammar: int = -1
+    grammar_replay: list[int] | None = None
+    grammar_prev: int = -1
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=True):
@@ -84,6 +93,9 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=Tru
     # KV tiers: a reload issued layer by layer is in flight; each layer waits on its event
     # (ExecutorReady.reload_events) first, a graph replay on the last layer's
     reload_wait: bool = False
+    # slots of constrained requests that ended: the executor's grammar copies of them go
+    # (DISAGG_EXECUTOR_MASKS=1)
+    grammar_gone: list[int] = []
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, gc=False, frozen=True):
@@ -162,7 +174,19 @@ class Masks(msgspec.Struct, tag="masks", array_like=True, frozen=True):
     row_bytes: int
 
 
-ExecutorCommand = StepPlan | Collect | Masks | Shutdown
+class GrammarDef(msgspec.Struct, tag="grammar", array_like=True, frozen=True):
+    """A compiled grammar (xgrammar's ``CompiledGrammar.serialize_json``) that later chunks
+    name by ``key`` (``SeqChunk.grammar``), sent once before the first plan that does
+    (DISAGG_EXECUTOR_MASKS=1). ``vocab``: the tokenizer's ``TokenizerInfo.serialize_json``
+    with the first definition, b"" after; ``drop``: keys no later chunk will name."""
+
+    key: int
+    compiled: bytes
+    vocab: bytes = b""
+    drop: list[int] = []
+
+
+ExecutorCommand = StepPlan | Collect | Masks | GrammarDef | Shutdown
 ExecutorReply = StepResult | ExecutorReady
 
 

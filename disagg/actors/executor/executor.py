@@ -1,7 +1,7 @@
 """Executor actor: one process per device.
 
-Receives: ``StepPlan``, ``Masks``, ``Collect`` and ``Shutdown`` on a DEALER socket connected to
-the main process.
+Receives: ``StepPlan``, ``Masks``, ``GrammarDef`` (``late_masks``), ``Collect`` and ``Shutdown`` on
+a DEALER socket connected to the main process.
 Sends: ``ExecutorReady`` once (plus the KV memory fd over a unix socket, SCM_RIGHTS), then one
 ``StepResult`` per plan: at once, or for a deferred plan (``StepPlan.defer``, overlapped
 decoding) when the next command arrives, after that command's step has been launched (the
@@ -31,8 +31,10 @@ import zmq
 
 from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorError, rendezvous_path
+from disagg.actors.executor.late_masks import OwnMasks, awaits_masks, finish
 from disagg.actors.executor.step_order import StepOrder
 from disagg.config import NodeConfig, env
+from disagg.engine.grammar_mirror import EXECUTOR_MASKS
 from disagg.engine.start_phases import (
     StartPhases,
     boot_clock,
@@ -47,6 +49,7 @@ from disagg.protocol.executor import (
     Collect,
     ExecutorCommand,
     ExecutorReady,
+    GrammarDef,
     Masks,
     Shutdown,
     StepPlan,
@@ -224,13 +227,20 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
     tkey = ("s" if cfg.role == "prefill" else "d") if trace.enabled() and rank == 0 else ""
     tev = "x" if cfg.role == "prefill" else "dx"
 
+    # DISAGG_EXECUTOR_MASKS=1: the late grammar masks filled here (late_masks.OwnMasks)
+    own = OwnMasks(cfg.scheduler.grammar_threads or None) if EXECUTOR_MASKS else None
+
     def answer(step_id: int, launched: Launched | Exception) -> None:
         frames = reply(enc, runner, step_id, launched)
+        if own is not None:
+            own.answered(step_id, launched)
         if tkey:  # (before the send: the scheduler may act on it before this process runs on)
             trace.mark(f"{tev}.replied", tkey, step_id)
         sock.send_multipart(frames)
 
     def launched(plan: StepPlan) -> Launched | Exception:
+        if own is not None:
+            own.launched(plan)
         out = launch(runner, plan)
         if tkey:
             trace.mark(f"{tev}.launched", tkey, plan.step_id)
@@ -268,9 +278,15 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
                         log.error("ignoring grammar masks for step %d, not in flight", step_id)
                 case Collect():
                     order.collect()
+                case GrammarDef() as grammar if own is not None:
+                    own.define(grammar)
                 case Shutdown():
                     return
+            if own is not None and (sid := own.fill(order)) is not None and tkey:
+                trace.mark(f"{tev}.masks_in", tkey, sid)
     finally:
+        if own is not None:
+            own.close()
         if counter is not None:
             counter.close()
         sock.close()
@@ -285,28 +301,6 @@ def launch(runner: ModelRunner, plan: StepPlan) -> Launched | Exception:
         return runner.launch(plan)
     except Exception as e:  # noqa: BLE001
         log.exception("step %d failed", plan.step_id)
-        return e
-
-
-def awaits_masks(launched: Launched | Exception) -> bool:
-    """A launched step whose tokens wait for late grammar masks (``Launched.with_masks``)."""
-    return not isinstance(launched, Exception) and launched.picker is not None
-
-
-def finish(launched: Launched | Exception, slots: list[int], row_bytes: int,
-           rows: memoryview) -> Launched | Exception:
-    """Pick a launched step's tokens with its late grammar masks (``Launched.with_masks``):
-    ``rows``, a ``Masks`` message's frame, holds slot ``slots[i]``'s at row ``i``."""
-    if isinstance(launched, Exception):
-        return launched
-    try:
-        if len(rows) != len(slots) * row_bytes:
-            raise ValueError(f"grammar masks of {len(rows)} bytes for {len(slots)} rows of "
-                             f"{row_bytes}")
-        return launched.with_masks({s: rows[i * row_bytes:(i + 1) * row_bytes]
-                                    for i, s in enumerate(slots)})
-    except Exception as e:  # noqa: BLE001
-        log.exception("picking a step with its grammar masks failed")
         return e
 
 

@@ -37,6 +37,7 @@ from disagg.protocol.executor import (
     Collect,
     ExecutorReady,
     ExecutorReply,
+    GrammarDef,
     KVMemoryInfo,
     Masks,
     Shutdown,
@@ -264,6 +265,12 @@ class ExecutorGroup:
         payload = self._enc.encode(Masks(step_id, block.slots, block.row_bytes))
         for ident in self._identities:
             await self.sock.send_multipart([ident, payload, block.words], copy=False)
+
+    async def define(self, grammar: GrammarDef) -> None:
+        """Send every rank a grammar later plans name (``disagg.engine.grammar_mirror``)."""
+        payload = self._enc.encode(grammar)
+        for ident in self._identities:
+            await self.sock.send_multipart([ident, payload])
 
     async def collect(self) -> None:
         """Ask every rank for its deferred step's result."""

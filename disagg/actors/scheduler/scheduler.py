@@ -34,6 +34,7 @@ from disagg.actors.sockets import LoopPoller, pending
 from disagg.engine.core import EngineCore
 from disagg.engine.dp import make_pool, rank_stats
 from disagg.engine.grammar import Grammars
+from disagg.engine.grammar_mirror import EXECUTOR_MASKS, MirrorBook
 from disagg.engine.grammar_pass import GrammarPass
 from disagg.engine.kv_tiers import KVTiers
 from disagg.engine.prefix_tiers import TieredScheduler
@@ -139,7 +140,9 @@ class SchedulerActor:
                                    arch.vocab_size, max_model_len, self.raise_hint, grammars)
         # the engine core plans and applies every step (a step spans layers + 1 counter values)
         self.core = EngineCore(self.sched, setup.overlap, arch.num_layers + 1,
-                               GrammarPass(setup.grammar_threads))
+                               GrammarPass(setup.grammar_threads),
+                               MirrorBook(grammars.vocab_json)
+                               if setup.overlap and EXECUTOR_MASKS else None)
         self.stepper = Stepper(self)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)

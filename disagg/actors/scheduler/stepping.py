@@ -79,11 +79,15 @@ class Stepper:
         match cmd:
             case Run(step):
                 await port.side.before_step(step.plan, step.batch)
+                for grammar in step.defs:
+                    await port.executors.define(grammar)
                 started = time.monotonic()
                 result, hidden = await port.executors.step(step.plan)
                 await self._apply(step, result, hidden, started)
             case Launch(step, then):
                 await port.side.before_step(step.plan, step.batch)
+                for grammar in step.defs:
+                    await port.executors.define(grammar)
                 await port.executors.submit(step.plan)
                 self._sent[step.plan.step_id] = time.monotonic()
                 await self._send_masks()  # the in-flight step's, planned beside their pass
@@ -118,7 +122,7 @@ class Stepper:
         if ahead is not None:  # its grammar work starts at once, on the pass's threads
             tokens = result.token_ids if result.error is None else []
             late = self.port.core.grammar_pass(step, ahead, tokens)
-            if late is not None:
+            if late is not None and self.port.core.mirror is None:  # (else: accepts only)
                 self._due = (ahead.plan.step_id, late.masks)
                 if trace.enabled():
                     _trace_pass(late.masks, ahead.plan.step_id, step.plan.step_id,

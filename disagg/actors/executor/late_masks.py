@@ -1,0 +1,85 @@
+"""Late grammar masks on the executor's side: picking a launched step's tokens once its masks
+are there (``finish``), from a ``Masks`` message or, with ``DISAGG_EXECUTOR_MASKS=1``, filled
+here from the executor's own copies of the requests' matchers (``OwnMasks``,
+``disagg.engine.grammar_mirror``)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+from disagg.actors.executor.step_order import StepOrder
+from disagg.engine.grammar_mirror import GrammarMirror
+from disagg.protocol.executor import GrammarDef, StepPlan
+
+if TYPE_CHECKING:
+    from disagg.engine.launched import Launched
+
+log = logging.getLogger(__name__)
+
+
+def awaits_masks(launched: Launched | Exception) -> bool:
+    """A launched step whose tokens wait for late grammar masks (``Launched.with_masks``)."""
+    return not isinstance(launched, Exception) and launched.picker is not None
+
+
+def finish(launched: Launched | Exception, slots: list[int], row_bytes: int,
+           rows: memoryview) -> Launched | Exception:
+    """Pick a launched step's tokens with its late grammar masks (``Launched.with_masks``):
+    ``rows``, a ``Masks`` message's frame, holds slot ``slots[i]``'s at row ``i``."""
+    if isinstance(launched, Exception):
+        return launched
+    try:
+        if len(rows) != len(slots) * row_bytes:
+            raise ValueError(f"grammar masks of {len(rows)} bytes for {len(slots)} rows of "
+                             f"{row_bytes}")
+        return launched.with_masks({s: rows[i * row_bytes:(i + 1) * row_bytes]
+                                    for i, s in enumerate(slots)})
+    except Exception as e:  # noqa: BLE001
+        log.exception("picking a step with its grammar masks failed")
+        return e
+
+
+class OwnMasks:
+    """The executor's copies of its constrained requests' matchers (``GrammarMirror``), fed
+    by its plans and answers; fills a deferred step's late masks as soon as the step before
+    it is answered."""
+
+    def __init__(self, threads: int | None = None):
+        self.mirror = GrammarMirror(threads)
+
+    def define(self, grammar: GrammarDef) -> None:
+        try:
+            self.mirror.define(grammar)
+        except Exception:  # noqa: BLE001 (its requests' rows are then picked unconstrained)
+            log.exception("grammar %d: not defined", grammar.key)
+
+    def launched(self, plan: StepPlan) -> None:
+        self.mirror.track(plan)
+
+    def answered(self, step_id: int, launched: Launched | Exception) -> None:
+        tokens = None if isinstance(launched, Exception) else launched.tokens
+        self.mirror.record(step_id, tokens if isinstance(tokens, list) else None)
+
+    def fill(self, order: StepOrder[Launched | Exception]) -> int | None:
+        """Fill and pick the deferred step's late masks when they are this executor's to
+        fill; its step id, None when there was nothing to fill."""
+        if order.deferred is None:
+            return None
+        sid, launched = order.deferred
+        if not (self.mirror.owns(sid) and awaits_masks(launched)):
+            return None
+        try:
+            block = self.mirror.fill(sid)
+            rows = memoryview(block.words)
+            pick = functools.partial(finish, slots=block.slots, row_bytes=block.row_bytes,
+                                     rows=rows)
+        except Exception as e:  # noqa: BLE001 (the step fails, the executor serves on)
+            log.exception("filling step %d's grammar masks failed", sid)
+            pick = functools.partial(lambda _launched, error: error, error=e)
+        order.masks(sid, pick)
+        return sid
+
+    def close(self) -> None:
+        self.mirror.close()

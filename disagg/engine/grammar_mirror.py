@@ -1,0 +1,235 @@
+"""Late grammar masks filled on the executor (``DISAGG_EXECUTOR_MASKS=1``).
+
+Overlapped decoding sends a constrained row's follow chunk before the token it follows is
+back (``SeqChunk.late_mask``): its mask needs that token. By default the scheduler accepts the
+token and fills the mask (``disagg.engine.grammar_pass``) and sends it (``Masks``): the
+token's trip to the scheduler, the pass on threads that share the scheduler's interpreter
+with the event loop, and the mask's trip back are the chain that bounds such a step (docs/
+BENCHMARKS.md, "late masks"). Here the executor, which sampled the token, keeps its own copy
+of each constrained request's matcher and fills the mask itself, on threads of its own
+process, as soon as the token is on the host; the scheduler's matchers only accept (what
+ends an output), off that chain.
+
+``MirrorBook`` is the scheduler's side: it names each compiled grammar by a key and sends it
+once (``GrammarDef``, the tokenizer's vocabulary with the first), and marks every
+constrained sampling chunk with its key (``SeqChunk.grammar``); a request's first such chunk,
+and its first after a preemption (whose in-flight token was dropped), carries the output so
+far (``grammar_replay``) and the copy starts over from it. Each late chunk also carries the
+last token the scheduler applied (``grammar_prev``) for the copy to check itself against.
+Requests that ended are named in the next plan (``StepPlan.grammar_gone``).
+
+``GrammarMirror`` is the executor's: every token a marked chunk samples is recorded by its
+output index as the step is answered; a late step's masks are filled once the step before it
+is answered (the executor answers in step order). Slots are never reused on a node and the
+executors restart only with their scheduler, so nothing else can put a copy out of step; a
+copy that still is (a bug) is dropped with an error, its row picked unconstrained (the
+scheduler's matcher then rejects the token and ends the request).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from disagg.config import env
+from disagg.engine.grammar import CACHE_ENTRIES, GrammarState, bitmask_words
+from disagg.engine.grammar_pass import PASS_TIMEOUT_S, GrammarPass, MaskBlock, Row
+from disagg.engine.sequence import Status
+from disagg.protocol.executor import GrammarDef, SeqChunk, StepPlan
+
+if TYPE_CHECKING:
+    from disagg.engine.sequence import ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+# DISAGG_EXECUTOR_MASKS=1: the executor fills the late masks itself (an A/B on a GPU:
+# bench/gpu_round.sh surface_exec)
+EXECUTOR_MASKS = env("EXECUTOR_MASKS", "0") == "1"
+
+
+class MirrorBook:
+    """The scheduler's record of what the executors' copies hold. ``vocab``: the serialized
+    ``TokenizerInfo`` (``Grammars.vocab_json``), asked for with the first definition."""
+
+    def __init__(self, vocab: Callable[[], bytes], capacity: int = CACHE_ENTRIES):
+        self._vocab, self._capacity = vocab, capacity
+        self._vocab_sent = False
+        # id(compiled) -> (key, compiled): the compiled object is kept so its id stays its own
+        self._keys: collections.OrderedDict[int, tuple[int, Any]] = collections.OrderedDict()
+        self._next_key = 0
+        self._defs: list[GrammarDef] = []
+        self._dropped: list[int] = []
+        self._live: dict[int, Any] = {}  # slot -> its Sequence, once a replay was sent
+
+    def mark(self, chunks: list[ScheduledChunk], wires: list[SeqChunk]) -> list[SeqChunk]:
+        """``wires`` (the plan's chunks, built from ``chunks``) with their grammar fields."""
+        out = []
+        for c, w in zip(chunks, wires, strict=True):
+            seq = c.seq
+            if seq.grammar is None or not w.sample:
+                out.append(w)
+                continue
+            fields: dict[str, Any] = {"grammar": self._key(seq.grammar.compiled)}
+            if not seq.grammar_synced:
+                if w.late_mask:  # its token in flight was sampled for a synced copy
+                    raise RuntimeError(f"slot {seq.slot}: a late chunk before its replay")
+                fields["grammar_replay"] = seq.output_ids[:w.output_index]
+                seq.grammar_synced = True
+                self._live[seq.slot] = seq
+            if w.late_mask and w.output_index >= 2:
+                fields["grammar_prev"] = seq.output_ids[w.output_index - 2]
+            out.append(msgspec.structs.replace(w, **fields))
+        return out
+
+    def take(self) -> tuple[list[GrammarDef], list[int]]:
+        """The definitions to send before the plan just marked, and the slots of requests
+        that ended (``StepPlan.grammar_gone``)."""
+        gone = [slot for slot, seq in self._live.items() if seq.status is Status.FINISHED]
+        for slot in gone:
+            del self._live[slot]
+        defs, self._defs = self._defs, []
+        return defs, gone
+
+    def _key(self, compiled: Any) -> int:
+        got = self._keys.get(id(compiled))
+        if got is not None:
+            self._keys.move_to_end(id(compiled))
+            return got[0]
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._keys[id(compiled)] = (key, compiled)
+        while len(self._keys) > self._capacity:
+            self._dropped.append(self._keys.popitem(last=False)[1][0])
+        vocab = b"" if self._vocab_sent else self._vocab()
+        self._vocab_sent = True
+        self._defs.append(GrammarDef(key, str(compiled.serialize_json()).encode(), vocab,
+                                     self._dropped))
+        self._dropped = []
+        return key
+
+
+@dataclass
+class _Copy:
+    """One request's matcher on the executor: output tokens ``0 .. count - 1`` accepted."""
+
+    state: GrammarState
+    count: int
+    last: int  # the token at index count - 1 (-1: none)
+    seen: dict[int, int] = field(default_factory=dict)  # sampled, not accepted: index -> token
+
+
+class GrammarMirror:
+    """The executor's copies of its constrained requests' matchers, filling late masks on
+    ``threads`` threads of this process."""
+
+    def __init__(self, threads: int | None = None):
+        self._pass = GrammarPass(threads)
+        self._info: Any = None
+        self._compiled: dict[int, Any] = {}
+        self._copies: dict[int, _Copy] = {}  # by slot
+        # step id -> (position among its sampled tokens, slot, output index) of marked chunks
+        self._sampled: dict[int, list[tuple[int, int, int]]] = {}
+        self._late: dict[int, list[SeqChunk]] = {}  # step id -> its marked late chunks
+
+    def define(self, d: GrammarDef) -> None:
+        import xgrammar as xgr
+
+        if d.vocab:
+            self._info = xgr.TokenizerInfo.deserialize_json(d.vocab.decode())
+        if self._info is None:
+            raise ValueError(f"grammar {d.key} defined before the vocabulary")
+        for key in d.drop:
+            self._compiled.pop(key, None)
+        self._compiled[d.key] = xgr.CompiledGrammar.deserialize_json(d.compiled.decode(),
+                                                                     self._info)
+
+    def track(self, plan: StepPlan) -> None:
+        """A plan about to be launched: copies start over from replays; its marked chunks'
+        tokens are recorded when it is answered, its late chunks filled by ``fill``."""
+        for slot in plan.grammar_gone:
+            self._copies.pop(slot, None)
+        sampled, late, pos = [], [], 0
+        for c in plan.chunks:
+            if not c.sample:
+                continue
+            if c.grammar >= 0:
+                if c.grammar_replay is not None:
+                    self._start(c)
+                sampled.append((pos, c.slot, c.output_index))
+                if c.late_mask:
+                    late.append(c)
+            pos += 1
+        if sampled:
+            self._sampled[plan.step_id] = sampled
+        if late:
+            self._late[plan.step_id] = late
+
+    def owns(self, step_id: int) -> bool:
+        """``step_id`` has late chunks this executor fills the masks of."""
+        return step_id in self._late
+
+    def record(self, step_id: int, tokens: list[int] | None) -> None:
+        """Step ``step_id`` answered with ``tokens`` (None: it failed)."""
+        for pos, slot, index in self._sampled.pop(step_id, ()):
+            copy = self._copies.get(slot)
+            if copy is not None and tokens is not None and pos < len(tokens) \
+                    and index >= copy.count:
+                copy.seen[index] = tokens[pos]
+
+    def fill(self, step_id: int) -> MaskBlock:
+        """The late masks of ``step_id`` (its predecessor answered): each copy accepts the
+        tokens up to the one its chunk follows, then fills what it admits next."""
+        rows = [r for c in self._late.pop(step_id, ()) if (r := self._row(c)) is not None]
+        if not rows:
+            return MaskBlock([], bytearray(), bitmask_words(self._info.vocab_size
+                                                            if self._info else 0) * 4)
+        block = self._pass.submit(rows).masks.result(timeout=PASS_TIMEOUT_S)
+        for r in rows:
+            copy = self._copies[r.slot]
+            r.state.accept(r.token)  # takes the token the pass accepted ahead
+            index = copy.count
+            copy.count, copy.last = index + 1, r.token
+            copy.seen = {i: t for i, t in copy.seen.items() if i > index}
+        return block
+
+    def close(self) -> None:
+        self._pass.close()
+
+    def _start(self, c: SeqChunk) -> None:
+        compiled = self._compiled.get(c.grammar)
+        if compiled is None:
+            log.error("slot %d: grammar %d was never defined", c.slot, c.grammar)
+            self._copies.pop(c.slot, None)
+            return
+        state = GrammarState(compiled, self._info.vocab_size)
+        replay = c.grammar_replay or []
+        for t in replay:
+            state.accept(t)
+        self._copies[c.slot] = _Copy(state, len(replay), replay[-1] if replay else -1)
+
+    def _row(self, c: SeqChunk) -> Row | None:
+        """The pass's row of late chunk ``c``: its copy brought to the token ``c`` follows
+        (the one before it accepted here, the rare ones before that too), None when it has
+        no copy in step (an error, said once: the copy goes)."""
+        copy = self._copies.get(c.slot)
+        if copy is None:
+            return None
+        follows = c.output_index - 1  # the token in flight when c was planned
+        prev = copy.seen.get(c.output_index - 2, copy.last if copy.count == c.output_index - 1
+                             else -2)
+        missing = [i for i in range(copy.count, follows + 1) if i not in copy.seen]
+        if missing or copy.count > follows or (c.grammar_prev >= 0 and prev != c.grammar_prev):
+            log.error("slot %d: the executor's grammar copy is out of step (at %d, tokens %s "
+                      "missing, the scheduler's last %d, the copy's %d); picked unconstrained",
+                      c.slot, copy.count, missing, c.grammar_prev, prev)
+            del self._copies[c.slot]
+            return None
+        for i in range(copy.count, follows):  # tokens of steps it was not late in
+            token = copy.seen.pop(i)
+            copy.state.accept(token)
+            copy.count, copy.last = i + 1, token
+        return Row(copy.state, copy.seen[follows], c.slot, True)
