@@ -135,7 +135,7 @@ def test_executor_masks_equal_the_schedulers_across_overlap_plain_steps_and_pree
     tokens = p.sample(seqs, {})
     last, tokens = run_overlapped(p, seqs, 3, plain, tokens)
     # (planned before the token then in flight was applied: the one before it)
-    assert all(c.grammar_prev == s.output_ids[-2] for c, s in zip(last.chunks, seqs))
+    assert all(c.grammar_prev == s.output_ids[-2] for c, s in zip(last.chunks, seqs, strict=True))
     # slot 11 is preempted with its token in flight (dropped), slot 12 ends
     p.mirror.record(last.step_id, tokens)
     apply([seqs[0]], [tokens[0]])
