@@ -12,9 +12,10 @@ ends an output), off that chain.
 
 ``MirrorBook`` is the scheduler's side: it names each compiled grammar by a key and sends it
 once (``GrammarDef``, the tokenizer's vocabulary with the first), and marks every
-constrained sampling chunk with its key (``SeqChunk.grammar``); a request's first such chunk,
-and its first after a preemption (whose in-flight token was dropped), carries the output so
-far (``grammar_replay``) and the copy starts over from it. Each late chunk also carries the
+constrained sampling chunk with its key (``SeqChunk.grammar``); a request's first such chunk
+carries the output so far (``grammar_replay``, empty: a decoder's request after a remote
+prefill too) and the copy starts from it, as does its first after a preemption (defensive:
+a preemption never comes with a token in flight, ``schedule_ahead`` declines instead). Each late chunk also carries the
 last token the scheduler applied (``grammar_prev``) for the copy to check itself against.
 Requests that ended are named in the next plan (``StepPlan.grammar_gone``).
 

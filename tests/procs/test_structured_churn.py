@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -48,11 +49,20 @@ def admitted(kind: str, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def model(tmp_path_factory):
     path = make_tiny_model("llama", tmp_path_factory.mktemp("churn") / "llama")
     add_byte_bpe_tokenizer(path)
-    a, proc = node("mixed", path, tmp_path_factory.mktemp("churn-node"), "--num-pages", "48",
-                   "--max-model-len", "256", "--overlap-schedule", "on")
+    return path
+
+
+def small_node(model, tmp: Path, env: dict[str, str] | None = None):
+    return node("mixed", model, tmp, "--num-pages", "48", "--max-model-len", "256",
+                "--overlap-schedule", "on", env=env)
+
+
+@pytest.fixture(scope="module")
+def served(model, tmp_path_factory):
+    a, proc = small_node(model, tmp_path_factory.mktemp("churn-node"))
     with running([proc]):
         yield a, proc
 
@@ -63,6 +73,20 @@ def addr(served):
 
 
 def test_constrained_requests_under_churn(addr):
+    churn(addr)
+
+
+def test_constrained_requests_under_churn_with_the_executor_filling_late_masks(model, tmp_path):
+    """The same churn with ``DISAGG_EXECUTOR_MASKS=1``: the executor's copies of the matchers
+    stay in step through preemptions (replays), aborts and vanished clients."""
+    addr, proc = small_node(model, tmp_path, {"DISAGG_EXECUTOR_MASKS": "1"})
+    with running([proc]):
+        churn(addr)
+        assert stats(addr).steps_overlapped > 0
+    assert "out of step" not in proc.log_path.read_text()
+
+
+def churn(addr: str) -> None:
     rng = random.Random(7)
     plan = []  # (client, request id, kind, aborted, sampled)
     for c in range(CLIENTS):
