@@ -16,6 +16,8 @@
 #             2026-12-07's eighth session)
 #   surface_beside  the same with DISAGG_MASKS_BEFORE_APPLY=0: the next step planned beside
 #             the grammar pass (the default of 2026-12-07's seventh session)
+#   surface_exec  the same with DISAGG_EXECUTOR_MASKS=1: the executor fills the late masks
+#             from its own copies of the matchers (disagg.engine.grammar_mirror)
 #   tiers_bf16 tiers_fp8  bench/kv_tiers.sh with bf16 pages / FP8 pages (half the bytes a
 #             host hit reloads)
 # Results under WORK/<part>, one line each in WORK/summary.txt. Prepare on a machine with a
@@ -29,7 +31,7 @@
 set -u
 WORK=${1:?usage: gpu_round.sh WORK PART...}
 shift
-PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi surface_mba surface_beside tiers_bf16 tiers_fp8}
+PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi surface_mba surface_beside surface_exec tiers_bf16 tiers_fp8}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -67,16 +69,18 @@ for g in 0 1; do
     | sed "s/^/  ttft$g prefill log: /" | tee -a "$SUMMARY"
 done
 
-for part in surface surface_swi surface_mba surface_beside; do
+for part in surface surface_swi surface_mba surface_beside surface_exec; do
   has "$part" || continue
   mkdir -p "$WORK/$part"
   swi=; [ "$part" = surface_swi ] && swi=${SWITCH_US:-500}
   mba=; [ "$part" = surface_mba ] && mba=1; [ "$part" = surface_beside ] && mba=0
-  DISAGG_MASKS_BEFORE_APPLY=$mba DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_TRACE=$WORK/$part/trace \
+  xm=${DISAGG_EXECUTOR_MASKS:-}; [ "$part" = surface_exec ] && xm=1
+  DISAGG_MASKS_BEFORE_APPLY=$mba DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_EXECUTOR_MASKS=$xm \
+    DISAGG_TRACE=$WORK/$part/trace \
     KINDS=${KINDS:-"plain json sampled"} ROUNDS=${ROUNDS:-"1 2 3"} \
     timeout "${T_PART:-560}" bash bench/request_surface.sh "$WORK/$part" "$SURFACE_MODEL" \
     > "$WORK/$part.log" 2>&1
-  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us, masks before apply: ${mba:-default})"
+  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us, masks before apply: ${mba:-default}, executor masks: ${xm:-0})"
   grep -E "^round|^n=|late compiles" "$WORK/$part.log" | sed "s/^/  $part /" | tee -a "$SUMMARY"
   python3 bench/grammar_gaps.py "$WORK/$part/trace" --json "$WORK/$part/grammar_gaps.json" \
     2>&1 | sed "s/^/  $part gaps /" | tee -a "$SUMMARY"

@@ -20,6 +20,13 @@ follow:
           plan went out first, planned while the pass filled the masks (the executor holds
           it until the masks have picked S)
 
+With the executor filling the masks itself (``DISAGG_EXECUTOR_MASKS=1``, marks ``dx.fill``)
+the parts of such a step are instead:
+
+  wait    P's reply sent -> the fill started (``dx.fill``)
+  fill    the executor's copies accept P's tokens and fill S's masks (-> ``dx.masks_in``)
+  answer, cycle  as above
+
 and, for comparison, the cycle between consecutive replies of steps without masks. Medians
 and p90 in ms over the steps after the first ``--skip`` whose batch is at least
 ``--min-width`` rows wide (default: half the widest seen, so that the warm-up's batch-1
@@ -42,6 +49,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # (last: bench/kernels.py
 import tail_trace  # noqa: E402  (this directory)
 
 PARTS = ("back", "pass", "out", "hop", "answer", "cycle", "plan")
+EXEC_PARTS = ("wait", "fill", "answer", "cycle")  # (keys "x.<part>": the executor's fill)
 
 
 def gaps(marks: list[tuple[float, str, str, str, str]], skip: int = 0) -> dict[str, Any]:
@@ -54,20 +62,24 @@ def gaps(marks: list[tuple[float, str, str, str, str]], skip: int = 0) -> dict[s
             continue
         sid = int(key[1:])
         at.setdefault((ev, sid), t)
-        if ev == "g.pass" and (v := value.split()) and all(x.isdigit() for x in v):
+        if ev in ("g.pass", "dx.fill") and (v := value.split()) and all(x.isdigit() for x in v):
             pred[sid] = int(v[0])
             width[sid] = int(v[1]) if len(v) > 1 else 0
     rows = []
     for s in sorted(pred)[skip:]:
         p = pred[s]
-        need = [("dx.replied", p), ("g.pass", s), ("g.pass_done", s), ("g.masks_out", s),
-                ("dx.masks_in", s), ("dx.replied", s)]
+        mine = ("dx.fill", s) in at
+        need = ([("dx.replied", p), ("dx.fill", s), ("dx.masks_in", s), ("dx.replied", s)]
+                if mine else
+                [("dx.replied", p), ("g.pass", s), ("g.pass_done", s), ("g.masks_out", s),
+                 ("dx.masks_in", s), ("dx.replied", s)])
         if any(k not in at for k in need):
             continue
         t = [at[k] for k in need]
-        row = dict(zip(PARTS[:-1], [1e3 * (b - a) for a, b in pairwise(t)]
+        names = [f"x.{n}" for n in EXEC_PARTS] if mine else PARTS[:-1]
+        row = dict(zip(names, [1e3 * (b - a) for a, b in pairwise(t)]
                        + [1e3 * (t[-1] - t[0])], strict=True))
-        if ("dx.plan_in", s + 1) in at:
+        if not mine and ("dx.plan_in", s + 1) in at:
             row["plan"] = 1e3 * (at["dx.plan_in", s + 1] - at["g.masks_out", s])
         row["width"] = width[s]
         rows.append(row)
@@ -98,12 +110,12 @@ def main() -> None:
     steps = [r for r in g["steps"] if r["width"] >= least]
     print(f"steps {least}-{widest} rows wide: {len(steps)} of {len(g['steps'])}")
     out: dict[str, Any] = {part: describe([r[part] for r in steps if part in r])
-                           for part in PARTS}
+                           for part in (*PARTS, *(f"x.{n}" for n in EXEC_PARTS))}
     out["plain_cycle"] = describe(g["plain_cycle"])
     for name, d in out.items():
         if d["n"]:
             print(f"{name:12s} p50 {d['p50']:7.3f} ms  p90 {d['p90']:7.3f} ms  ({d['n']} steps)")
-        else:
+        elif not name.startswith("x."):
             print(f"{name:12s} no steps")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

@@ -173,6 +173,9 @@ class GrammarMirror:
         """``step_id`` has late chunks this executor fills the masks of."""
         return step_id in self._late
 
+    def late_rows(self, step_id: int) -> int:
+        return len(self._late.get(step_id, ()))
+
     def record(self, step_id: int, tokens: list[int] | None) -> None:
         """Step ``step_id`` answered with ``tokens`` (None: it failed)."""
         for pos, slot, index in self._sampled.pop(step_id, ()):

@@ -43,3 +43,16 @@ def test_parts_of_constrained_steps_and_the_plain_cycle():
     assert grammar_gaps.gaps(marks, skip=1)["steps"] == []
     assert grammar_gaps.describe([3.0, 1.0, 2.0]) == {"n": 3, "p50": 2.0, "p90": 3.0}
     assert grammar_gaps.describe([]) == {"n": 0}
+
+
+def test_parts_of_steps_whose_masks_the_executor_filled():
+    """``DISAGG_EXECUTOR_MASKS=1``: the executor's fill (``dx.fill`` -> ``dx.masks_in``)
+    between its predecessor's reply and its own."""
+    marks = sorted([
+        mark(0.000, "dx.replied", 6),
+        mark(0.0002, "dx.fill", 7, "6 64"), mark(0.0032, "dx.masks_in", 7),
+        mark(0.0062, "dx.replied", 7),
+    ])
+    [row] = grammar_gaps.gaps(marks)["steps"]
+    assert row == pytest.approx({"x.wait": 0.2, "x.fill": 3.0, "x.answer": 3.0, "x.cycle": 6.2,
+                                 "width": 64})

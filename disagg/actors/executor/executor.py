@@ -228,7 +228,7 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
     tev = "x" if cfg.role == "prefill" else "dx"
 
     # DISAGG_EXECUTOR_MASKS=1: the late grammar masks filled here (late_masks.OwnMasks)
-    own = OwnMasks(cfg.scheduler.grammar_threads or None) if EXECUTOR_MASKS else None
+    own = OwnMasks(cfg.scheduler.grammar_threads or None, tkey, tev) if EXECUTOR_MASKS else None
 
     def answer(step_id: int, launched: Launched | Exception) -> None:
         frames = reply(enc, runner, step_id, launched)
@@ -282,8 +282,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
                     own.define(grammar)
                 case Shutdown():
                     return
-            if own is not None and (sid := own.fill(order)) is not None and tkey:
-                trace.mark(f"{tev}.masks_in", tkey, sid)
+            if own is not None:
+                own.fill(order)
     finally:
         if own is not None:
             own.close()

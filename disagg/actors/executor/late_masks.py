@@ -9,6 +9,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
+from disagg import trace
 from disagg.actors.executor.step_order import StepOrder
 from disagg.engine.grammar_mirror import GrammarMirror
 from disagg.protocol.executor import GrammarDef, StepPlan
@@ -46,8 +47,12 @@ class OwnMasks:
     by its plans and answers; fills a deferred step's late masks as soon as the step before
     it is answered."""
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, tkey: str = "", tev: str = "dx"):
+        """``tkey``: this rank's trace key (``disagg.trace``; "": no marks): ``<tev>.fill``
+        (valued the step the masks follow and the rows) and ``<tev>.masks_in`` around each
+        fill (``bench/grammar_gaps.py``)."""
         self.mirror = GrammarMirror(threads)
+        self._tkey, self._tev = tkey, tev
 
     def define(self, grammar: GrammarDef) -> None:
         try:
@@ -62,14 +67,17 @@ class OwnMasks:
         tokens = None if isinstance(launched, Exception) else launched.tokens
         self.mirror.record(step_id, tokens if isinstance(tokens, list) else None)
 
-    def fill(self, order: StepOrder[Launched | Exception]) -> int | None:
+    def fill(self, order: StepOrder[Launched | Exception]) -> None:
         """Fill and pick the deferred step's late masks when they are this executor's to
-        fill; its step id, None when there was nothing to fill."""
+        fill."""
         if order.deferred is None:
-            return None
+            return
         sid, launched = order.deferred
         if not (self.mirror.owns(sid) and awaits_masks(launched)):
-            return None
+            return
+        if self._tkey:
+            trace.mark(f"{self._tev}.fill", self._tkey, sid, value=f"{sid - 1} "
+                       f"{self.mirror.late_rows(sid)}")
         try:
             block = self.mirror.fill(sid)
             rows = memoryview(block.words)
@@ -78,8 +86,9 @@ class OwnMasks:
         except Exception as e:  # noqa: BLE001 (the step fails, the executor serves on)
             log.exception("filling step %d's grammar masks failed", sid)
             pick = functools.partial(lambda _launched, error: error, error=e)
+        if self._tkey:
+            trace.mark(f"{self._tev}.masks_in", self._tkey, sid)
         order.masks(sid, pick)
-        return sid
 
     def close(self) -> None:
         self.mirror.close()
