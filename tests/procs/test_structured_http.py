@@ -209,6 +209,24 @@ def test_late_masks_other_ways_give_the_same_outputs(served, oai, tmp_path, env)
     assert got == want and all(json.loads(t)["a"] in ("x", "yy") for t in want), (got, want)
 
 
+def test_tensor_parallel_executors_fill_the_same_late_masks(served, oai, tmp_path):
+    """``--tp 2`` with ``DISAGG_EXECUTOR_MASKS=1``: each rank keeps its own copies of the
+    matchers and fills its own late masks; the greedy constrained outputs equal the default
+    one-executor node's."""
+    asks = [dict(model="tiny", prompt=p, max_tokens=20, temperature=0.0,
+                 extra_body={"guided_regex": "[a-f]{3,12}(!|\\?)"}) for p in ("q", "zz", "pet")]
+    want = [oai.completions.create(**a).choices[0].text for a in asks]
+    addr, proc = node("mixed", served[2], tmp_path, "--num-pages", "256", "--max-model-len",
+                      "512", "--overlap-schedule", "on", "--tp", "2",
+                      env={"DISAGG_EXECUTOR_MASKS": "1"})
+    with running([proc]), nodes.gateway(addr, served[2], "tiny") as g, \
+            nodes.openai_client(g.url) as other:
+        got = [other.completions.create(**a).choices[0].text for a in asks]
+        assert nodes.stats(addr).steps_overlapped > 0
+    assert "out of step" not in proc.log_path.read_text()
+    assert got == want and all(re.fullmatch("[a-f]{3,12}[!?]", t) for t in want), (got, want)
+
+
 @pytest.mark.parametrize("kw, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
@@ -231,16 +249,19 @@ def test_bad_constraints_are_400_and_the_node_keeps_serving(oai, kw, needle):
 
 
 @pytest.mark.fabric
-def test_split_constrains_the_first_token_on_the_decoder(tmp_path_factory):
+@pytest.mark.parametrize("env", [None, {"DISAGG_EXECUTOR_MASKS": "1"}])
+def test_split_constrains_the_first_token_on_the_decoder(tmp_path_factory, env):
     """Prefill -> decode: the prefiller computes the prompt's KV (it never samples), the
-    decoder's first step samples the first token under the grammar."""
+    decoder's first step samples the first token under the grammar (and, with
+    ``DISAGG_EXECUTOR_MASKS=1``, its executors' copies of the matcher start there)."""
     path = make_tiny_model("llama", tmp_path_factory.mktemp("bpe-split") / "llama")
     add_byte_bpe_tokenizer(path, chat_template=HERMES)
     tmp = tmp_path_factory.mktemp("split-log")
     common = ["--num-pages", "160", "--max-model-len", "512", "--fabric-provider", "tcp"]
     p_addr, prefill = node("prefill", path, tmp, *common)
     d_addr, decode = node("decode", path, tmp, "--prefill-peer", p_addr, "--heartbeat", "0.2",
-                          "--local-prefill-max-tokens", "0", "--overlap-schedule", "on", *common)
+                          "--local-prefill-max-tokens", "0", "--overlap-schedule", "on", *common,
+                          env=env)
     prompt = "a prompt long enough to go to the prefiller, " * 3
     with running([prefill, decode], [d_addr]), nodes.gateway(d_addr, path, "tiny") as g, \
             nodes.openai_client(g.url) as client:

@@ -153,6 +153,10 @@ class ExecutorGroup:
         self.dp = cfg.executor.dp
         self.tp = len(cfg.devices) // self.dp
         self._plans: dict[int, StepPlan] = {}  # steps split over DP ranks, until merged
+        # ranks' results of steps after the one awaited (a rank may answer step N + 1 before
+        # another answers N: an executor filling late masks itself answers both at once),
+        # by step id, then rank identity: (result, its hidden-row frame)
+        self._early: dict[int, dict[bytes, tuple[StepResult, bytes | None]]] = {}
         self.all_to_all_s = [0.0] * self.dp  # each DP rank's lead: MoE all-to-all seconds
         self.phases = StartPhases()  # the start's, the node's own included (Stats.start_phases_s)
         self._spawned = time.monotonic()
@@ -281,9 +285,11 @@ class ExecutorGroup:
     async def result(self, step_id: int) -> tuple[StepResult, bytes | None]:
         """Wait (bounded by ``--step-timeout``) for every rank's result of step ``step_id``."""
         deadline = time.monotonic() + self.cfg.step_timeout_s
-        results: dict[bytes, StepResult] = {}
-        hidden: bytes | None = None
-        frames_of: dict[bytes, bytes | None] = {}  # each rank's hidden-row frame
+        for stale in [sid for sid in self._early if sid < step_id]:
+            del self._early[stale]
+        early = self._early.pop(step_id, {})
+        results = {ident: r for ident, (r, _) in early.items()}
+        frames_of = {ident: f for ident, (_, f) in early.items()}  # each rank's hidden rows
         while len(results) < len(self._identities):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -297,10 +303,12 @@ class ExecutorGroup:
                 elif isinstance(msg, StepResult) and msg.step_id == step_id:
                     results[ident] = msg
                     frames_of[ident] = frames[2] if len(frames) > 2 else None
-                    if ident == self._identities[0]:
-                        hidden = frames_of[ident]
+                elif isinstance(msg, StepResult) and msg.step_id > step_id:
+                    self._early.setdefault(msg.step_id, {})[ident] = (
+                        msg, frames[2] if len(frames) > 2 else None)
             else:
                 self._check_alive()
+        hidden = frames_of.get(self._identities[0])
         leads = [results[self._identities[d * self.tp]] for d in range(self.dp)]
         for d, lead in enumerate(leads):
             self.all_to_all_s[d] += lead.all_to_all_s
