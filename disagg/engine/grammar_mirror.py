@@ -64,8 +64,12 @@ class MirrorBook:
         self._keys: collections.OrderedDict[int, tuple[int, Any]] = collections.OrderedDict()
         self._next_key = 0
         self._defs: list[GrammarDef] = []
+        # keys evicted while marking the plan under way (its own chunks may still name them),
+        # then keys to drop with the next definition (after that plan)
+        self._evicted: list[int] = []
         self._dropped: list[int] = []
-        self._live: dict[int, Any] = {}  # slot -> its Sequence, once a replay was sent
+        # slot -> (its Sequence, the key its copy started from), once a replay was sent
+        self._live: dict[int, tuple[Any, int]] = {}
 
     def mark(self, chunks: list[ScheduledChunk], wires: list[SeqChunk]) -> list[SeqChunk]:
         """``wires`` (the plan's chunks, built from ``chunks``) with their grammar fields."""
@@ -75,13 +79,15 @@ class MirrorBook:
             if seq.grammar is None or not w.sample:
                 out.append(w)
                 continue
-            fields: dict[str, Any] = {"grammar": self._key(seq.grammar.compiled)}
-            if not seq.grammar_synced:
+            if seq.grammar_synced:  # (the key its copy started from: no lookup)
+                fields: dict[str, Any] = {"grammar": self._live[seq.slot][1]}
+            else:
                 if w.late_mask:  # its token in flight was sampled for a synced copy
                     raise RuntimeError(f"slot {seq.slot}: a late chunk before its replay")
-                fields["grammar_replay"] = seq.output_ids[:w.output_index]
+                key = self._key(seq.grammar.compiled)
+                fields = {"grammar": key, "grammar_replay": seq.output_ids[:w.output_index]}
                 seq.grammar_synced = True
-                self._live[seq.slot] = seq
+                self._live[seq.slot] = (seq, key)
             if w.late_mask and w.output_index >= 2:
                 fields["grammar_prev"] = seq.output_ids[w.output_index - 2]
             out.append(msgspec.structs.replace(w, **fields))
@@ -90,10 +96,12 @@ class MirrorBook:
     def take(self) -> tuple[list[GrammarDef], list[int]]:
         """The definitions to send before the plan just marked, and the slots of requests
         that ended (``StepPlan.grammar_gone``)."""
-        gone = [slot for slot, seq in self._live.items() if seq.status is Status.FINISHED]
+        gone = [slot for slot, (seq, _) in self._live.items() if seq.status is Status.FINISHED]
         for slot in gone:
             del self._live[slot]
         defs, self._defs = self._defs, []
+        self._dropped += self._evicted
+        self._evicted = []
         return defs, gone
 
     def _key(self, compiled: Any) -> int:
@@ -104,7 +112,7 @@ class MirrorBook:
         key, self._next_key = self._next_key, self._next_key + 1
         self._keys[id(compiled)] = (key, compiled)
         while len(self._keys) > self._capacity:
-            self._dropped.append(self._keys.popitem(last=False)[1][0])
+            self._evicted.append(self._keys.popitem(last=False)[1][0])
         vocab = b"" if self._vocab_sent else self._vocab()
         self._vocab_sent = True
         self._defs.append(GrammarDef(key, str(compiled.serialize_json()).encode(), vocab,

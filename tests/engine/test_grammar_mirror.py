@@ -149,18 +149,27 @@ def test_executor_masks_equal_the_schedulers_across_overlap_plain_steps_and_pree
     run_overlapped(p, seqs[:2], 4, back, tokens)
 
 
-def test_an_evicted_grammar_is_defined_again(grammars):
+def test_an_evicted_grammar_is_dropped_after_its_plan_and_defined_again(grammars):
+    """With room for one grammar, a plan naming two keeps both for its own chunks (the first
+    is dropped with the next definition); a request whose grammar was evicted gets a new key,
+    defined again, when its copy starts over."""
     p = Pair(grammars, capacity=1)
     a, b = p.seq(1, REGEX), p.seq(2, OTHER)
     first = p.plan([a, b], follow=False)
     key_a, key_b = (c.grammar for c in first.chunks)
-    assert key_a not in p.mirror._compiled and key_b in p.mirror._compiled  # a's dropped
+    assert {key_a, key_b} <= set(p.mirror._compiled) and {1, 2} <= set(p.mirror._copies)
+    tokens = p.sample([a, b], {})
+    last, tokens = run_overlapped(p, [a, b], 2, first, tokens)
+    p.mirror.record(last.step_id, tokens)
+    apply([a, b], tokens)
     a.grammar_synced = False
-    again = p.plan([a], follow=False)
+    again = p.plan([a, b], follow=False)
     assert again.chunks[0].grammar not in (key_a, key_b)  # a new key, defined again
-    assert again.chunks[0].grammar in p.mirror._compiled
-    tokens = p.sample([a], {})
-    run_overlapped(p, [a], 2, again, tokens)
+    assert again.chunks[1].grammar == key_b
+    assert key_a not in p.mirror._compiled  # dropped with that definition
+    assert {again.chunks[0].grammar, key_b} <= set(p.mirror._compiled)
+    tokens = p.sample([a, b], {})
+    run_overlapped(p, [a, b], 2, again, tokens)
 
 
 def test_a_copy_out_of_step_is_dropped_and_its_row_left_unconstrained(grammars, caplog):
