@@ -186,6 +186,7 @@ class GrammarMirror:
 
     def record(self, step_id: int, tokens: list[int] | None) -> None:
         """Step ``step_id`` answered with ``tokens`` (None: it failed)."""
+        self._late.pop(step_id, None)  # (a failed step's late chunks are never filled)
         for pos, slot, index in self._sampled.pop(step_id, ()):
             copy = self._copies.get(slot)
             if copy is not None and tokens is not None and pos < len(tokens) \
