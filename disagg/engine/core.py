@@ -31,7 +31,9 @@ once the step before it is back the driver starts ``grammar_pass`` (its tokens a
 the masks filled on threads, ``disagg.engine.grammar_pass``), sends the masks when they are
 filled, then applies that step (``apply`` may run once the tokens are accepted: the node's
 driver can plan beside the fill, ``disagg.actors.scheduler.stepping``); the executor runs the
-forward pass meanwhile and picks when the masks come. A step that is not overlapped fills its
+forward pass meanwhile and picks when the masks come (with a ``MirrorBook``, the executors
+fill them from their own copies of the matchers, ``disagg.engine.grammar_mirror``, and the
+pass only accepts). A step that is not overlapped fills its
 constrained rows' masks with the plan,
 together on the same pass's threads (``GrammarPass.fill``; one such row fills its own). When
 the next step cannot be known ahead (new work arrived, a page is missing) the core
