@@ -17,7 +17,9 @@ rather than the pass, whose threads need the interpreter back from xgrammar. Wit
 step is planned and sent while the masks are still being filled, the masks going out as soon
 as they are found filled, at the latest right after that next plan (an executor holds a plan
 that arrives before the masks of the step it follows); on GPU hosts the pass then grew by
-about the Python the loop ran beside it (docs/BENCHMARKS.md, 2026-12-07).
+about the Python the loop ran beside it (docs/BENCHMARKS.md, 2026-12-07). With
+``DISAGG_EXECUTOR_MASKS=1`` the executors fill the late masks themselves: each plan's grammar
+definitions (``Step.defs``) go out before it, and the pass only accepts (nothing is sent).
 """
 
 from __future__ import annotations
