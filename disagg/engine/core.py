@@ -141,8 +141,9 @@ class EngineCore:
 
     def _step(self, batch: Batch, defer: bool) -> Step:
         step_id = next(self._ids)
-        masks = self._masks(batch)
-        wires = [c.to_wire(masks.get(i)) for i, c in enumerate(batch.chunks)]
+        own = self.mirror is not None  # the executors fill every constrained row's mask
+        masks = {} if own else self._masks(batch)
+        wires = [c.to_wire(masks.get(i), late=own) for i, c in enumerate(batch.chunks)]
         defs: list[GrammarDef] = []
         gone: list[int] = []
         if self.mirror is not None:

@@ -79,17 +79,18 @@ class MirrorBook:
             if seq.grammar is None or not w.sample:
                 out.append(w)
                 continue
+            fields: dict[str, Any] = {}
             if seq.grammar_synced:  # (the key its copy started from: no lookup)
-                fields: dict[str, Any] = {"grammar": self._live[seq.slot][1]}
+                fields["grammar"] = self._live[seq.slot][1]
+                if seq.output_ids:  # the last token applied (a follow chunk's in flight is not)
+                    fields["grammar_prev"] = seq.output_ids[-1]
             else:
-                if w.late_mask:  # its token in flight was sampled for a synced copy
-                    raise RuntimeError(f"slot {seq.slot}: a late chunk before its replay")
+                if w.follow:  # its token in flight was sampled for a synced copy
+                    raise RuntimeError(f"slot {seq.slot}: a follow chunk before its replay")
                 key = self._key(seq.grammar.compiled)
-                fields = {"grammar": key, "grammar_replay": seq.output_ids[:w.output_index]}
+                fields.update(grammar=key, grammar_replay=seq.output_ids[:w.output_index])
                 seq.grammar_synced = True
                 self._live[seq.slot] = (seq, key)
-            if w.late_mask and w.output_index >= 2:
-                fields["grammar_prev"] = seq.output_ids[w.output_index - 2]
             out.append(msgspec.structs.replace(w, **fields))
         return out
 
@@ -181,6 +182,12 @@ class GrammarMirror:
         """``step_id`` has late chunks this executor fills the masks of."""
         return step_id in self._late
 
+    def ready_at_launch(self, step_id: int) -> bool:
+        """``step_id``'s masks can be filled as soon as it is launched: none of its late
+        chunks follows a token still in flight (a step after a collected one, or the first
+        of a request: every token before theirs is answered)."""
+        return step_id in self._late and not any(c.follow for c in self._late[step_id])
+
     def late_rows(self, step_id: int) -> int:
         return len(self._late.get(step_id, ()))
 
@@ -194,14 +201,16 @@ class GrammarMirror:
                 copy.seen[index] = tokens[pos]
 
     def fill(self, step_id: int) -> MaskBlock:
-        """The late masks of ``step_id`` (its predecessor answered): each copy accepts the
-        tokens up to the one its chunk follows, then fills what it admits next."""
+        """The late masks of ``step_id`` (every token before its own answered): each copy
+        accepts the tokens up to the one its chunk samples, then fills what it admits next."""
         rows = [r for c in self._late.pop(step_id, ()) if (r := self._row(c)) is not None]
         if not rows:
             return MaskBlock([], bytearray(), bitmask_words(self._info.vocab_size
                                                             if self._info else 0) * 4)
         block = self._pass.submit(rows).masks.result(timeout=PASS_TIMEOUT_S)
         for r in rows:
+            if r.token < 0:  # (nothing accepted: the mask alone)
+                continue
             copy = self._copies[r.slot]
             r.state.accept(r.token)  # takes the token the pass accepted ahead
             index = copy.count
@@ -225,24 +234,25 @@ class GrammarMirror:
         self._copies[c.slot] = _Copy(state, len(replay), replay[-1] if replay else -1)
 
     def _row(self, c: SeqChunk) -> Row | None:
-        """The pass's row of late chunk ``c``: its copy brought to the token ``c`` follows
-        (the one before it accepted here, the rare ones before that too), None when it has
-        no copy in step (an error, said once: the copy goes)."""
+        """The pass's row of late chunk ``c``, which samples output token ``j``: its copy
+        brought to token ``j - 1`` (the last one, a follow chunk's in flight, accepted by the
+        pass; none when the copy has it already: the mask alone; the rare ones before it here),
+        None when it has no copy in step (an error, said once: the copy goes)."""
         copy = self._copies.get(c.slot)
         if copy is None:
             return None
-        follows = c.output_index - 1  # the token in flight when c was planned
-        prev = copy.seen.get(c.output_index - 2, copy.last if copy.count == c.output_index - 1
-                             else -2)
-        missing = [i for i in range(copy.count, follows + 1) if i not in copy.seen]
-        if missing or copy.count > follows or (c.grammar_prev >= 0 and prev != c.grammar_prev):
-            log.error("slot %d: the executor's grammar copy is out of step (at %d, tokens %s "
-                      "missing, the scheduler's last %d, the copy's %d); picked unconstrained",
-                      c.slot, copy.count, missing, c.grammar_prev, prev)
+        j = c.output_index
+        missing = [i for i in range(copy.count, j) if i not in copy.seen]
+        at = j - 2 if c.follow else j - 1  # the last token the scheduler had applied
+        prev = copy.seen.get(at, copy.last if at == copy.count - 1 else -2)
+        if missing or copy.count > j or (c.grammar_prev >= 0 and prev != c.grammar_prev):
+            log.error("slot %d: the executor's grammar copy is out of step (at %d for token %d, "
+                      "tokens %s missing, the scheduler's last %d, the copy's %d); picked "
+                      "unconstrained", c.slot, copy.count, j, missing, c.grammar_prev, prev)
             del self._copies[c.slot]
             return None
-        for i in range(copy.count, follows):  # tokens of steps it was not late in
+        for i in range(copy.count, j - 1):  # tokens of steps whose masks it did not fill
             token = copy.seen.pop(i)
             copy.state.accept(token)
             copy.count, copy.last = i + 1, token
-        return Row(copy.state, copy.seen[follows], c.slot, True)
+        return Row(copy.state, copy.seen[j - 1] if copy.count < j else -1, c.slot, True)

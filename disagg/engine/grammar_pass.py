@@ -61,7 +61,7 @@ class Row:
     """One constrained row of a step whose tokens came back."""
 
     state: GrammarState
-    token: int  # the token it sampled (accepted first)
+    token: int  # the token it sampled (accepted first; -1: none, the mask alone)
     slot: int  # the sequence's slot
     mask: bool  # fill its next mask: its follow chunk in the step launched after waits for it
 
@@ -221,12 +221,14 @@ class GrammarPass:
         of the rows whose grammar goes on."""
         import xgrammar as xgr
 
+        taking = [r for r in share if r.token >= 0]
         oks = xgr.BatchGrammarMatcher.batch_accept_token(
-            [r.state._matcher for r in share], [r.token for r in share])
+            [r.state._matcher for r in taking], [r.token for r in taking]) if taking else []
+        for r, ok in zip(taking, oks, strict=True):
+            r.state.accepted_ahead(r.token, ok)
         fill: list[Any] = []
         at: list[int] = []
-        for r, ok in zip(share, oks, strict=True):
-            r.state.accepted_ahead(r.token, ok)
+        for r in share:
             if r.mask and not r.state.terminated:
                 fill.append(r.state._matcher)
                 at.append(index[id(r)])

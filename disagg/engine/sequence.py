@@ -106,9 +106,10 @@ class ScheduledChunk:
         s = self.seq
         return s.grammar is not None and self.sample and not s.prefill_only and not self.follow
 
-    def to_wire(self, allowed: bytes | None = None) -> SeqChunk:
+    def to_wire(self, allowed: bytes | None = None, late: bool = False) -> SeqChunk:
         """The chunk's wire form; ``allowed``: its mask when filled already (``needs_mask``
-        rows filled together, ``EngineCore``), else filled here."""
+        rows filled together, ``EngineCore``), else filled here; ``late``: a constrained row's
+        mask is the executor's to fill (``disagg.engine.grammar_mirror``), never filled here."""
         s, p = self.seq, self.seq.params
         n = self.count - self.spec
         chunk = SeqChunk(
@@ -141,7 +142,7 @@ class ScheduledChunk:
             # what its grammar admits next; a follow chunk's mask needs the token in flight,
             # so it follows the step (EngineCore.late_masks)
             chunk = msgspec.structs.replace(chunk, **(
-                {"late_mask": True} if self.follow else
+                {"late_mask": True} if self.follow or late else
                 {"allowed": s.grammar.mask() if allowed is None else allowed}))
         if p.prompt_logprobs is not None and self.start < len(s.prompt_ids) - 1:
             # rows predicting prompt tokens: positions start .. min(end, P - 1) - 1

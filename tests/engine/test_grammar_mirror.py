@@ -59,16 +59,27 @@ class Pair:
         return s
 
     def plan(self, seqs: list[Sequence], follow: bool) -> StepPlan:
-        """One step's plan over ``seqs`` (follow chunks: late masks), sent and launched."""
+        """One step's plan over ``seqs`` (follow chunks: their token in flight), sent and
+        launched; one with no follow chunk has its masks filled at once, checked against the
+        scheduler's matchers (``self.masks``)."""
         chunks = [ScheduledChunk(s, s.num_tokens - 1 + follow, 1, True, follow=follow)
                   for s in seqs]
-        wires = self.book.mark(chunks, [c.to_wire() for c in chunks])
+        wires = self.book.mark(chunks, [c.to_wire(late=True) for c in chunks])
+        assert all(w.late_mask and not w.allowed for w in wires)  # none filled here
         defs, gone = self.book.take()
         for d in defs:
             self.mirror.define(d)
         plan = StepPlan(self.step_id, wires, len(wires), grammar_gone=gone)
         self.step_id += 1
         self.mirror.track(plan)
+        assert self.mirror.ready_at_launch(plan.step_id) is not follow
+        self.masks: dict[int, bytes] = {}
+        if not follow:
+            block = self.mirror.fill(plan.step_id)
+            self.masks = {s: bytes(m) for s, m in block.by_slot().items()}
+            assert sorted(self.masks) == sorted(s.slot for s in seqs)
+            for s in seqs:
+                assert self.masks[s.slot] == s.grammar.mask(), s.slot
         return plan
 
     def sample(self, seqs: list[Sequence], masks: dict[int, bytes] | None = None
@@ -119,20 +130,21 @@ def test_executor_masks_equal_the_schedulers_across_overlap_plain_steps_and_pree
     first = p.plan(seqs, follow=False)  # the first chunks: replays of nothing
     assert all(c.grammar_replay == [] and c.grammar >= 0 for c in first.chunks)
     assert len({c.grammar for c in first.chunks}) == 2  # one key per compiled grammar
-    tokens = p.sample(seqs, {})
+    tokens = p.sample(seqs, p.masks)
     last, tokens = run_overlapped(p, seqs, 5, first, tokens)
-    # the overlap breaks: the in-flight step collected, two plain steps (masks from the
-    # scheduler), then overlapped again: the copies catch up on three tokens at once
+    # the overlap breaks: the in-flight step collected, plain steps (filled at launch), then
+    # overlapped again
     p.mirror.record(last.step_id, tokens)
     apply(seqs, tokens)
     for _ in range(2):
         plain = p.plan(seqs, follow=False)
-        assert all(c.grammar_replay is None and not c.late_mask for c in plain.chunks)
-        tokens = p.sample(seqs, {})
+        assert all(c.grammar_replay is None and c.grammar_prev == s.output_ids[-1]
+                   for c, s in zip(plain.chunks, seqs, strict=True))
+        tokens = p.sample(seqs, p.masks)
         p.mirror.record(plain.step_id, tokens)
         apply(seqs, tokens)
     plain = p.plan(seqs, follow=False)
-    tokens = p.sample(seqs, {})
+    tokens = p.sample(seqs, p.masks)
     last, tokens = run_overlapped(p, seqs, 3, plain, tokens)
     # (planned before the token then in flight was applied: the one before it)
     assert all(c.grammar_prev == s.output_ids[-2] for c, s in zip(last.chunks, seqs, strict=True))

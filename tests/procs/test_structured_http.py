@@ -186,25 +186,27 @@ def test_constrained_steps_overlap_with_their_masks_sent_late(served, oai):
     assert nodes.stats(served[1]).steps_overlapped > before
 
 
-@pytest.mark.parametrize("env", [{"DISAGG_MASKS_BEFORE_APPLY": "0"},
-                                 {"DISAGG_EXECUTOR_MASKS": "1"}])
-def test_late_masks_other_ways_give_the_same_outputs(served, oai, tmp_path, env):
+@pytest.mark.parametrize("env, overlap", [({"DISAGG_MASKS_BEFORE_APPLY": "0"}, "on"),
+                                          ({"DISAGG_EXECUTOR_MASKS": "1"}, "on"),
+                                          ({"DISAGG_EXECUTOR_MASKS": "1"}, "off")])
+def test_late_masks_other_ways_give_the_same_outputs(served, oai, tmp_path, env, overlap):
     """The other ways to the late masks, kept for an A/B on a GPU, draw the same seeded
     outputs as the default (the scheduler's masks sent first, the step answered at once):
     ``DISAGG_MASKS_BEFORE_APPLY=0``, each late step's next plan sent before its masks (held
     by the executor until they come); ``DISAGG_EXECUTOR_MASKS=1``, the executor filling
-    them from its own copies of the matchers (``disagg.engine.grammar_mirror``)."""
+    every mask from its own copies of the matchers (``disagg.engine.grammar_mirror``), with
+    overlapped decoding or without (each step's masks filled as it is launched)."""
     ask = dict(model="tiny", prompt="y", max_tokens=24, temperature=1.0, n=3, seed=5,
                extra_body={"guided_json": {"type": "object", "properties": {
                    "a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
                    "required": ["a", "b"], "additionalProperties": False}})
     want = [c.text for c in oai.completions.create(**ask).choices]
     addr, proc = node("mixed", served[2], tmp_path, "--num-pages", "256", "--max-model-len",
-                      "512", "--overlap-schedule", "on", env=env)
+                      "512", "--overlap-schedule", overlap, env=env)
     with running([proc]), nodes.gateway(addr, served[2], "tiny") as g, \
             nodes.openai_client(g.url) as other:
         got = [c.text for c in other.completions.create(**ask).choices]
-        assert nodes.stats(addr).steps_overlapped > 0
+        assert (nodes.stats(addr).steps_overlapped > 0) is (overlap == "on")
     assert "out of step" not in proc.log_path.read_text()
     assert got == want and all(json.loads(t)["a"] in ("x", "yy") for t in want), (got, want)
 

@@ -242,6 +242,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
         if own is not None:
             own.launched(plan)
         out = launch(runner, plan)
+        if own is not None:  # (masks that need no token in flight: filled now)
+            out = own.picked(plan.step_id, out)
         if tkey:
             trace.mark(f"{tev}.launched", tkey, plan.step_id)
         return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from disagg import trace
@@ -67,28 +68,39 @@ class OwnMasks:
         tokens = None if isinstance(launched, Exception) else launched.tokens
         self.mirror.record(step_id, tokens if isinstance(tokens, list) else None)
 
+    def picked(self, step_id: int, launched: Launched | Exception) -> Launched | Exception:
+        """A step just launched, picked at once when its masks can be filled now (none of
+        its rows follows a token in flight): the fill overlaps its forward pass."""
+        if self.mirror.ready_at_launch(step_id) and awaits_masks(launched):
+            return self._pick(step_id, -1)(launched)
+        return launched
+
     def fill(self, order: StepOrder[Launched | Exception]) -> None:
         """Fill and pick the deferred step's late masks when they are this executor's to
-        fill."""
+        fill (the step before it answered)."""
         if order.deferred is None:
             return
         sid, launched = order.deferred
-        if not (self.mirror.owns(sid) and awaits_masks(launched)):
-            return
+        if self.mirror.owns(sid) and awaits_masks(launched):
+            order.masks(sid, self._pick(sid, sid - 1))
+
+    def _pick(self, sid: int, after: int) -> Callable[[Launched | Exception],
+                                                      Launched | Exception]:
+        """Step ``sid``'s masks filled now (``after``: the step whose tokens they follow, -1
+        at launch): what picks its tokens with them."""
         if self._tkey:
-            trace.mark(f"{self._tev}.fill", self._tkey, sid, value=f"{sid - 1} "
+            trace.mark(f"{self._tev}.fill", self._tkey, sid, value=f"{after} "
                        f"{self.mirror.late_rows(sid)}")
         try:
             block = self.mirror.fill(sid)
-            rows = memoryview(block.words)
             pick = functools.partial(finish, slots=block.slots, row_bytes=block.row_bytes,
-                                     rows=rows)
+                                     rows=memoryview(block.words))
         except Exception as e:  # noqa: BLE001 (the step fails, the executor serves on)
             log.exception("filling step %d's grammar masks failed", sid)
             pick = functools.partial(lambda _launched, error: error, error=e)
         if self._tkey:
             trace.mark(f"{self._tev}.masks_in", self._tkey, sid)
-        order.masks(sid, pick)
+        return pick
 
     def close(self) -> None:
         self.mirror.close()

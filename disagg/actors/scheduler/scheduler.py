@@ -141,8 +141,7 @@ class SchedulerActor:
         # the engine core plans and applies every step (a step spans layers + 1 counter values)
         self.core = EngineCore(self.sched, setup.overlap, arch.num_layers + 1,
                                GrammarPass(setup.grammar_threads),
-                               MirrorBook(grammars.vocab_json)
-                               if setup.overlap and EXECUTOR_MASKS else None)
+                               MirrorBook(grammars.vocab_json) if EXECUTOR_MASKS else None)
         self.stepper = Stepper(self)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(SchedulerInbox)
