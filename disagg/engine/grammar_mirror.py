@@ -1,4 +1,4 @@
-"""Late grammar masks filled on the executor (``DISAGG_EXECUTOR_MASKS=1``).
+"""Grammar masks filled on the executor (``DISAGG_EXECUTOR_MASKS=1``).
 
 Overlapped decoding sends a constrained row's follow chunk before the token it follows is
 back (``SeqChunk.late_mask``): its mask needs that token. By default the scheduler accepts the
@@ -8,23 +8,26 @@ with the event loop, and the mask's trip back are the chain that bounds such a s
 BENCHMARKS.md, "late masks"). Here the executor, which sampled the token, keeps its own copy
 of each constrained request's matcher and fills the mask itself, on threads of its own
 process, as soon as the token is on the host; the scheduler's matchers only accept (what
-ends an output), off that chain.
+ends an output), off that chain. Every constrained row goes ``late_mask`` in this mode: a
+step none of whose rows follows a token in flight (a request's first, one after a collected
+step, every step without overlapped decoding) has its masks filled right after its forward
+pass is launched, overlapping it, and no plan carries masks.
 
 ``MirrorBook`` is the scheduler's side: it names each compiled grammar by a key and sends it
 once (``GrammarDef``, the tokenizer's vocabulary with the first), and marks every
 constrained sampling chunk with its key (``SeqChunk.grammar``); a request's first such chunk
 carries the output so far (``grammar_replay``, empty: a decoder's request after a remote
 prefill too) and the copy starts from it, as does its first after a preemption (defensive:
-a preemption never comes with a token in flight, ``schedule_ahead`` declines instead). Each late chunk also carries the
-last token the scheduler applied (``grammar_prev``) for the copy to check itself against.
-Requests that ended are named in the next plan (``StepPlan.grammar_gone``).
+a preemption never comes with a token in flight, ``schedule_ahead`` declines instead). The
+others carry the last token the scheduler applied (``grammar_prev``) for the copy to check
+itself against. Requests that ended are named in the next plan (``StepPlan.grammar_gone``).
 
 ``GrammarMirror`` is the executor's: every token a marked chunk samples is recorded by its
-output index as the step is answered; a late step's masks are filled once the step before it
-is answered (the executor answers in step order). Slots are never reused on a node and the
-executors restart only with their scheduler, so nothing else can put a copy out of step; a
-copy that still is (a bug) is dropped with an error, its row picked unconstrained (the
-scheduler's matcher then rejects the token and ends the request).
+output index as the step is answered; a step's masks are filled once every token before the
+ones it samples is answered (the executor answers in step order). Slots are never reused on
+a node and the executors restart only with their scheduler, so nothing else can put a copy
+out of step; a copy that still is (a bug) is dropped with an error, its row picked
+unconstrained (the scheduler's matcher then rejects the token and ends the request).
 """
 
 from __future__ import annotations
