@@ -71,10 +71,10 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     late_mask: bool = False
     # DISAGG_EXECUTOR_MASKS=1 (disagg.engine.grammar_mirror): a constrained sampling chunk's
     # grammar (a GrammarDef key) for the executor's own copy of the request's matcher, which
-    # fills its late masks itself; -1 = none. grammar_replay: the output tokens before this
-    # chunk's (the copy starts over from them: the request's first chunk, or its first after a
-    # preemption); grammar_prev: a late chunk's output token two before the one it samples
-    # (the last the scheduler applied; -1: none), checked against the copy's
+    # fills its mask itself (the chunk goes late_mask); -1 = none. grammar_replay: the output
+    # tokens before this chunk's (the copy starts over from them: the request's first chunk,
+    # or its first after a preemption); grammar_prev: the last output token the scheduler had
+    # applied (-1: none; a follow chunk's in flight is not), checked against the copy's
     grammar: int = -1
     grammar_replay: list[int] | None = None
     grammar_prev: int = -1
