@@ -211,15 +211,16 @@ def test_late_masks_other_ways_give_the_same_outputs(served, oai, tmp_path, env,
     assert got == want and all(json.loads(t)["a"] in ("x", "yy") for t in want), (got, want)
 
 
-def test_tensor_parallel_executors_fill_the_same_late_masks(served, oai, tmp_path):
-    """``--tp 2`` with ``DISAGG_EXECUTOR_MASKS=1``: each rank keeps its own copies of the
-    matchers and fills its own late masks; the greedy constrained outputs equal the default
-    one-executor node's."""
+@pytest.mark.parametrize("ranks", [["--tp", "2"], ["--devices", "cpu", "--dp", "2"]])
+def test_executor_ranks_fill_the_same_masks(served, oai, tmp_path, ranks):
+    """``--tp 2`` / ``--dp 2`` with ``DISAGG_EXECUTOR_MASKS=1``: each rank keeps its own
+    copies of the matchers (of every row, or of its own rows) and fills its own masks; the
+    greedy constrained outputs equal the default one-executor node's."""
     asks = [dict(model="tiny", prompt=p, max_tokens=20, temperature=0.0,
                  extra_body={"guided_regex": "[a-f]{3,12}(!|\\?)"}) for p in ("q", "zz", "pet")]
     want = [oai.completions.create(**a).choices[0].text for a in asks]
     addr, proc = node("mixed", served[2], tmp_path, "--num-pages", "256", "--max-model-len",
-                      "512", "--overlap-schedule", "on", "--tp", "2",
+                      "512", "--overlap-schedule", "on", *ranks,
                       env={"DISAGG_EXECUTOR_MASKS": "1"})
     with running([proc]), nodes.gateway(addr, served[2], "tiny") as g, \
             nodes.openai_client(g.url) as other:
