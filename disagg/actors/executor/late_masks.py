@@ -1,6 +1,6 @@
-"""Late grammar masks on the executor's side: picking a launched step's tokens once its masks
-are there (``finish``), from a ``Masks`` message or, with ``DISAGG_EXECUTOR_MASKS=1``, filled
-here from the executor's own copies of the requests' matchers (``OwnMasks``,
+"""Grammar masks on the executor's side: picking a launched step's tokens once its masks are
+there (``finish``), from a ``Masks`` message or, with ``DISAGG_EXECUTOR_MASKS=1``, filled here
+from the executor's own copies of the requests' matchers (``OwnMasks``,
 ``disagg.engine.grammar_mirror``)."""
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def finish(launched: Launched | Exception, slots: list[int], row_bytes: int,
 
 class OwnMasks:
     """The executor's copies of its constrained requests' matchers (``GrammarMirror``), fed
-    by its plans and answers; fills a deferred step's late masks as soon as the step before
-    it is answered."""
+    by its plans and answers; fills a step's masks right after launching it when none of its
+    rows follows a token in flight (``picked``), else a deferred step's as soon as the step
+    before it is answered (``fill``)."""
 
     def __init__(self, threads: int | None = None, tkey: str = "", tev: str = "dx"):
         """``tkey``: this rank's trace key (``disagg.trace``; "": no marks): ``<tev>.fill``
