@@ -237,25 +237,22 @@ class GrammarMirror:
         self._copies[c.slot] = _Copy(state, len(replay), replay[-1] if replay else -1)
 
     def _row(self, c: SeqChunk) -> Row | None:
-        """The pass's row of late chunk ``c``, which samples output token ``j``: its copy
-        brought to token ``j - 1`` (the last one, a follow chunk's in flight, accepted by the
-        pass; none when the copy has it already: the mask alone; the rare ones before it here),
-        None when it has no copy in step (an error, said once: the copy goes)."""
+        """The pass's row of late chunk ``c``, which samples output token ``j``: its copy has
+        accepted tokens up to ``j - 2`` and the pass accepts ``j - 1`` (recorded when its step
+        was answered), or it has ``j - 1`` already (its replay) and the mask is all; None
+        when it has no copy in step (an error, said once: the copy goes). Every marked chunk
+        is filled, so a copy is never more than one token behind."""
         copy = self._copies.get(c.slot)
         if copy is None:
             return None
         j = c.output_index
-        missing = [i for i in range(copy.count, j) if i not in copy.seen]
         at = j - 2 if c.follow else j - 1  # the last token the scheduler had applied
         prev = copy.seen.get(at, copy.last if at == copy.count - 1 else -2)
-        if missing or copy.count > j or (c.grammar_prev >= 0 and prev != c.grammar_prev):
+        behind = copy.count == j - 1 and j - 1 in copy.seen
+        if not (behind or copy.count == j) or (c.grammar_prev >= 0 and prev != c.grammar_prev):
             log.error("slot %d: the executor's grammar copy is out of step (at %d for token %d, "
-                      "tokens %s missing, the scheduler's last %d, the copy's %d); picked "
-                      "unconstrained", c.slot, copy.count, j, missing, c.grammar_prev, prev)
+                      "the scheduler's last %d, the copy's %d); picked unconstrained", c.slot,
+                      copy.count, j, c.grammar_prev, prev)
             del self._copies[c.slot]
             return None
-        for i in range(copy.count, j - 1):  # tokens of steps whose masks it did not fill
-            token = copy.seen.pop(i)
-            copy.state.accept(token)
-            copy.count, copy.last = i + 1, token
-        return Row(copy.state, copy.seen[j - 1] if copy.count < j else -1, c.slot, True)
+        return Row(copy.state, copy.seen[j - 1] if behind else -1, c.slot, True)
