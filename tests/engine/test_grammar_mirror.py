@@ -1,8 +1,8 @@
 """The executor's copies of constrained requests' matchers (``disagg.engine.grammar_mirror``,
 DISAGG_EXECUTOR_MASKS=1): driven the way the scheduler and an executor drive them (plans
-marked and tracked, steps answered in order, late steps filled once the step before is
-answered), every late mask the executor fills equals the scheduler's own matcher's after the
-same tokens: across overlapped runs, plain steps between them (several tokens to catch up),
+marked and tracked, steps answered in order, follow steps filled once the step before is
+answered, others at launch), every mask the executor fills equals the scheduler's own
+matcher's after the same tokens: across overlapped runs, plain steps between them,
 a preemption (the copy starts over from a replay, a stale token recorded before it), a
 request that ended (its copy goes), a grammar key evicted and defined again, and a copy out of
 step (dropped, said, its row picked unconstrained)."""
