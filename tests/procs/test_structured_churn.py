@@ -20,7 +20,7 @@ from disagg.client import AsyncClient, ClientClosed, RequestError
 from disagg.protocol import Finished, SamplingParams, TokenChunk
 from disagg.protocol.structured import StructuredOutput
 from nodes import node, pools_full, running, stats, wait_for
-from tinymodels import add_byte_bpe_tokenizer, make_tiny_model
+from tinymodels import NodeProcess, add_byte_bpe_tokenizer, make_tiny_model
 
 pytest.importorskip("xgrammar")
 
@@ -187,10 +187,23 @@ def test_constrained_streams_end_cleanly_when_their_executor_dies(served):
     module's node): each stream either ran to its end, admitted by its grammar, or ends with
     the executor's ``internal`` error; nothing hangs, the restarted node's pool is whole, and
     it serves constrained requests again, the same seeded output as before the kill."""
+    kill_mid_stream(*served)
+
+
+def test_executor_killed_mid_stream_with_its_own_masks(model, tmp_path):
+    """The same kill with ``DISAGG_EXECUTOR_MASKS=1``: the restarted executor has no copies
+    and no grammars, the restarted scheduler's book starts over, and the same seeded output
+    comes back."""
+    addr, proc = small_node(model, tmp_path, {"DISAGG_EXECUTOR_MASKS": "1"})
+    with running([proc]):
+        kill_mid_stream(addr, proc)
+    assert "out of step" not in proc.log_path.read_text()
+
+
+def kill_mid_stream(addr: str, proc: NodeProcess) -> None:
     import os
     import signal
 
-    addr, proc = served
     sp = SamplingParams(max_tokens=240, temperature=0.9, seed=5, structured=LONG)
     before = complete(addr, [4, 5, 6], sp)
     assert before[2].reason == "stop" and re.fullmatch("[a-z]{200}", before[1])
