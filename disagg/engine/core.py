@@ -47,7 +47,6 @@ counter from there (stride: layers + 1); the in-process engine has no counter (s
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Mapping
@@ -197,9 +196,8 @@ class EngineCore:
         masks ``step``'s follow chunks wait for (``SeqChunk.late_mask``) are filled, on the
         pass's threads; ``apply`` may run once ``Pass.accepted`` is done. None when ``step``
         has no late chunk."""
-        rows = self.sched.grammar_rows(then.batch, step.batch, tokens)
-        if rows is not None and self.mirror is not None:  # the executors fill the masks
-            rows = [dataclasses.replace(r, mask=False) for r in rows]
+        # (with a mirror the executors fill the masks: the rows only accept)
+        rows = self.sched.grammar_rows(then.batch, step.batch, tokens, self.mirror is None)
         return None if rows is None else self.grammar.submit(rows)
 
     def abandon(self) -> None:

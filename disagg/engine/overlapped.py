@@ -72,14 +72,16 @@ class OverlappedDecoding:
             chunks.append(ScheduledChunk(seq, c.start + 1, 1, True, follow=True))
         return Batch(chunks, len(chunks)) if chunks else None
 
-    def grammar_rows(self, batch: Batch, ahead: Batch, sampled: list[int]) -> list[Row] | None:
+    def grammar_rows(self, batch: Batch, ahead: Batch, sampled: list[int],
+                     masks: bool = True) -> list[Row] | None:
         """The constrained rows of the deferred ``batch``, whose tokens ``sampled`` just came
         back (none: it failed), for a ``GrammarPass`` to accept and fill the masks of before
         the update applies them: each running row's token, and whether its follow chunk in
         ``ahead`` (launched after ``batch``, sent ``late_mask``) waits for its next mask. A
         sequence that ended meanwhile (aborted, its grammar complete) has no row, so its late
         chunk gets no mask (picked unconstrained, its token dropped). None when ``ahead`` has
-        no late chunk: nothing waits, the update accepts the tokens."""
+        no late chunk: nothing waits, the update accepts the tokens. ``masks`` False: the
+        executors fill them (``disagg.engine.grammar_mirror``), the rows only accept."""
         late = {c.seq.slot for c in ahead.chunks if c.follow and c.seq.grammar is not None}
         if not late:
             return None
@@ -94,7 +96,7 @@ class OverlappedDecoding:
             token, pos = sampled[pos], pos + 1
             if (seq.grammar is not None and seq.status is Status.RUNNING
                     and not seq.grammar.terminated):
-                rows.append(Row(seq.grammar, token, seq.slot, seq.slot in late))
+                rows.append(Row(seq.grammar, token, seq.slot, masks and seq.slot in late))
         return rows
 
     def launched(self, batch: Batch) -> None:
