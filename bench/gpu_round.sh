@@ -92,6 +92,6 @@ for kv in bf16 fp8; do
   EXTRA=$extra timeout "${T_PART:-560}" bash bench/kv_tiers.sh "$WORK/tiers_$kv" \
     > "$WORK/tiers_$kv.log" 2>&1
   note "$(stamp) tiers ($kv pages) rc=$?"
-  tail -6 "$WORK/tiers_$kv.log" | sed "s/^/  $kv /" | tee -a "$SUMMARY"
+  tail -8 "$WORK/tiers_$kv.log" | sed "s/^/  $kv /" | tee -a "$SUMMARY"
 done
 note "$(stamp) done"
