@@ -11,13 +11,9 @@
 #             step's time goes (bench/grammar_gaps.py); then its n=1 / n=8 runs of a 2k prompt
 #             (NS="" skips them) (SURFACE_MODEL: config and tokenizer)
 #   surface_swi  the same with DISAGG_SWITCH_INTERVAL_US=${SWITCH_US:-500} (Python's is 5000)
-#   surface_mba  the same with DISAGG_MASKS_BEFORE_APPLY=1: late masks sent before the tokens
-#             they follow are applied and the next step planned (the default again since
-#             2026-12-07's eighth session)
-#   surface_beside  the same with DISAGG_MASKS_BEFORE_APPLY=0: the next step planned beside
-#             the grammar pass (the default of 2026-12-07's seventh session)
-#   surface_exec  the same with DISAGG_EXECUTOR_MASKS=1: the executor fills the late masks
-#             from its own copies of the matchers (disagg.engine.grammar_mirror)
+#   surface_sched  the same with DISAGG_EXECUTOR_MASKS=0: the late masks filled by the
+#             scheduler's grammar pass and sent to the executors (the default before
+#             2026-12-08; by default the executors fill them, disagg.engine.grammar_mirror)
 #   tiers_bf16 tiers_fp8  bench/kv_tiers.sh with bf16 pages / FP8 pages (half the bytes a
 #             host hit reloads)
 # Results under WORK/<part>, one line each in WORK/summary.txt. Prepare on a machine with a
@@ -31,7 +27,7 @@
 set -u
 WORK=${1:?usage: gpu_round.sh WORK PART...}
 shift
-PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi surface_mba surface_beside surface_exec tiers_bf16 tiers_fp8}
+PARTS=${*:?name the parts: gputests ttft0 ttft1 surface surface_swi surface_sched tiers_bf16 tiers_fp8}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -69,18 +65,18 @@ for g in 0 1; do
     | sed "s/^/  ttft$g prefill log: /" | tee -a "$SUMMARY"
 done
 
-for part in surface surface_swi surface_mba surface_beside surface_exec; do
+for part in surface surface_swi surface_sched; do
   has "$part" || continue
+  rm -rf "$WORK/$part/trace"  # (a WORK used before on a warm machine: only this run's marks)
   mkdir -p "$WORK/$part"
   swi=; [ "$part" = surface_swi ] && swi=${SWITCH_US:-500}
-  mba=; [ "$part" = surface_mba ] && mba=1; [ "$part" = surface_beside ] && mba=0
-  xm=${DISAGG_EXECUTOR_MASKS:-}; [ "$part" = surface_exec ] && xm=1
-  DISAGG_MASKS_BEFORE_APPLY=$mba DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_EXECUTOR_MASKS=$xm \
+  xm=${DISAGG_EXECUTOR_MASKS:-}; [ "$part" = surface_sched ] && xm=0
+  DISAGG_SWITCH_INTERVAL_US=$swi DISAGG_EXECUTOR_MASKS=$xm \
     DISAGG_TRACE=$WORK/$part/trace \
     KINDS=${KINDS:-"plain json sampled"} ROUNDS=${ROUNDS:-"1 2 3"} \
     timeout "${T_PART:-560}" bash bench/request_surface.sh "$WORK/$part" "$SURFACE_MODEL" \
     > "$WORK/$part.log" 2>&1
-  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us, masks before apply: ${mba:-default}, executor masks: ${xm:-0})"
+  note "$(stamp) $part rc=$? (switch interval: ${swi:-default 5000} us, executor masks: ${xm:-default 1})"
   grep -E "^round|^n=|late compiles" "$WORK/$part.log" | sed "s/^/  $part /" | tee -a "$SUMMARY"
   python3 bench/grammar_gaps.py "$WORK/$part/trace" --json "$WORK/$part/grammar_gaps.json" \
     2>&1 | sed "s/^/  $part gaps /" | tee -a "$SUMMARY"

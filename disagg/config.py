@@ -170,8 +170,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
         "launch each decode step while the previous one runs, hiding the host's work behind "
         "the device's (auto: on CUDA devices)")] = "auto"
     grammar_threads: Annotated[int, Flag(
-        "threads that accept a decode step's tokens and fill the next grammar masks of its "
-        "constrained rows (overlapped decoding); 0: half the CPUs")] = 0
+        "threads that accept a decode step's tokens (the scheduler's) and fill the next "
+        "grammar masks of its constrained rows (each executor's); 0: half the CPUs, an "
+        "executor's shared among the node's executors")] = 0
 
     def validate(self) -> None:
         if self.speculative_method is not None:

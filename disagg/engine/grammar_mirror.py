@@ -51,9 +51,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# DISAGG_EXECUTOR_MASKS=1: the executor fills the late masks itself (an A/B on a GPU:
-# bench/gpu_round.sh surface_exec)
-EXECUTOR_MASKS = env("EXECUTOR_MASKS", "0") == "1"
+# the executors fill the late masks themselves (the default since 2026-12-08: JSON-schema TPOT
+# 1.01-1.07x plain against 1.29-1.37x with the scheduler's pass, docs/BENCHMARKS.md);
+# DISAGG_EXECUTOR_MASKS=0: the scheduler's pass fills them and sends them (bench/gpu_round.sh
+# surface_sched)
+EXECUTOR_MASKS = env("EXECUTOR_MASKS", "1") != "0"
 
 
 class MirrorBook:

@@ -15,8 +15,9 @@ has accepted its share (``Pass.accepted``) the scheduler's update may apply the 
 each already accepted and whether it ended the output (``GrammarState.accept`` /
 ``terminated``, no call into a matcher a thread may still be filling from); the node's driver
 sends the masks once filled (``Pass.masks``) and only then applies the tokens and plans the
-next step, unless ``DISAGG_MASKS_BEFORE_APPLY=0`` has it plan beside the pass
-(``disagg.actors.scheduler.stepping``).
+next step (``disagg.actors.scheduler.stepping``). That is the node's order with
+``DISAGG_EXECUTOR_MASKS=0``; by default the executors fill the masks, each on its own
+``GrammarPass`` (``disagg.engine.grammar_mirror``), and the scheduler's pass only accepts.
 
 A step that is not overlapped (new prefills joining, a constrained request's first step) has
 no token in flight: ``GrammarPass.fill`` fills its constrained rows' masks on the same threads
@@ -34,17 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from disagg.config import env
 from disagg.engine.grammar import bitmask_words
 
 if TYPE_CHECKING:
     from disagg.engine.grammar import GrammarState
 
 PASS_TIMEOUT_S = 60.0  # a pass waited for synchronously (in-process engine) longer: an error
-# DISAGG_GRAMMAR_ONE_FILL=1: the threads only accept; the last to finish fills every mask in
-# one call on xgrammar's own threads (one GIL hand-back instead of one per thread), for an A/B
-# on a GPU node, where the pass's threads wait for the interpreter while the loop plans
-ONE_FILL = env("GRAMMAR_ONE_FILL", "0") == "1"
 
 
 def default_threads() -> int:
@@ -100,7 +96,6 @@ class GrammarPass:
         self.threads = threads if threads and threads > 0 else default_threads()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._local = threading.local()  # each thread's one-thread batch matcher
-        self._wide: Any = None  # ONE_FILL's batch matcher on ``threads`` threads
 
     def submit(self, rows: list[Row]) -> Pass:
         """Start the pass over ``rows`` (matchers of one vocabulary): each thread accepts its
@@ -125,7 +120,6 @@ class GrammarPass:
         shares = [rows[i::k] for i in range(k)]
         left = [k, k]  # threads still accepting, still running
         lock = threading.Lock()
-        pending: tuple[list[Any], list[int]] = ([], [])  # ONE_FILL: every share's rows to fill
 
         def failed(e: BaseException) -> None:
             with lock:
@@ -133,18 +127,12 @@ class GrammarPass:
                     if not f.done():
                         f.set_exception(e)
 
-        def accepted(fill: list[Any], at: list[int]) -> tuple[list[Any], list[int]]:
-            """A thread's share accepted: the rows it fills (ONE_FILL: the last thread
-            fills every share's)."""
+        def accepted() -> None:
+            """A thread's share accepted."""
             with lock:
                 left[0] -= 1
                 if left[0] == 0 and not out.accepted.done():
                     out.accepted.set_result(None)
-                if not ONE_FILL:
-                    return fill, at
-                pending[0].extend(fill)
-                pending[1].extend(at)
-                return pending if left[0] == 0 else ([], [])
 
         def ended(f: concurrent.futures.Future[None]) -> None:
             if (e := f.exception()) is not None:
@@ -216,7 +204,7 @@ class GrammarPass:
         return self._pool
 
     def _work(self, share: list[Row], index: dict[int, int], buf: np.ndarray, filled: list[bool],
-              accepted: Callable[[list[Any], list[int]], tuple[list[Any], list[int]]]) -> None:
+              accepted: Callable[[], None]) -> None:
         """One thread's rows: accept each token (then say so), then fill the masks asked for
         of the rows whose grammar goes on."""
         import xgrammar as xgr
@@ -232,18 +220,9 @@ class GrammarPass:
             if r.mask and not r.state.terminated:
                 fill.append(r.state._matcher)
                 at.append(index[id(r)])
-        fill, at = accepted(fill, at)
+        accepted()
         if not fill:
             return
-        matcher = self._matcher() if not ONE_FILL else self._all_threads()
-        matcher.batch_fill_next_token_bitmask(fill, buf, at)
+        self._matcher().batch_fill_next_token_bitmask(fill, buf, at)
         for i in at:
             filled[i] = True
-
-    def _all_threads(self) -> Any:
-        """A batch matcher filling on as many of xgrammar's threads as the pass has."""
-        import xgrammar as xgr
-
-        if self._wide is None:
-            self._wide = xgr.BatchGrammarMatcher(self.threads)
-        return self._wide

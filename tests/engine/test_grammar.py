@@ -194,17 +194,13 @@ def test_compiled_grammars_are_cached(tok):
     assert a.mask() == b.mask()
 
 
-@pytest.mark.parametrize("threads, one_fill", [(1, False), (3, False), (3, True)])
-def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads, one_fill, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
     """``GrammarPass`` (the late masks of a decode step, on threads): each row's token is
     accepted as ``accept`` would, the masks asked for are each matcher's own after it, in one
     block by slot, a row whose grammar ended with its token has none, and the update's
-    ``accept`` of that token then takes it without feeding it again. ``one_fill``
-    (DISAGG_GRAMMAR_ONE_FILL): the last thread to accept fills every mask in one call."""
-    from disagg.engine import grammar_pass
+    ``accept`` of that token then takes it without feeding it again."""
     from disagg.engine.grammar_pass import GrammarPass, Row
-
-    monkeypatch.setattr(grammar_pass, "ONE_FILL", one_fill)
 
     g = Grammars(tok, 300, (2,))
     sos = [StructuredOutput("regex", "[a-d]{2,6}(x|yz)")] * 5 + [StructuredOutput("json_object")] * 3

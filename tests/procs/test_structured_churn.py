@@ -72,18 +72,21 @@ def addr(served):
     return served[0]
 
 
-def test_constrained_requests_under_churn(addr):
-    churn(addr)
+def test_constrained_requests_under_churn(served):
+    """The executor's copies of the matchers (the default) stay in step through preemptions
+    (replays), aborts and vanished clients."""
+    churn(served[0])
+    assert stats(served[0]).steps_overlapped > 0
+    assert "out of step" not in served[1].log_path.read_text()
 
 
-def test_constrained_requests_under_churn_with_the_executor_filling_late_masks(model, tmp_path):
-    """The same churn with ``DISAGG_EXECUTOR_MASKS=1``: the executor's copies of the matchers
-    stay in step through preemptions (replays), aborts and vanished clients."""
-    addr, proc = small_node(model, tmp_path, {"DISAGG_EXECUTOR_MASKS": "1"})
+def test_constrained_requests_under_churn_with_the_scheduler_filling_late_masks(model, tmp_path):
+    """The same churn with ``DISAGG_EXECUTOR_MASKS=0``: the scheduler's pass fills the late
+    masks and sends them."""
+    addr, proc = small_node(model, tmp_path, {"DISAGG_EXECUTOR_MASKS": "0"})
     with running([proc]):
         churn(addr)
         assert stats(addr).steps_overlapped > 0
-    assert "out of step" not in proc.log_path.read_text()
 
 
 def churn(addr: str) -> None:
@@ -186,18 +189,19 @@ def test_constrained_streams_end_cleanly_when_their_executor_dies(served):
     """An executor killed while constrained rows stream (the last test here: it restarts the
     module's node): each stream either ran to its end, admitted by its grammar, or ends with
     the executor's ``internal`` error; nothing hangs, the restarted node's pool is whole, and
-    it serves constrained requests again, the same seeded output as before the kill."""
+    it serves constrained requests again, the same seeded output as before the kill. The
+    restarted executor has no copies of the matchers and no grammars, and the restarted
+    scheduler's book starts over."""
     kill_mid_stream(*served)
+    assert "out of step" not in served[1].log_path.read_text()
 
 
-def test_executor_killed_mid_stream_with_its_own_masks(model, tmp_path):
-    """The same kill with ``DISAGG_EXECUTOR_MASKS=1``: the restarted executor has no copies
-    and no grammars, the restarted scheduler's book starts over, and the same seeded output
-    comes back."""
-    addr, proc = small_node(model, tmp_path, {"DISAGG_EXECUTOR_MASKS": "1"})
+def test_executor_killed_mid_stream_with_the_schedulers_masks(model, tmp_path):
+    """The same kill with ``DISAGG_EXECUTOR_MASKS=0`` (the scheduler's pass fills the
+    masks)."""
+    addr, proc = small_node(model, tmp_path, {"DISAGG_EXECUTOR_MASKS": "0"})
     with running([proc]):
         kill_mid_stream(addr, proc)
-    assert "out of step" not in proc.log_path.read_text()
 
 
 def kill_mid_stream(addr: str, proc: NodeProcess) -> None:

@@ -186,16 +186,16 @@ def test_constrained_steps_overlap_with_their_masks_sent_late(served, oai):
     assert nodes.stats(served[1]).steps_overlapped > before
 
 
-@pytest.mark.parametrize("env, overlap", [({"DISAGG_MASKS_BEFORE_APPLY": "0"}, "on"),
-                                          ({"DISAGG_EXECUTOR_MASKS": "1"}, "on"),
-                                          ({"DISAGG_EXECUTOR_MASKS": "1"}, "off")])
+@pytest.mark.parametrize("env, overlap", [({"DISAGG_EXECUTOR_MASKS": "0"}, "on"),
+                                          ({"DISAGG_EXECUTOR_MASKS": "0"}, "off"),
+                                          ({}, "off")])
 def test_late_masks_other_ways_give_the_same_outputs(served, oai, tmp_path, env, overlap):
-    """The other ways to the late masks, kept for an A/B on a GPU, draw the same seeded
-    outputs as the default (the scheduler's masks sent first, the step answered at once):
-    ``DISAGG_MASKS_BEFORE_APPLY=0``, each late step's next plan sent before its masks (held
-    by the executor until they come); ``DISAGG_EXECUTOR_MASKS=1``, the executor filling
-    every mask from its own copies of the matchers (``disagg.engine.grammar_mirror``), with
-    overlapped decoding or without (each step's masks filled as it is launched)."""
+    """The other ways to the masks draw the same seeded outputs as the default (each
+    executor filling every mask from its own copies of the matchers,
+    ``disagg.engine.grammar_mirror``, with overlapped decoding):
+    ``DISAGG_EXECUTOR_MASKS=0``, the scheduler's pass filling them and sending them (a late
+    step's masks before the next plan), and the default without overlapped decoding (each
+    step's masks filled as it is launched)."""
     ask = dict(model="tiny", prompt="y", max_tokens=24, temperature=1.0, n=3, seed=5,
                extra_body={"guided_json": {"type": "object", "properties": {
                    "a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
@@ -213,15 +213,14 @@ def test_late_masks_other_ways_give_the_same_outputs(served, oai, tmp_path, env,
 
 @pytest.mark.parametrize("ranks", [["--tp", "2"], ["--devices", "cpu", "--dp", "2"]])
 def test_executor_ranks_fill_the_same_masks(served, oai, tmp_path, ranks):
-    """``--tp 2`` / ``--dp 2`` with ``DISAGG_EXECUTOR_MASKS=1``: each rank keeps its own
+    """``--tp 2`` / ``--dp 2``: each rank keeps its own
     copies of the matchers (of every row, or of its own rows) and fills its own masks; the
     greedy constrained outputs equal the default one-executor node's."""
     asks = [dict(model="tiny", prompt=p, max_tokens=20, temperature=0.0,
                  extra_body={"guided_regex": "[a-f]{3,12}(!|\\?)"}) for p in ("q", "zz", "pet")]
     want = [oai.completions.create(**a).choices[0].text for a in asks]
     addr, proc = node("mixed", served[2], tmp_path, "--num-pages", "256", "--max-model-len",
-                      "512", "--overlap-schedule", "on", *ranks,
-                      env={"DISAGG_EXECUTOR_MASKS": "1"})
+                      "512", "--overlap-schedule", "on", *ranks)
     with running([proc]), nodes.gateway(addr, served[2], "tiny") as g, \
             nodes.openai_client(g.url) as other:
         got = [other.completions.create(**a).choices[0].text for a in asks]
@@ -252,11 +251,11 @@ def test_bad_constraints_are_400_and_the_node_keeps_serving(oai, kw, needle):
 
 
 @pytest.mark.fabric
-@pytest.mark.parametrize("env", [None, {"DISAGG_EXECUTOR_MASKS": "1"}])
+@pytest.mark.parametrize("env", [None, {"DISAGG_EXECUTOR_MASKS": "0"}])
 def test_split_constrains_the_first_token_on_the_decoder(tmp_path_factory, env):
     """Prefill -> decode: the prefiller computes the prompt's KV (it never samples), the
-    decoder's first step samples the first token under the grammar (and, with
-    ``DISAGG_EXECUTOR_MASKS=1``, its executors' copies of the matcher start there)."""
+    decoder's first step samples the first token under the grammar (its executors' copies of
+    the matcher start there; with ``DISAGG_EXECUTOR_MASKS=0`` the scheduler's masks)."""
     path = make_tiny_model("llama", tmp_path_factory.mktemp("bpe-split") / "llama")
     add_byte_bpe_tokenizer(path, chat_template=HERMES)
     tmp = tmp_path_factory.mktemp("split-log")

@@ -31,7 +31,7 @@ import zmq
 
 from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorError, rendezvous_path
-from disagg.actors.executor.late_masks import OwnMasks, awaits_masks, finish
+from disagg.actors.executor.late_masks import OwnMasks, awaits_masks, finish, mask_threads
 from disagg.actors.executor.step_order import StepOrder
 from disagg.config import NodeConfig, env
 from disagg.engine.grammar_mirror import EXECUTOR_MASKS
@@ -66,9 +66,6 @@ POLL_MS = 1000  # idle wake-up to notice a dead parent; never a busy loop
 # tests: every step takes this long more (a node busy in long steps: its scheduler answers Stats
 # only between steps, its frontend Pongs at once)
 STEP_DELAY_S = float(env("TEST_STEP_DELAY_S") or 0)
-# DISAGG_ANSWER_AFTER_LAUNCH=1: a late grammar step is always answered after the next step is
-# launched (the order before 2026-12-07's eighth session; ``StepOrder``), for an A/B on a GPU
-ANSWER_AFTER_LAUNCH = env("ANSWER_AFTER_LAUNCH", "0") == "1"
 
 
 # ---------------------------------------------------------------------------- process side
@@ -227,8 +224,9 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
     tkey = ("s" if cfg.role == "prefill" else "d") if trace.enabled() and rank == 0 else ""
     tev = "x" if cfg.role == "prefill" else "dx"
 
-    # DISAGG_EXECUTOR_MASKS=1: the late grammar masks filled here (late_masks.OwnMasks)
-    own = OwnMasks(cfg.scheduler.grammar_threads or None, tkey, tev) if EXECUTOR_MASKS else None
+    # the late grammar masks filled here (late_masks.OwnMasks; DISAGG_EXECUTOR_MASKS=0: by the
+    # scheduler), on this executor's share of the host's threads
+    own = OwnMasks(mask_threads(cfg), tkey, tev) if EXECUTOR_MASKS else None
 
     def answer(step_id: int, launched: Launched | Exception) -> None:
         frames = reply(enc, runner, step_id, launched)
@@ -248,8 +246,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
             trace.mark(f"{tev}.launched", tkey, plan.step_id)
         return out
 
-    order = StepOrder(launched, answer, awaits_masks, lambda ld: not ANSWER_AFTER_LAUNCH and not
-                      isinstance(ld, Exception) and ld.forward_done())  # answered first if done
+    order = StepOrder(launched, answer, awaits_masks, lambda ld: not isinstance(ld, Exception)
+                      and ld.forward_done())  # answered first if done
 
     try:
         while True:

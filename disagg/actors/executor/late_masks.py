@@ -13,12 +13,21 @@ from typing import TYPE_CHECKING
 from disagg import trace
 from disagg.actors.executor.step_order import StepOrder
 from disagg.engine.grammar_mirror import GrammarMirror
+from disagg.engine.grammar_pass import default_threads
 from disagg.protocol.executor import GrammarDef, StepPlan
 
 if TYPE_CHECKING:
+    from disagg.config import NodeConfig
     from disagg.engine.launched import Launched
 
 log = logging.getLogger(__name__)
+
+
+def mask_threads(cfg: NodeConfig) -> int:
+    """Threads of one executor's mask fills: ``--grammar-threads`` as given, or by default
+    the node's share (half the CPUs, xgrammar's own default) split among its executors, which
+    all fill at once under ``--tp`` (each rank the whole batch's masks)."""
+    return cfg.scheduler.grammar_threads or max(1, default_threads() // len(cfg.devices))
 
 
 def awaits_masks(launched: Launched | Exception) -> bool:

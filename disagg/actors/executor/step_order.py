@@ -6,9 +6,10 @@ overlapped decoding): then its answer waits for the next command, so that the ne
 already queued on the device when the host turns to its tokens. A deferred step with late
 grammar masks (``late_mask`` chunks) cannot pick its tokens before its ``Masks`` arrive, and
 the step after it reads those tokens on the device, so a plan that arrives before the masks
-of the deferred step it follows is held and launched right after they pick that step (with
-``DISAGG_MASKS_BEFORE_APPLY=0`` the scheduler plans and sends it while the masks are still
-being filled: ``disagg.actors.scheduler.stepping``). Masks that arrive first are applied at once and the
+of the deferred step it follows is held and launched right after they pick that step (the
+scheduler sends a step's masks before the next plan, and an executor filling its own
+(``late_masks.OwnMasks``) fills them as soon as the step before is answered, so this is the
+guard of an order no sender is meant to make). Masks that arrive first are applied at once and the
 step waits for its successor's plan as any deferred step does; except when ``settled`` says
 the device had finished the step's forward pass when they came: the host's chain (tokens back,
 grammar pass, masks out) is then what bounds the step, and its tokens are answered at once,

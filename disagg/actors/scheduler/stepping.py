@@ -9,17 +9,14 @@ its chunks; ``after_step``), logs slow steps, ends or hands to the side the sequ
 failed step, and streams every applied step's updates to the scheduler (``emit``). A
 deferred step's successor with constrained rows waits for their masks: the core's
 ``grammar_pass`` starts as soon as the step's tokens are back and runs on its threads while
-the step lands. By default the masks go out as soon as they are filled, before the tokens are
-applied and the next step planned: the executor picks the step and, its forward pass done,
-answers it at once (``StepOrder``), so the planning overlaps the masks' trip and the result's
-rather than the pass, whose threads need the interpreter back from xgrammar. With
-``DISAGG_MASKS_BEFORE_APPLY=0`` the tokens are applied and streamed once accepted and the next
-step is planned and sent while the masks are still being filled, the masks going out as soon
-as they are found filled, at the latest right after that next plan (an executor holds a plan
-that arrives before the masks of the step it follows); on GPU hosts the pass then grew by
-about the Python the loop ran beside it (docs/BENCHMARKS.md, 2026-12-07). With
-``DISAGG_EXECUTOR_MASKS=1`` the executors fill the late masks themselves: each plan's grammar
-definitions (``Step.defs``) go out before it, and the pass only accepts (nothing is sent).
+the step lands. By default the executors fill the late masks themselves
+(``disagg.engine.grammar_mirror``): each plan's grammar definitions (``Step.defs``) go out
+before it, and the pass only accepts (nothing is sent). With ``DISAGG_EXECUTOR_MASKS=0`` the
+pass fills them too and they go out as soon as they are filled, before the tokens are applied
+and the next step planned: the executor picks the step and, its forward pass done, answers it
+at once (``StepOrder``), so the planning overlaps the masks' trip and the result's rather than
+the pass, whose threads need the interpreter back from xgrammar (planning beside the pass was
+measured no faster, docs/BENCHMARKS.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from typing import Protocol
 from disagg import trace
 from disagg.actors.executor.executor_group import ExecutorGroup
 from disagg.actors.scheduler.sides import SchedulerSide
-from disagg.config import env
 from disagg.engine.core import Collect, Command, EngineCore, Launch, Run, Step
 from disagg.engine.grammar_pass import PASS_TIMEOUT_S, MaskBlock, Pass
 from disagg.engine.scheduling import Sequence, SeqUpdate, Status
@@ -42,9 +38,6 @@ from disagg.protocol.executor import StepResult
 log = logging.getLogger(__name__)
 
 SLOW_STEP_S = 0.5  # a step slower than this is logged (compiles, stalls)
-# DISAGG_MASKS_BEFORE_APPLY=0: plan the next step beside the grammar pass (above), for an A/B
-# on a GPU (bench/gpu_round.sh surface_beside); measured no faster than the default there
-MASKS_BEFORE_APPLY = (env("MASKS_BEFORE_APPLY") or "1") == "1"  # (empty: the default)
 
 
 class StepPort(Protocol):
@@ -72,7 +65,6 @@ class Stepper:
     def __init__(self, port: StepPort):
         self.port = port
         self._sent: dict[int, float] = {}  # deferred steps sent: step id -> when (monotonic)
-        self._due: tuple[int, Future[MaskBlock]] | None = None  # late masks not sent yet
 
     async def run(self, cmd: Command) -> None:
         """Carry out one command of the core: a step run to the end, a deferred one sent
@@ -92,11 +84,9 @@ class Stepper:
                     await port.executors.define(grammar)
                 await port.executors.submit(step.plan)
                 self._sent[step.plan.step_id] = time.monotonic()
-                await self._send_masks()  # the in-flight step's, planned beside their pass
                 if then is not None:
                     await self._take(then, step)
             case Collect(step):
-                await self._send_masks()
                 await port.executors.collect()
                 await self._take(step)
 
@@ -104,38 +94,27 @@ class Stepper:
         """The executors failed: nothing is in flight any more."""
         self.port.core.abandon()
         self._sent.clear()
-        self._due = None
-
-    async def _send_masks(self, wait: bool = True) -> None:
-        """Send the late masks not sent yet, waiting for their pass (``wait``) or only if it
-        is done."""
-        if self._due is None or not (wait or self._due[1].done()):
-            return
-        (sid, masks), self._due = self._due, None
-        block = await asyncio.wait_for(asyncio.wrap_future(masks), PASS_TIMEOUT_S)
-        await self.port.executors.masks(sid, block)
-        trace.mark("g.masks_out", "d", sid)
 
     async def _take(self, step: Step, ahead: Step | None = None) -> None:
         """Wait for a deferred step's result and apply it; ``ahead``: the step launched after
         it, whose late masks its grammar pass fills (``_apply``)."""
         result, hidden = await self.port.executors.result(step.plan.step_id)
-        late = None
+        late, sends = None, None
         if ahead is not None:  # its grammar work starts at once, on the pass's threads
             tokens = result.token_ids if result.error is None else []
             late = self.port.core.grammar_pass(step, ahead, tokens)
             if late is not None and self.port.core.mirror is None:  # (else: accepts only)
-                self._due = (ahead.plan.step_id, late.masks)
+                sends = ahead.plan.step_id
                 if trace.enabled():
                     _trace_pass(late.masks, ahead.plan.step_id, step.plan.step_id,
                                 len(ahead.plan.chunks))
-        await self._apply(step, result, hidden, self._sent.pop(step.plan.step_id), late)
+        await self._apply(step, result, hidden, self._sent.pop(step.plan.step_id), late, sends)
 
     async def _apply(self, step: Step, result: StepResult, hidden: bytes | None,
-                     started: float, late: Pass | None = None) -> None:
+                     started: float, late: Pass | None = None, sends: int | None = None) -> None:
         """Apply ``step``'s result; ``late``: the grammar pass under way for the step launched
-        after it, whose tokens it accepts: they are applied and streamed once it has (the
-        masks go out as soon as they are found filled, or after the next plan)."""
+        after it, whose tokens it accepts: they are applied and streamed once it has, and
+        (``sends``: that step's id, ``DISAGG_EXECUTOR_MASKS=0``) its masks sent first."""
         plan, batch = step.plan, step.batch
         took = time.monotonic() - started
         if took > SLOW_STEP_S:
@@ -147,7 +126,10 @@ class Stepper:
         await port.side.after_step(plan, batch, result, hidden)
         if late is not None:
             await asyncio.wait_for(asyncio.wrap_future(late.accepted), PASS_TIMEOUT_S)
-            await self._send_masks(wait=MASKS_BEFORE_APPLY)
+            if sends is not None:
+                block = await asyncio.wait_for(asyncio.wrap_future(late.masks), PASS_TIMEOUT_S)
+                await port.executors.masks(sends, block)
+                trace.mark("g.masks_out", "d", sends)
         if result.error is not None:
             for c in batch.chunks:
                 if c.seq.status is Status.RUNNING:  # not ended by an earlier failed step
@@ -156,5 +138,4 @@ class Stepper:
         for update in port.core.apply(step, result.token_ids, result.counts, result.drafts,
                                       result.logprobs, result.prompt_logprobs):
             await port.emit(update)
-        await self._send_masks(wait=False)
         await port.pages_changed()
