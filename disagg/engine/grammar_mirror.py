@@ -42,7 +42,7 @@ import msgspec
 
 from disagg.config import env
 from disagg.engine.grammar import CACHE_ENTRIES, GrammarState, bitmask_words
-from disagg.engine.grammar_pass import PASS_TIMEOUT_S, GrammarPass, MaskBlock, Row
+from disagg.engine.grammar_pass import GrammarPass, MaskBlock, Row
 from disagg.engine.sequence import Status
 from disagg.protocol.executor import GrammarDef, SeqChunk, StepPlan
 
@@ -212,7 +212,7 @@ class GrammarMirror:
         if not rows:
             return MaskBlock([], bytearray(), bitmask_words(self._info.vocab_size
                                                             if self._info else 0) * 4)
-        block = self._pass.submit(rows).masks.result(timeout=PASS_TIMEOUT_S)
+        block = self._pass.run(rows)
         for r in rows:
             if r.token < 0:  # (nothing accepted: the mask alone)
                 continue

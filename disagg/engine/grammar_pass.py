@@ -97,9 +97,10 @@ class GrammarPass:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._local = threading.local()  # each thread's one-thread batch matcher
 
-    def submit(self, rows: list[Row]) -> Pass:
+    def submit(self, rows: list[Row], inline: bool = False) -> Pass:
         """Start the pass over ``rows`` (matchers of one vocabulary): each thread accepts its
-        share's tokens, then fills their masks."""
+        share's tokens, then fills their masks. ``inline``: the calling thread takes a share
+        too (one more than the pool's threads) and returns once it is done (``run``)."""
         vocab = rows[0].state.vocab_size if rows else 0
         if any(r.state.vocab_size != vocab for r in rows):
             raise ValueError("GrammarPass: matchers of different vocabularies")
@@ -112,7 +113,7 @@ class GrammarPass:
         out = Pass(concurrent.futures.Future(), concurrent.futures.Future())
         out.accepted.set_running_or_notify_cancel()
         out.masks.set_running_or_notify_cancel()
-        k = min(self.threads, len(rows))
+        k = min(self.threads + inline, len(rows))
         if k == 0:
             out.accepted.set_result(None)
             out.masks.set_result(MaskBlock([], words, 4 * width))
@@ -146,9 +147,18 @@ class GrammarPass:
             block = words if len(keep) == len(want) else bytearray(buf[keep].tobytes())
             out.masks.set_result(MaskBlock([want[i].slot for i in keep], block, 4 * width))
 
-        pool = self._threads()
-        for share in shares:
-            pool.submit(self._work, share, index, buf, filled, accepted).add_done_callback(ended)
+        for share in shares[1:] if inline else shares:
+            self._threads().submit(self._work, share, index, buf, filled,
+                                   accepted).add_done_callback(ended)
+        if inline:  # the first share in this thread, while the pool's run
+            mine: concurrent.futures.Future[None] = concurrent.futures.Future()
+            mine.set_running_or_notify_cancel()
+            try:
+                self._work(shares[0], index, buf, filled, accepted)
+                mine.set_result(None)
+            except Exception as e:  # noqa: BLE001 (the pass fails with it, as a thread's)
+                mine.set_exception(e)
+            ended(mine)
         return out
 
     def fill(self, states: Sequence[GrammarState]) -> MaskBlock:
@@ -189,8 +199,9 @@ class GrammarPass:
         return matcher
 
     def run(self, rows: list[Row]) -> MaskBlock:
-        """``submit`` waited for (the in-process engine)."""
-        return self.submit(rows).masks.result(timeout=PASS_TIMEOUT_S)
+        """``submit`` waited for, this thread taking a share (the in-process engine, an
+        executor's own masks)."""
+        return self.submit(rows, inline=True).masks.result(timeout=PASS_TIMEOUT_S)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -194,12 +194,13 @@ def test_compiled_grammars_are_cached(tok):
     assert a.mask() == b.mask()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
+@pytest.mark.parametrize("threads, inline", [(1, False), (1, True), (3, False), (3, True)])
+def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads, inline):
     """``GrammarPass`` (the late masks of a decode step, on threads): each row's token is
     accepted as ``accept`` would, the masks asked for are each matcher's own after it, in one
     block by slot, a row whose grammar ended with its token has none, and the update's
-    ``accept`` of that token then takes it without feeding it again."""
+    ``accept`` of that token then takes it without feeding it again. ``inline`` (``run``):
+    the calling thread takes a share of the rows too."""
     from disagg.engine.grammar_pass import GrammarPass, Row
 
     g = Grammars(tok, 300, (2,))
@@ -216,7 +217,8 @@ def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
             words = torch.frombuffer(bytearray(step[i].mask()), dtype=torch.int32)
             admitted = unpack(words[None], 300)[0].nonzero().flatten().tolist()
             picks[i] = 2 if 2 in admitted and rng.random() < 0.3 else rng.choice(admitted)
-        block = gp.run([Row(ahead[i], picks[i], 10 + i, mask=i % 4 != 1) for i in live])
+        rows = [Row(ahead[i], picks[i], 10 + i, mask=i % 4 != 1) for i in live]
+        block = gp.run(rows) if inline else gp.submit(rows).masks.result(timeout=10)
         for i in live:  # the reference: one by one
             assert step[i].accept(picks[i])
         want = [i for i in live if i % 4 != 1 and not step[i].terminated]
@@ -241,6 +243,27 @@ def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads):
         s = g.compile(sos[-1])
         s.accepted_ahead(ord("{"), True)
         s.accept(ord("["))
+    gp.close()
+
+
+def test_grammar_pass_run_takes_a_share_in_the_calling_thread(tok, monkeypatch):
+    """``run`` (an executor waiting for its own masks): the waiting thread fills a share
+    beside the pool's threads, one more share than the pool has threads."""
+    import threading
+
+    from disagg.engine.grammar_pass import GrammarPass, Row
+
+    g = Grammars(tok, 300, (2,))
+    gp = GrammarPass(2)
+    seen: list[tuple[str, int]] = []
+    work = GrammarPass._work
+    monkeypatch.setattr(GrammarPass, "_work", lambda self, share, *a: (
+        seen.append((threading.current_thread().name, len(share))), work(self, share, *a))[1])
+    states = [g.compile(StructuredOutput("regex", "[a-d]{2,6}x")) for _ in range(6)]
+    block = gp.run([Row(s, -1, i, mask=True) for i, s in enumerate(states)])  # masks alone
+    assert block.slots == list(range(6))
+    assert sorted(n for _, n in seen) == [2, 2, 2]
+    assert threading.current_thread().name in [name for name, _ in seen]
     gp.close()
 
 
