@@ -99,8 +99,9 @@ class GrammarPass:
 
     def submit(self, rows: list[Row], inline: bool = False) -> Pass:
         """Start the pass over ``rows`` (matchers of one vocabulary): each thread accepts its
-        share's tokens, then fills their masks. ``inline``: the calling thread takes a share
-        too (one more than the pool's threads) and returns once it is done (``run``)."""
+        share's tokens, then fills their masks. ``inline``: the calling thread takes one of
+        the ``threads`` shares (the pool the others) and returns once it is done (``run``;
+        more threads at once were slower on a 16-core GPU host, docs/BENCHMARKS.md)."""
         vocab = rows[0].state.vocab_size if rows else 0
         if any(r.state.vocab_size != vocab for r in rows):
             raise ValueError("GrammarPass: matchers of different vocabularies")
@@ -113,7 +114,7 @@ class GrammarPass:
         out = Pass(concurrent.futures.Future(), concurrent.futures.Future())
         out.accepted.set_running_or_notify_cancel()
         out.masks.set_running_or_notify_cancel()
-        k = min(self.threads + inline, len(rows))
+        k = min(self.threads, len(rows))
         if k == 0:
             out.accepted.set_result(None)
             out.masks.set_result(MaskBlock([], words, 4 * width))

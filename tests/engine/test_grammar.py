@@ -247,14 +247,14 @@ def test_grammar_pass_accepts_and_fills_each_rows_own_mask(tok, threads, inline)
 
 
 def test_grammar_pass_run_takes_a_share_in_the_calling_thread(tok, monkeypatch):
-    """``run`` (an executor waiting for its own masks): the waiting thread fills a share
-    beside the pool's threads, one more share than the pool has threads."""
+    """``run`` (an executor waiting for its own masks): the waiting thread fills one of the
+    shares, the pool's threads the others (as many shares as threads in all)."""
     import threading
 
     from disagg.engine.grammar_pass import GrammarPass, Row
 
     g = Grammars(tok, 300, (2,))
-    gp = GrammarPass(2)
+    gp = GrammarPass(3)
     seen: list[tuple[str, int]] = []
     work = GrammarPass._work
     monkeypatch.setattr(GrammarPass, "_work", lambda self, share, *a: (
