@@ -20,7 +20,7 @@ follow:
           plan went out first, planned while the pass filled the masks (the executor holds
           it until the masks have picked S)
 
-With the executor filling the masks itself (``DISAGG_EXECUTOR_MASKS=1``, marks ``dx.fill``)
+With the executor filling the masks itself (the default since 2026-12-08, marks ``dx.fill``)
 the parts of such a step are instead:
 
   wait    P's reply sent -> the fill started (``dx.fill``)

@@ -70,7 +70,7 @@ class Step:
 
     plan: StepPlan
     batch: Batch
-    # grammars the executors get before the plan (``MirrorBook``, DISAGG_EXECUTOR_MASKS=1)
+    # grammars the executors get before the plan (``MirrorBook``; none with DISAGG_EXECUTOR_MASKS=0)
     defs: tuple[GrammarDef, ...] = ()
 
 

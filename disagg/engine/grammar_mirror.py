@@ -1,4 +1,5 @@
-"""Grammar masks filled on the executor (``DISAGG_EXECUTOR_MASKS=1``).
+"""Grammar masks filled on the executor (the default; ``DISAGG_EXECUTOR_MASKS=0``: by the
+scheduler).
 
 Overlapped decoding sends a constrained row's follow chunk before the token it follows is
 back (``SeqChunk.late_mask``): its mask needs that token. By default the scheduler accepts the

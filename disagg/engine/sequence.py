@@ -62,7 +62,7 @@ class Sequence:
     # attached when it is admitted on a node that samples; advanced by each output token
     grammar: Any = None
     # the executors' copy of its matcher started from its output so far (grammar_mirror,
-    # DISAGG_EXECUTOR_MASKS=1); after a preemption it starts over
+    # the default); after a preemption it starts over
     grammar_synced: bool = False
     # its spans on this node (disagg.trace.Phases) while traces are exported; None otherwise
     trace: Any = None

@@ -69,7 +69,7 @@ class SeqChunk(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # so it arrives after the step was launched, in a ``Masks`` message for this step; the
     # executor runs the step's forward pass at once and picks its tokens when the masks come
     late_mask: bool = False
-    # DISAGG_EXECUTOR_MASKS=1 (disagg.engine.grammar_mirror): a constrained sampling chunk's
+    # the executors' own masks (disagg.engine.grammar_mirror): a constrained sampling chunk's
     # grammar (a GrammarDef key) for the executor's own copy of the request's matcher, which
     # fills its mask itself (the chunk goes late_mask); -1 = none. grammar_replay: the output
     # tokens before this chunk's (the copy starts over from them: the request's first chunk,
@@ -94,7 +94,7 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True, gc=False, frozen=Tru
     # (ExecutorReady.reload_events) first, a graph replay on the last layer's
     reload_wait: bool = False
     # slots of constrained requests that ended: the executor's grammar copies of them go
-    # (DISAGG_EXECUTOR_MASKS=1)
+    # (the executors' own masks)
     grammar_gone: list[int] = []
 
 
@@ -177,7 +177,7 @@ class Masks(msgspec.Struct, tag="masks", array_like=True, frozen=True):
 class GrammarDef(msgspec.Struct, tag="grammar", array_like=True, frozen=True):
     """A compiled grammar (xgrammar's ``CompiledGrammar.serialize_json``) that later chunks
     name by ``key`` (``SeqChunk.grammar``), sent once before the first plan that does
-    (DISAGG_EXECUTOR_MASKS=1). ``vocab``: the tokenizer's ``TokenizerInfo.serialize_json``
+    (the executors' own masks). ``vocab``: the tokenizer's ``TokenizerInfo.serialize_json``
     with the first definition, b"" after; ``drop``: keys no later chunk will name."""
 
     key: int

@@ -1,5 +1,5 @@
 """The executor's copies of constrained requests' matchers (``disagg.engine.grammar_mirror``,
-DISAGG_EXECUTOR_MASKS=1): driven the way the scheduler and an executor drive them (plans
+the default): driven the way the scheduler and an executor drive them (plans
 marked and tracked, steps answered in order, follow steps filled once the step before is
 answered, others at launch), every mask the executor fills equals the scheduler's own
 matcher's after the same tokens: across overlapped runs, plain steps between them,

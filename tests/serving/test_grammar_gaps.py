@@ -46,7 +46,7 @@ def test_parts_of_constrained_steps_and_the_plain_cycle():
 
 
 def test_parts_of_steps_whose_masks_the_executor_filled():
-    """``DISAGG_EXECUTOR_MASKS=1``: the executor's fill (``dx.fill`` -> ``dx.masks_in``)
+    """The executors filling the masks (the default): the executor's fill (``dx.fill`` -> ``dx.masks_in``)
     between its predecessor's reply and its own."""
     marks = sorted([
         mark(0.000, "dx.replied", 6),

@@ -1,7 +1,7 @@
 """Grammar masks on the executor's side: picking a launched step's tokens once its masks are
-there (``finish``), from a ``Masks`` message or, with ``DISAGG_EXECUTOR_MASKS=1``, filled here
-from the executor's own copies of the requests' matchers (``OwnMasks``,
-``disagg.engine.grammar_mirror``)."""
+there (``finish``), filled here from the executor's own copies of the requests' matchers
+(``OwnMasks``, ``disagg.engine.grammar_mirror``; the default) or, with
+``DISAGG_EXECUTOR_MASKS=0``, from a ``Masks`` message."""
 
 from __future__ import annotations
 
