@@ -24,3 +24,23 @@ def test_grammar_threads_given_are_each_executors(monkeypatch):
     monkeypatch.setattr(late_masks, "default_threads", lambda: 8)
     assert late_masks.mask_threads(cfg(3, 1)) == 3
     assert late_masks.mask_threads(cfg(3, 4)) == 3
+
+
+def test_warm_imports_xgrammar_on_a_thread_of_its_own(monkeypatch):
+    """``OwnMasks.warm``: xgrammar is imported off the step loop, on another thread; an
+    import that fails is no error (the executor serves on)."""
+    import threading
+
+    seen: list[tuple[str, str]] = []
+
+    def fake_import(name: str):
+        seen.append((name, threading.current_thread().name))
+        raise ImportError("not here")
+
+    monkeypatch.setattr(late_masks.importlib, "import_module", fake_import)
+    own = late_masks.OwnMasks(1)
+    thread = own.warm()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert seen == [("xgrammar", "xgrammar-import")]
+    own.close()

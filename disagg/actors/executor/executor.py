@@ -227,6 +227,8 @@ def serve(cfg: NodeConfig, rank: int, control: str, fd_sock: socket.socket,
     # the late grammar masks filled here (late_masks.OwnMasks; DISAGG_EXECUTOR_MASKS=0: by the
     # scheduler), on this executor's share of the host's threads
     own = OwnMasks(mask_threads(cfg), tkey, tev) if EXECUTOR_MASKS else None
+    if own is not None and cfg.role != "prefill":  # (a prefill node never samples)
+        own.warm()
 
     def answer(step_id: int, launched: Launched | Exception) -> None:
         frames = reply(enc, runner, step_id, launched)
