@@ -34,6 +34,7 @@ unconstrained (the scheduler's matcher then rejects the token and ends the reque
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ import msgspec
 
 from disagg.config import env
 from disagg.engine.grammar import CACHE_ENTRIES, GrammarState, bitmask_words
-from disagg.engine.grammar_pass import GrammarPass, MaskBlock, Row
+from disagg.engine.grammar_pass import PASS_TIMEOUT_S, GrammarPass, MaskBlock, Row
 from disagg.engine.sequence import Status
 from disagg.protocol.executor import GrammarDef, SeqChunk, StepPlan
 
@@ -132,10 +133,12 @@ class MirrorBook:
 class _Copy:
     """One request's matcher on the executor: output tokens ``0 .. count - 1`` accepted."""
 
-    state: GrammarState
+    state: GrammarState | None  # None until first needed (``load``)
     count: int
     last: int  # the token at index count - 1 (-1: none)
     seen: dict[int, int] = field(default_factory=dict)  # sampled, not accepted: index -> token
+    # the grammar being deserialized and the replay the state starts from, until it is made
+    load: tuple[concurrent.futures.Future[Any], list[int]] | None = None
 
 
 class GrammarMirror:
@@ -144,24 +147,35 @@ class GrammarMirror:
 
     def __init__(self, threads: int | None = None):
         self._pass = GrammarPass(threads)
-        self._info: Any = None
-        self._compiled: dict[int, Any] = {}
+        self._info: Any = None  # written by the loader's thread only
+        # key -> the compiled grammar, deserialized on the loader's thread (``define``)
+        self._compiled: dict[int, concurrent.futures.Future[Any]] = {}
+        self._loader: concurrent.futures.ThreadPoolExecutor | None = None
         self._copies: dict[int, _Copy] = {}  # by slot
         # step id -> (position among its sampled tokens, slot, output index) of marked chunks
         self._sampled: dict[int, list[tuple[int, int, int]]] = {}
         self._late: dict[int, list[SeqChunk]] = {}  # step id -> its marked late chunks
 
     def define(self, d: GrammarDef) -> None:
+        """Deserialize ``d`` on the loader's thread, in the order defined (the vocabulary
+        comes with the first): ~6 ms a grammar and ~70 ms the vocabulary that would hold up
+        the step loop; the first copy that needs it waits for it (``_made``), by then
+        usually while a forward pass runs."""
+        for key in d.drop:
+            self._compiled.pop(key, None)
+        if self._loader is None:
+            self._loader = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="grammar-define")
+        self._compiled[d.key] = self._loader.submit(self._load, d)
+
+    def _load(self, d: GrammarDef) -> Any:
         import xgrammar as xgr
 
         if d.vocab:
             self._info = xgr.TokenizerInfo.deserialize_json(d.vocab.decode())
         if self._info is None:
             raise ValueError(f"grammar {d.key} defined before the vocabulary")
-        for key in d.drop:
-            self._compiled.pop(key, None)
-        self._compiled[d.key] = xgr.CompiledGrammar.deserialize_json(d.compiled.decode(),
-                                                                     self._info)
+        return xgr.CompiledGrammar.deserialize_json(d.compiled.decode(), self._info)
 
     def track(self, plan: StepPlan) -> None:
         """A plan about to be launched: copies start over from replays; its marked chunks'
@@ -226,18 +240,38 @@ class GrammarMirror:
 
     def close(self) -> None:
         self._pass.close()
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
+            self._loader = None
 
     def _start(self, c: SeqChunk) -> None:
+        """A copy of ``c``'s request starting over from its replay; its state is made when
+        first needed (``_made``), its grammar perhaps still being deserialized."""
         compiled = self._compiled.get(c.grammar)
         if compiled is None:
             log.error("slot %d: grammar %d was never defined", c.slot, c.grammar)
             self._copies.pop(c.slot, None)
             return
-        state = GrammarState(compiled, self._info.vocab_size)
         replay = c.grammar_replay or []
+        self._copies[c.slot] = _Copy(None, len(replay), replay[-1] if replay else -1,
+                                     load=(compiled, replay))
+
+    def _made(self, slot: int, copy: _Copy) -> GrammarState | None:
+        """``copy``'s state, made now from its grammar and replay if not yet; None (said,
+        the copy goes) when its grammar could not be loaded."""
+        if copy.state is not None or copy.load is None:
+            return copy.state
+        compiled, replay = copy.load
+        try:
+            state = GrammarState(compiled.result(timeout=PASS_TIMEOUT_S), self._info.vocab_size)
+        except Exception:  # noqa: BLE001 (its rows are then picked unconstrained)
+            log.exception("slot %d: its grammar could not be loaded", slot)
+            del self._copies[slot]
+            return None
         for t in replay:
             state.accept(t)
-        self._copies[c.slot] = _Copy(state, len(replay), replay[-1] if replay else -1)
+        copy.state, copy.load = state, None
+        return state
 
     def _row(self, c: SeqChunk) -> Row | None:
         """The pass's row of late chunk ``c``, which samples output token ``j``: its copy has
@@ -246,7 +280,7 @@ class GrammarMirror:
         when it has no copy in step (an error, said once: the copy goes). Every marked chunk
         is filled, so a copy is never more than one token behind."""
         copy = self._copies.get(c.slot)
-        if copy is None:
+        if copy is None or (state := self._made(c.slot, copy)) is None:
             return None
         j = c.output_index
         at = j - 2 if c.follow else j - 1  # the last token the scheduler had applied
@@ -258,4 +292,4 @@ class GrammarMirror:
                       copy.count, j, c.grammar_prev, prev)
             del self._copies[c.slot]
             return None
-        return Row(copy.state, copy.seen[j - 1] if behind else -1, c.slot, True)
+        return Row(state, copy.seen[j - 1] if behind else -1, c.slot, True)

@@ -203,3 +203,43 @@ def test_a_copy_out_of_step_is_dropped_and_its_row_left_unconstrained(grammars, 
         block = p.mirror.fill(nxt.step_id)
     assert block.slots == [20] and "slot 21" in caplog.text and "out of step" in caplog.text
     assert 21 not in p.mirror._copies
+
+
+def test_definitions_load_off_the_step_loop_and_a_bad_one_leaves_its_rows_free(
+        grammars, monkeypatch, caplog):
+    """A grammar's definition is deserialized on the mirror's loader thread: defining it and
+    launching the plan that starts its copies return while it still loads, and the first
+    fill waits for it (the masks as the scheduler's). A definition that cannot be loaded
+    leaves its requests' rows unconstrained (said), the others filled."""
+    import threading
+
+    import msgspec
+
+    gate, loaded = threading.Event(), []
+    load = GrammarMirror._load
+
+    def slow(self, d):
+        gate.wait(10)
+        loaded.append(threading.current_thread().name)
+        return load(self, d)
+
+    monkeypatch.setattr(GrammarMirror, "_load", slow)
+    p = Pair(grammars)
+    a, b = p.seq(30, REGEX), p.seq(31, OTHER)
+    chunks = [ScheduledChunk(s, s.num_tokens - 1, 1, True) for s in (a, b)]
+    wires = p.book.mark(chunks, [c.to_wire(late=True) for c in chunks])
+    defs, _ = p.book.take()
+    defs[1] = msgspec.structs.replace(defs[1], compiled=b"{not a grammar")
+    for d in defs:
+        p.mirror.define(d)
+    plan = StepPlan(0, wires, len(wires))
+    p.mirror.track(plan)
+    assert loaded == []  # both still loading: nothing waited for them
+    gate.set()
+    with caplog.at_level(logging.ERROR):
+        block = p.mirror.fill(plan.step_id)
+    assert loaded and all(n.startswith("grammar-define") for n in loaded)
+    assert block.slots == [30] and bytes(block.by_slot()[30]) == a.grammar.mask()
+    assert "slot 31: its grammar could not be loaded" in caplog.text
+    assert 31 not in p.mirror._copies
+    p.mirror.close()
