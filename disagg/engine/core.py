@@ -26,15 +26,16 @@ deferred. While it runs, the next step is built without its tokens
 (``BatchScheduler.schedule_ahead``: follow chunks whose token the executor fills in on the
 device from the step before) and sent before the deferred result is taken, so the host work of
 step N+1 (planning, messages, flattening, copies, launch) runs while the device computes step
-N. A constrained row's mask needs the token in flight: its follow chunk goes ``late_mask``;
-once the step before it is back the driver starts ``grammar_pass`` (its tokens accepted and
-the masks filled on threads, ``disagg.engine.grammar_pass``), sends the masks when they are
-filled, then applies that step (``apply`` may run once the tokens are accepted: the node's
-driver can plan beside the fill, ``disagg.actors.scheduler.stepping``); the executor runs the
-forward pass meanwhile and picks when the masks come (with a ``MirrorBook``, the executors
-fill them from their own copies of the matchers, ``disagg.engine.grammar_mirror``, and the
-pass only accepts). A step that is not overlapped fills its
-constrained rows' masks with the plan,
+N. A constrained row's mask needs the token in flight: its follow chunk goes ``late_mask``.
+With a ``MirrorBook`` (a node's default) every constrained row goes ``late_mask`` and the
+executors fill the masks from their own copies of the matchers
+(``disagg.engine.grammar_mirror``); once the step before is back the driver starts
+``grammar_pass``, which then only accepts its tokens, and applies that step once it has.
+Without one, the pass also fills the masks on its threads (``disagg.engine.grammar_pass``),
+the driver sends them when filled and only then applies the step
+(``disagg.actors.scheduler.stepping``); the executor runs the forward pass meanwhile and
+picks when the masks come, and a step that is not overlapped fills its constrained rows'
+masks with the plan,
 together on the same pass's threads (``GrammarPass.fill``; one such row fills its own). When
 the next step cannot be known ahead (new work arrived, a page is missing) the core
 answers ``Collect`` and plans normally afterwards. A sequence that stops in flight wastes its
