@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -156,6 +157,12 @@ class GrammarMirror:
         self._sampled: dict[int, list[tuple[int, int, int]]] = {}
         self._late: dict[int, list[SeqChunk]] = {}  # step id -> its marked late chunks
 
+    def warm(self) -> concurrent.futures.Future[Any]:
+        """Import xgrammar on the loader's thread (0.5-1 s with transformers) ahead of the
+        first definition, which would otherwise wait for it; failing is no error here (no
+        grammar comes, or its definition fails then)."""
+        return self._loads().submit(importlib.import_module, "xgrammar")
+
     def define(self, d: GrammarDef) -> None:
         """Deserialize ``d`` on the loader's thread, in the order defined (the vocabulary
         comes with the first): ~6 ms a grammar and ~70 ms the vocabulary that would hold up
@@ -163,10 +170,13 @@ class GrammarMirror:
         usually while a forward pass runs."""
         for key in d.drop:
             self._compiled.pop(key, None)
+        self._compiled[d.key] = self._loads().submit(self._load, d)
+
+    def _loads(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._loader is None:
             self._loader = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="grammar-define")
-        self._compiled[d.key] = self._loader.submit(self._load, d)
+        return self._loader
 
     def _load(self, d: GrammarDef) -> Any:
         import xgrammar as xgr

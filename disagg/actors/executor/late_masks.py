@@ -5,12 +5,11 @@ there (``finish``), filled here from the executor's own copies of the requests' 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
-import importlib
 import logging
-import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from disagg import trace
 from disagg.actors.executor.step_order import StepOrder
@@ -67,20 +66,10 @@ class OwnMasks:
         self.mirror = GrammarMirror(threads)
         self._tkey, self._tev = tkey, tev
 
-    def warm(self) -> threading.Thread:
-        """Import xgrammar on a thread of its own (0.5-1 s with transformers), started once
-        the executor is ready: the first constrained request's definition, handled on the
-        step loop, would otherwise import it there and hold up every row of the batch."""
-
-        def load() -> None:
-            try:
-                importlib.import_module("xgrammar")
-            except Exception:  # noqa: BLE001 (not installed: no grammar comes, or it fails then)
-                log.debug("xgrammar not imported ahead", exc_info=True)
-
-        thread = threading.Thread(target=load, name="xgrammar-import", daemon=True)
-        thread.start()
-        return thread
+    def warm(self) -> concurrent.futures.Future[Any]:
+        """Import xgrammar off the step loop once the executor is ready: the first
+        constrained request's masks would otherwise wait for it (``GrammarMirror.warm``)."""
+        return self.mirror.warm()
 
     def define(self, grammar: GrammarDef) -> None:
         try:
