@@ -182,6 +182,53 @@ def test_constrained_rows_share_no_state_across_restarted_clients(addr):
     wait_for(lambda: pools_full(addr), what="pool whole")
 
 
+def test_many_distinct_grammars_at_once_each_constrain_only_their_own_request(served):
+    """40 requests at once, each with a grammar of its own (new to the node: each a definition
+    loaded on the executors' loader thread while the batch runs), a third aborted early, on
+    the small pool: every output that ends is its own grammar's (none picks up another's,
+    none is left unconstrained), and nothing leaks."""
+    addr, proc = served
+    grammars = {f"g{i}": StructuredOutput("regex", f"{i:02d}[a-c]{{2,5}}[!?]",
+                                          param="guided_regex") for i in range(40)}
+    outcome: dict[str, tuple[str, str]] = {}
+
+    async def one(client: AsyncClient, rid: str, abort: bool) -> None:
+        sp = SamplingParams(max_tokens=16, temperature=0.7, seed=int(rid[1:]),
+                            structured=grammars[rid])
+        text: list[str] = []
+        try:
+            async for msg in client.generate(prompt_token_ids=[7, 8, int(rid[1:]) + 10],
+                                             sampling=sp, request_id=rid, timeout=120):
+                if isinstance(msg, TokenChunk):
+                    text.append(msg.text)
+                    if abort and len(text) >= 2:
+                        outcome[rid] = ("aborted", "")
+                        return
+                elif isinstance(msg, Finished):
+                    outcome[rid] = (msg.reason, "".join(text))
+        except RequestError as e:
+            outcome[rid] = (e.error.code, e.error.message)
+
+    async def run() -> None:
+        clients = [AsyncClient(addr) for _ in range(8)]
+        try:
+            await asyncio.gather(*[one(clients[i % 8], rid, i % 3 == 0)
+                                   for i, rid in enumerate(grammars)])
+        finally:
+            for c in clients:
+                await c.close()
+
+    asyncio.run(run())
+    ended = [rid for rid, (reason, _) in outcome.items() if reason == "stop"]
+    assert len(outcome) == len(grammars) and len(ended) >= 15, outcome
+    for rid in ended:
+        assert re.fullmatch(grammars[rid].spec, outcome[rid][1]), (rid, outcome[rid])
+    assert all(reason in ("stop", "aborted") for reason, _ in outcome.values()), outcome
+    wait_for(lambda: pools_full(addr), what="the pool whole after many grammars")
+    log = proc.log_path.read_text()
+    assert "out of step" not in log and "could not be loaded" not in log
+
+
 LONG = StructuredOutput("regex", "[a-z]{200}", param="guided_regex")  # long, then it ends
 
 
